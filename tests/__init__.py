@@ -1,0 +1,1 @@
+"""Tests for the GPU Handoff integration and its tower agent."""

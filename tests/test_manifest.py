@@ -1,0 +1,70 @@
+"""Checks of the files HACS and Home Assistant read besides the code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPONENT = ROOT / "custom_components" / "gpu_handoff"
+REQUIREMENTS = ROOT / "requirements_test.txt"
+
+# The shared strings HA core resolves for its own integrations; a custom
+# integration must ship them resolved in translations/en.json.
+COMMON_KEYS = {
+    "common::config_flow::data::host": "Host",
+    "common::config_flow::data::port": "Port",
+    "common::config_flow::data::username": "Username",
+    "common::config_flow::abort::already_configured_device": "Device is already configured",
+}
+
+
+def _load(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_manifest_keys_are_ordered_and_pinned() -> None:
+    """domain and name first, then sorted keys; requirements pinned to the test pins."""
+    manifest = _load(COMPONENT / "manifest.json")
+    keys = list(manifest)
+    assert keys[:2] == ["domain", "name"]
+    assert keys[2:] == sorted(keys[2:])
+    assert manifest["domain"] == COMPONENT.name
+    assert manifest["config_flow"] is True
+    assert manifest["integration_type"] == "hub"
+    pins = {
+        line.split("==")[0].lower(): line.strip()
+        for line in REQUIREMENTS.read_text(encoding="utf-8").splitlines()
+        if "==" in line and not line.startswith("#")
+    }
+    for requirement in manifest["requirements"]:
+        name, _, version = requirement.partition("==")
+        assert version, f"{requirement} is not pinned"
+        assert pins[name.lower()] == requirement
+
+
+def test_hacs_names_the_tested_home_assistant() -> None:
+    """hacs.json's minimum version is the release the test harness pins."""
+    hacs = _load(ROOT / "hacs.json")
+    assert hacs["name"] == _load(COMPONENT / "manifest.json")["name"]
+    from homeassistant.const import __version__
+
+    assert hacs["homeassistant"] == __version__
+
+
+def _resolve(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _resolve(item) for key, item in value.items()}
+    if isinstance(value, str) and value.startswith("[%key:"):
+        return COMMON_KEYS[value.removeprefix("[%key:").removesuffix("%]")]
+    return value
+
+
+@pytest.mark.parametrize("language", ["en"])
+def test_translations_match_strings(language: str) -> None:
+    """translations/en.json is strings.json with every reference resolved."""
+    strings = _resolve(_load(COMPONENT / "strings.json"))
+    assert _load(COMPONENT / "translations" / f"{language}.json") == strings
