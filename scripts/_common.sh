@@ -128,7 +128,7 @@ gh_root_exec() {
   env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root TERM="${TERM:-dumb}" LANG=C.UTF-8 \
     CI="${CI:-}" GH_ROOT="$GH_ROOT" GH_REPO="$GH_REPO" GH_CACHE="$GH_CACHE" GH_WORKDIR="$workdir" \
     GH_OLDPREFIX="$oldprefix" GH_OLDPY="${oldpy##*/}" \
-    GH_PASS_ENV="$(env | grep -E '^(GPU_HANDOFF_[A-Z_]*|PYTEST_ADDOPTS|PIP_[A-Z_]*)=' | tr '\n' '\v' || true)" \
+    GH_PASS_ENV="$(env | grep -E '^(GPU_HANDOFF_[A-Z_]*|PYTEST_ADDOPTS|PIP_(INDEX_URL|EXTRA_INDEX_URL|TRUSTED_HOST|DEFAULT_TIMEOUT)|https?_proxy|HTTPS?_PROXY|no_proxy|NO_PROXY)=' | tr '\n' '\v' || true)" \
     unshare --mount --pid --fork --propagation private --kill-child bash -c '
       set -e
       r=$GH_ROOT
