@@ -146,10 +146,20 @@ gh_root_exec() {
         extra+=("GPU_HANDOFF_OLD_PYTHON=/opt/oldpython/bin/$GH_OLDPY" "GPU_HANDOFF_OLD_PYTHON_LIB=/opt/oldpython/lib")
       fi
       while IFS= read -r -d $'"'"'\v'"'"' kv; do extra+=("$kv"); done <<<"$GH_PASS_ENV"
-      exec chroot "$r" /usr/bin/env -i PATH=/opt/venv/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+      exec 3<&0  # a background job would otherwise read /dev/null
+      # This shell stays PID 1 of the namespace: it reaps orphaned processes
+      # (libvirtd hangs on zombie QEMU probes otherwise) and passes signals on.
+      chroot "$r" /usr/bin/env -i PATH=/opt/venv/bin:/usr/sbin:/usr/bin:/sbin:/bin \
         HOME=/root TERM="$TERM" LANG=C.UTF-8 CI="$CI" GPU_HANDOFF_ENV=root \
         GPU_HANDOFF_REQUIRE_SYSTEM=1 GPU_HANDOFF_CACHE_DIR=/cache "${extra[@]}" \
-        /bin/sh -c "cd \"\$0\" && exec \"\$@\"" "$GH_WORKDIR" "$@"
+        /bin/sh -c "cd \"\$0\" && exec \"\$@\"" "$GH_WORKDIR" "$@" <&3 &
+      child=$!
+      trap '"'"'kill -TERM "$child" 2>/dev/null'"'"' TERM INT HUP
+      rc=0
+      while kill -0 "$child" 2>/dev/null; do
+        wait "$child" && rc=0 || rc=$?
+      done
+      exit "$rc"
     ' gh-root "$@"
 }
 
