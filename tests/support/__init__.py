@@ -1,0 +1,1 @@
+"""Real parts the tests run: private libvirtd and sshd servers."""

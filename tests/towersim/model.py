@@ -1,0 +1,350 @@
+# ruff: noqa: PTH101, PTH105, PTH116, PTH118, PTH123
+"""The tower simulator's state: recorded actions plus a clock, replayed lazily.
+
+Everything lives in one directory: ``state.json`` (domain specs, the action
+log, systemd units), ``commands.jsonl`` (every simulated command line, for
+assertions) and ``lock`` (an ``fcntl`` lock that serialises every process
+that reads or changes the state). Nothing is computed in the background: the
+state of a domain at time T is the replay of the actions recorded before T.
+
+Runs on Python >= 3.9 with the standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import contextlib
+import fcntl
+import json
+import os
+from pathlib import Path
+import tempfile
+import time
+from typing import Any
+
+STATE_FILE = "state.json"
+LOCK_FILE = "lock"
+COMMANDS_FILE = "commands.jsonl"
+AGENT_CHANNEL = "org.qemu.guest_agent.0"
+DRIVER_NAME = "QEMU"
+
+JsonObj = dict[str, Any]
+
+
+# --- storage -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def locked(state_dir: str, *, exclusive: bool = True) -> Iterator[None]:
+    """Hold the simulator's lock (exclusive for changes, shared for reads)."""
+    fd = os.open(os.path.join(state_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def load(state_dir: str) -> JsonObj:
+    with open(os.path.join(state_dir, STATE_FILE), encoding="utf-8") as handle:
+        data: JsonObj = json.load(handle)
+    return data
+
+
+def save(state_dir: str, data: JsonObj) -> None:
+    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".state-", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=1, sort_keys=True)
+    os.chmod(tmp, 0o666)  # noqa: S103 - the agent may run as another user
+    os.replace(tmp, os.path.join(state_dir, STATE_FILE))
+
+
+def state_mtime(state_dir: str) -> tuple[int, int]:
+    st = os.stat(os.path.join(state_dir, STATE_FILE))
+    return st.st_mtime_ns, st.st_ino
+
+
+def now(data: JsonObj) -> float:
+    """The simulated clock: wall time plus what tests advanced it by."""
+    return time.time() + float(data.get("clock_offset", 0.0))
+
+
+def append_command(state_dir: str, record: JsonObj) -> None:
+    line = json.dumps(record, sort_keys=True) + "\n"
+    path = os.path.join(state_dir, COMMANDS_FILE)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, line.encode("utf-8"))
+    finally:
+        os.close(fd)
+
+
+def read_commands(state_dir: str) -> list[JsonObj]:
+    path = Path(state_dir) / COMMANDS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line]
+
+
+def new_state(time_scale: float) -> JsonObj:
+    return {
+        "version": 1,
+        "time_scale": time_scale,
+        "clock_offset": 0.0,
+        "domains": {},
+        "actions": [],
+        "units": {},
+        "unit_counter": 0,
+    }
+
+
+def record(data: JsonObj, op: str, name: str, t: float, **fields: Any) -> None:
+    action: JsonObj = {"op": op, "name": name, "t": t}
+    action.update(fields)
+    data["actions"].append(action)
+
+
+# --- replay --------------------------------------------------------------------
+
+
+def pci_name(address: str) -> str:
+    """``0000:01:00.0`` from any spelling of a PCI address."""
+    dom, bus, rest = address.split(":")
+    slot, function = rest.split(".")
+    return f"{int(dom, 16):04x}:{int(bus, 16):02x}:{int(slot, 16):02x}.{int(function, 16):x}"
+
+
+class Event:
+    """One event line of ``virsh event --all``, without its timestamp."""
+
+    __slots__ = ("domain", "t", "text")
+
+    def __init__(self, t: float, domain: str, text: str) -> None:
+        self.t = t
+        self.domain = domain
+        self.text = text
+
+    @property
+    def key(self) -> str:
+        return f"{self.t!r}|{self.domain}|{self.text}"
+
+    def line(self, *, timestamp: bool = True) -> str:
+        if not timestamp:
+            return self.text
+        return f"{format_timestamp(self.t)}: {self.text}"
+
+
+def format_timestamp(t: float) -> str:
+    """libvirt's event timestamp: ``2026-11-29 23:10:01.281+0000`` (UTC)."""
+    whole = int(t)
+    millis = round((t - whole) * 1000)
+    if millis == 1000:
+        whole, millis = whole + 1, 0
+    return (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(whole)) + f".{millis:03d}+0000"
+    )
+
+
+def lifecycle(domain: str, what: str) -> str:
+    return f"event 'lifecycle' for domain '{domain}': {what}"
+
+
+def agent_lifecycle(domain: str, state: str, reason: str) -> list[str]:
+    channel = (
+        f"event 'channel-lifecycle' for domain '{domain}': channel name: "
+        f"'{AGENT_CHANNEL}' state: '{state}' reason: '{reason}'"
+    )
+    return [
+        f"event 'agent-lifecycle' for domain '{domain}': state: '{state}' reason: '{reason}'",
+        channel,
+    ]
+
+
+class Dom:
+    """A domain's runtime state during a replay."""
+
+    def __init__(self, spec: JsonObj, scale: float) -> None:
+        self.spec = dict(spec)
+        self.scale = scale
+        self.running = False
+        self.reason = "unknown"
+        self.id: int | None = None
+        self.boot_t: float | None = None
+        self.agent_at: float | None = None
+        self.agent_connected = False
+        self.off_at: float | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["name"])
+
+    @property
+    def has_channel(self) -> bool:
+        return bool(self.spec.get("agent_channel", True))
+
+    def seconds(self, field: str) -> float | None:
+        value = self.spec.get(field)
+        return None if value is None else float(value) * self.scale
+
+    def state_text(self, *, reason: bool) -> str:
+        state = "running" if self.running else "shut off"
+        return f"{state} ({self.reason})" if reason else state
+
+    def addresses(self) -> list[str]:
+        return [pci_name(h["address"]) for h in self.spec.get("hostdevs", [])]
+
+
+class World:
+    """The replayed tower at one instant."""
+
+    def __init__(self, data: JsonObj, at: float) -> None:
+        self.t = at
+        self.scale = float(data.get("time_scale", 1.0))
+        self.doms: dict[str, Dom] = {}
+        self.order: list[str] = []
+        self.events: list[Event] = []
+        self.next_id = int(data.get("first_id", 1))
+        self.pending: list[float] = []
+        for action in data["actions"]:
+            if float(action["t"]) > at:
+                break
+            self._advance(float(action["t"]))
+            self._apply(action)
+        self._advance(at)
+        self.pending = sorted(
+            t
+            for d in self.doms.values()
+            if d.running
+            for t in (d.agent_at if not d.agent_connected else None, d.off_at)
+            if t is not None
+        )
+
+    # running domains first by id, then the others by name (as virsh list)
+    def listing(self) -> list[Dom]:
+        running = sorted(
+            (d for d in self.doms.values() if d.running), key=lambda d: d.id or 0
+        )
+        others = sorted(
+            (d for d in self.doms.values() if not d.running),
+            key=lambda d: d.name.lower(),
+        )
+        return running + others
+
+    def holder(self, address: str, *, exclude: str = "") -> str | None:
+        wanted = pci_name(address)
+        for d in self.listing():
+            if d.running and d.name != exclude and wanted in d.addresses():
+                return d.name
+        return None
+
+    def _emit(self, t: float, domain: str, *texts: str) -> None:
+        for text in texts:
+            self.events.append(Event(t, domain, text))
+
+    def _advance(self, until: float) -> None:
+        while True:
+            due: list[tuple[float, int, Dom]] = []
+            for d in self.doms.values():
+                if not d.running:
+                    continue
+                if (
+                    d.agent_at is not None
+                    and not d.agent_connected
+                    and d.agent_at <= until
+                    and (d.off_at is None or d.agent_at < d.off_at)
+                ):
+                    due.append((d.agent_at, 0, d))
+                if d.off_at is not None and d.off_at <= until:
+                    due.append((d.off_at, 1, d))
+            if not due:
+                return
+            t, kind, d = min(due, key=lambda item: (item[0], item[1], item[2].name))
+            if kind == 0:
+                d.agent_connected = True
+                self._emit(
+                    t, d.name, *agent_lifecycle(d.name, "connected", "channel event")
+                )
+            else:
+                self._emit(
+                    t,
+                    d.name,
+                    lifecycle(d.name, "Shutdown Finished after guest request"),
+                    lifecycle(d.name, "Stopped Shutdown"),
+                )
+                self._power_off(d, "shutdown")
+
+    @staticmethod
+    def _power_off(d: Dom, reason: str) -> None:
+        d.running = False
+        d.reason = reason
+        d.id = None
+        d.boot_t = None
+        d.agent_at = None
+        d.agent_connected = False
+        d.off_at = None
+
+    def _apply(self, action: JsonObj) -> None:
+        op = action["op"]
+        t = float(action["t"])
+        name = action["name"]
+        if op == "define":
+            spec = action["spec"]
+            if name not in self.doms:
+                self.order.append(name)
+                self.doms[name] = Dom(spec, self.scale)
+                self._emit(t, name, lifecycle(name, "Defined Added"))
+                if action.get("running"):
+                    self._boot(self.doms[name], t, connected=True, events=False)
+            else:
+                self.doms[name].spec = dict(spec)
+                self._emit(t, name, lifecycle(name, "Defined Updated"))
+            return
+        d = self.doms[name]
+        if op == "start":
+            self._boot(d, t, connected=False, events=True)
+        elif op == "shutdown":
+            # accepted with effect: the guest powers off after its duration
+            if d.running:
+                end = t + (d.seconds("shutdown_duration") or 0.0)
+                d.off_at = end if d.off_at is None else min(d.off_at, end)
+        elif op == "set":
+            field, value = action["field"], action["value"]
+            d.spec[field] = value
+            if field == "agent_delay" and d.running and not d.agent_connected:
+                delay = d.seconds("agent_delay")
+                d.agent_at = (
+                    None
+                    if delay is None or not d.has_channel or d.boot_t is None
+                    else max(t, d.boot_t + delay)
+                )
+
+    def _boot(self, d: Dom, t: float, *, connected: bool, events: bool) -> None:
+        d.running = True
+        d.reason = "booted"
+        d.id = self.next_id
+        self.next_id += 1
+        d.boot_t = t
+        d.off_at = None
+        delay = d.seconds("agent_delay")
+        d.agent_connected = connected and delay is not None and d.has_channel
+        d.agent_at = t + delay if (delay is not None and d.has_channel) else None
+        if connected and d.agent_at is not None:
+            d.agent_at = t
+        if events:
+            if d.has_channel:
+                self._emit(
+                    t,
+                    d.name,
+                    *agent_lifecycle(d.name, "disconnected", "domain started"),
+                )
+            self._emit(
+                t,
+                d.name,
+                lifecycle(d.name, "Resumed Unpaused"),
+                lifecycle(d.name, "Started Booted"),
+            )
+
+
+def world(data: JsonObj, at: float | None = None) -> World:
+    return World(data, now(data) if at is None else at)

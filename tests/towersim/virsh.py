@@ -1,0 +1,857 @@
+"""A stand-in ``virsh`` for the commands in CONTRACT.md, with real virsh's
+output, error texts and exit codes (pinned by the conformance tests).
+
+virsh's own rules, reproduced here:
+
+- one argument after the global options is a *command string*: virsh's parser
+  splits it into commands at ``;`` and newlines (quotes, backslashes and ``#``
+  comments as in virsh); several arguments are *one* command, where a ``;``
+  token is plain data (``error: unexpected data ';'`` for most commands);
+- the whole input is parsed before anything runs: an unknown command or a bad
+  option anywhere fails the call with rc 1 and runs nothing;
+- then every command runs, whether or not the previous one failed; the exit
+  status is the last command's; unless ``-q``, a newline goes to stdout after
+  each command (after a failed one too).
+
+Runs on Python >= 3.9 with the standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import json
+import os
+import select
+import signal
+import stat
+import struct
+import sys
+import time
+from typing import IO, Any
+import zlib
+
+from . import domxml, model
+
+JsonObj = dict[str, Any]
+
+# --- command definitions --------------------------------------------------------
+
+BOOL, STRING, INT, DATA, ARGV = "bool", "string", "int", "data", "argv"
+
+
+class Opt:
+    def __init__(
+        self, name: str, kind: str, *, required: bool = False, positional: bool = False
+    ) -> None:
+        self.name = name
+        self.kind = kind
+        self.required = required
+        self.positional = positional or kind in (DATA, ARGV)
+
+
+def _bools(*names: str) -> list[Opt]:
+    return [Opt(n, BOOL) for n in names]
+
+
+DOMAIN = Opt("domain", DATA, required=True)
+
+COMMANDS: dict[str, list[Opt]] = {
+    "list": _bools(
+        "inactive",
+        "all",
+        "transient",
+        "persistent",
+        "with-snapshot",
+        "without-snapshot",
+        "with-checkpoint",
+        "without-checkpoint",
+        "state-running",
+        "state-paused",
+        "state-shutoff",
+        "state-other",
+        "autostart",
+        "no-autostart",
+        "with-managed-save",
+        "without-managed-save",
+        "uuid",
+        "name",
+        "id",
+        "table",
+        "managed-save",
+        "title",
+    ),
+    "dumpxml": [
+        DOMAIN,
+        *_bools("inactive", "security-info", "update-cpu", "migratable"),
+        Opt("xpath", STRING),
+        Opt("wrap", BOOL),
+    ],
+    "domstate": [DOMAIN, Opt("reason", BOOL)],
+    "start": [
+        DOMAIN,
+        *_bools("console", "paused", "autodestroy", "bypass-cache", "force-boot"),
+        Opt("pass-fds", STRING),
+        Opt("reset-nvram", BOOL),
+    ],
+    "shutdown": [DOMAIN, Opt("mode", STRING)],
+    "destroy": [DOMAIN, *_bools("graceful", "remove-logs")],
+    "qemu-agent-command": [
+        DOMAIN,
+        Opt("timeout", INT),
+        *_bools("async", "block", "pretty"),
+        Opt("cmd", ARGV, required=True),
+    ],
+    "event": [
+        Opt("domain", STRING),
+        Opt("event", STRING),
+        Opt("all", BOOL),
+        Opt("loop", BOOL),
+        Opt("timeout", INT),
+        Opt("list", BOOL),
+        Opt("timestamp", BOOL),
+    ],
+    "screenshot": [
+        DOMAIN,
+        Opt("file", STRING, positional=True),
+        Opt("screen", INT, positional=True),
+    ],
+    "echo": [*_bools("shell", "xml", "err", "split"), Opt("string", ARGV)],
+}
+
+EVENT_NAMES = ("lifecycle", "agent-lifecycle", "channel-lifecycle")
+
+
+class ParseError(Exception):
+    pass
+
+
+class Cmd:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.defs = COMMANDS[name]
+        self.values: dict[str, Any] = {}
+        self.raw: list[str] = [name]
+
+    def get(self, name: str) -> Any:
+        return self.values.get(name)
+
+    def tokens(self) -> list[str]:
+        """The command's words as given (after virsh's unquoting)."""
+        return list(self.raw)
+
+    def _next_positional(self) -> Opt | None:
+        for opt in self.defs:
+            if opt.positional and (opt.kind == ARGV or opt.name not in self.values):
+                return opt
+        return None
+
+    def assign_positional(self, value: str) -> None:
+        opt = self._next_positional()
+        if opt is None:
+            raise ParseError(f"unexpected data '{value}'")
+        self.assign(opt, value)
+
+    def assign(self, opt: Opt, value: Any) -> None:
+        if opt.kind == ARGV:
+            self.values.setdefault(opt.name, []).append(value)
+            return
+        if opt.name in self.values:
+            raise ParseError(f"option --{opt.name} already seen")
+        self.values[opt.name] = value
+
+    def option(self, name: str) -> Opt:
+        for opt in self.defs:
+            if opt.name == name:
+                return opt
+        raise ParseError(f"command '{self.name}' doesn't support option --{name}")
+
+    def check(self) -> None:
+        for opt in self.defs:
+            if opt.required and opt.name not in self.values:
+                if opt.positional:
+                    raise ParseError(
+                        f"command '{self.name}' requires <{opt.name}> option"
+                    )
+                raise ParseError(f"command '{self.name}' requires --{opt.name} option")
+
+
+END, SUBCMD_END, ARG = "end", "sub", "arg"
+
+
+def _string_tokens(text: str) -> list[tuple[str, str]]:
+    """virsh's command-string tokenizer: (kind, value) pairs."""
+    out: list[tuple[str, str]] = []
+    i, n = 0, len(text)
+    while True:
+        while i < n and (
+            text[i] in " \t" or (text[i] == "\\" and text[i + 1 : i + 2] == "\n")
+        ):
+            i += 2 if text[i] == "\\" else 1
+        if i >= n:
+            out.append((END, ""))
+            return out
+        if text[i] in ";\n":
+            i += 1
+            out.append((SUBCMD_END, ""))
+            continue
+        if text[i] == "#":
+            while i < n and text[i] != "\n":
+                i += 1
+            i += 1 if i < n else 0
+            out.append((SUBCMD_END, ""))
+            continue
+        single = double = False
+        buf: list[str] = []
+        while i < n:
+            c = text[i]
+            if not single and not double and c in " \t;\n":
+                break
+            if not double and c == "'":
+                single = not single
+                i += 1
+                continue
+            if not single and c == "\\":
+                i += 1
+                if i >= n:
+                    raise ParseError("dangling \\")
+                if text[i] == "\n":
+                    i += 1
+                    continue
+            elif not single and c == '"':
+                double = not double
+                i += 1
+                continue
+            buf.append(text[i])
+            i += 1
+        if double:
+            raise ParseError('missing "')
+        out.append((ARG, "".join(buf)))
+
+
+def parse(args: list[str]) -> list[Cmd]:
+    """virsh's parser: one string argument is a command string, else argv."""
+    if len(args) == 1:
+        tokens = _string_tokens(args[0])
+    else:
+        tokens = [(ARG, a) for a in args] + [(END, "")]
+    cmds: list[Cmd] = []
+    cmd: Cmd | None = None
+    comment = positional_only = False
+    pending: Opt | None = None
+    pending_value: str | None = None
+    it = iter(tokens)
+    while True:
+        synthetic = False
+        if pending is not None and pending_value is not None:
+            kind, value = ARG, pending_value
+            pending_value = None
+            synthetic = True
+        elif pending is not None and pending.kind == BOOL:
+            cmd.assign(pending, True)  # type: ignore[union-attr]
+            pending = None
+            continue
+        else:
+            kind, value = next(it)
+        if kind in (END, SUBCMD_END):
+            if pending is not None:
+                what = "number" if pending.kind == INT else "string"
+                raise ParseError(f"expected syntax: --{pending.name} <{what}>")
+            if cmd is not None:
+                cmd.check()
+                cmds.append(cmd)
+            cmd, comment, positional_only = None, False, False
+            if kind == END:
+                return cmds
+            continue
+        if comment:
+            continue
+        if cmd is not None and not synthetic:
+            cmd.raw.append(value)
+        if cmd is None:
+            if value.startswith("#"):
+                comment = True
+                continue
+            if value not in COMMANDS:
+                raise ParseError(f"unknown command: '{value}'")
+            cmd = Cmd(value)
+            continue
+        if pending is not None:
+            if pending.kind == BOOL:
+                raise ParseError(f"invalid '=' after option --{pending.name}")
+            cmd.assign(pending, value)
+            pending = None
+            continue
+        if positional_only or not value.startswith("--"):
+            cmd.assign_positional(value)
+            continue
+        if value == "--":
+            positional_only = True
+            continue
+        name = value[2:]
+        if "=" in name:
+            name, pending_value = name.split("=", 1)
+        pending = cmd.option(name)
+
+
+# --- output ---------------------------------------------------------------------
+
+
+class Out:
+    """stdout/stderr of one virsh process."""
+
+    def __init__(self, stdout: IO[str], stderr: IO[str], quiet: bool) -> None:
+        self.stdout = stdout
+        self.stderr = stderr
+        self.quiet = quiet
+
+    def print(self, text: str) -> None:
+        self.stdout.write(text)
+
+    def print_extra(self, text: str) -> None:
+        if not self.quiet:
+            self.stdout.write(text)
+
+    def error(self, text: str) -> None:
+        self.stdout.flush()
+        self.stderr.write(f"error: {text}\n")
+        self.stderr.flush()
+
+
+# --- the simulated hypervisor ----------------------------------------------------
+
+
+class CommandFailedError(Exception):
+    """A command failed; its error lines (without ``error: ``) are the args."""
+
+
+NOT_RUNNING = "Requested operation is not valid: domain is not running"
+AGENT_NOT_CONNECTED = "Guest agent is not responding: QEMU guest agent is not connected"
+AGENT_NOT_CONFIGURED = "argument unsupported: QEMU guest agent is not configured"
+SHUTDOWN_MODES = ("acpi", "agent", "initctl", "signal", "paravirt")
+
+
+class Session:
+    def __init__(self, state_dir: str, out: Out) -> None:
+        self.state_dir = state_dir
+        self.out = out
+
+    def lookup(self, data: JsonObj, world: model.World, name: str) -> model.Dom:
+        dom = world.doms.get(name)
+        if dom is None:
+            for candidate in world.doms.values():
+                if candidate.spec.get("uuid") == name or (
+                    candidate.id is not None and str(candidate.id) == name
+                ):
+                    return candidate
+            raise CommandFailedError(f"failed to get domain '{name}'")
+        return dom
+
+    def run(self, cmd: Cmd) -> bool:
+        handler: Callable[[Cmd], None] = getattr(
+            self, "cmd_" + cmd.name.replace("-", "_")
+        )
+        try:
+            handler(cmd)
+        except CommandFailedError as err:
+            for line in err.args:
+                self.out.error(line)
+            return False
+        return True
+
+    # each command holds the lock while it reads and changes the state
+    def transaction(self) -> Any:
+        return model.locked(self.state_dir)
+
+    def cmd_echo(self, cmd: Cmd) -> None:
+        words = list(cmd.get("string") or [])
+        if cmd.get("xml"):
+            words = [domxml.quote(w)[1:-1].replace('"', "&quot;") for w in words]
+        if cmd.get("shell"):
+            import shlex
+
+            words = [shlex.quote(w) for w in words]
+        text = " ".join(words)
+        if cmd.get("err"):
+            self.out.stderr.write(text + "\n")
+        else:
+            self.out.print(text + "\n" if cmd.get("split") else text)
+        # virsh's echo prints no newline of its own: the command's newline ends it
+
+    def cmd_list(self, cmd: Cmd) -> None:
+        with self.transaction():
+            data = model.load(self.state_dir)
+            world = model.world(data)
+        show_all = bool(cmd.get("all"))
+        doms = [
+            d
+            for d in world.listing()
+            if (
+                show_all
+                or (d.running and not cmd.get("inactive"))
+                or (cmd.get("inactive") and not d.running)
+            )
+            and not (cmd.get("state-running") and not d.running)
+            and not (cmd.get("state-shutoff") and d.running)
+        ]
+        if cmd.get("name") or cmd.get("uuid") or cmd.get("id"):
+            for d in doms:
+                if cmd.get("id") and d.id is None:
+                    continue
+                fields = []
+                if cmd.get("id"):
+                    fields.append(str(d.id))
+                if cmd.get("name"):
+                    fields.append(d.name)
+                if cmd.get("uuid"):
+                    fields.append(str(d.spec["uuid"]))
+                self.out.print(" ".join(fields) + "\n")
+            return
+        rows = [
+            [str(d.id) if d.id is not None else "-", d.name, d.state_text(reason=False)]
+            for d in doms
+        ]
+        header = ["Id", "Name", "State"]
+        table = rows if self.out.quiet else [header, *rows]
+        widths = (
+            [max(len(r[i]) for r in table) for i in range(3)] if table else [0, 0, 0]
+        )
+        if not self.out.quiet:
+            self.out.print(
+                " "
+                + "   ".join(c.ljust(w) for c, w in _pairs(header, widths)).rstrip()
+                + "\n"
+            )
+            self.out.print("-" * (1 + sum(widths) + 3 * 2 + 2) + "\n")
+        for row in rows:
+            self.out.print(
+                " "
+                + "   ".join(c.ljust(w) for c, w in _pairs(row, widths)).rstrip()
+                + "\n"
+            )
+
+    def cmd_dumpxml(self, cmd: Cmd) -> None:
+        with self.transaction():
+            data = model.load(self.state_dir)
+            world = model.world(data)
+            dom = self.lookup(data, world, cmd.get("domain"))
+        inactive = bool(cmd.get("inactive"))
+        self.out.print(domxml.dump_xml(dom.spec, None if inactive else dom.id))
+
+    def cmd_domstate(self, cmd: Cmd) -> None:
+        with self.transaction():
+            data = model.load(self.state_dir)
+            world = model.world(data)
+            dom = self.lookup(data, world, cmd.get("domain"))
+        self.out.print(dom.state_text(reason=bool(cmd.get("reason"))) + "\n")
+
+    def cmd_start(self, cmd: Cmd) -> None:
+        with self.transaction():
+            data = model.load(self.state_dir)
+            t = model.now(data)
+            world = model.world(data, t)
+            dom = self.lookup(data, world, cmd.get("domain"))
+            if dom.running:
+                raise CommandFailedError("Domain is already active")
+            for address in dom.addresses():
+                holder = world.holder(address, exclude=dom.name)
+                if holder is not None:
+                    raise CommandFailedError(
+                        f"Failed to start domain '{dom.name}'",
+                        f"Requested operation is not valid: PCI device {address} "
+                        f"is in use by driver {model.DRIVER_NAME}, domain {holder}",
+                    )
+            model.record(data, "start", dom.name, t)
+            model.save(self.state_dir, data)
+        self.out.print_extra(f"Domain '{dom.name}' started\n")
+
+    def cmd_shutdown(self, cmd: Cmd) -> None:
+        modes: list[str] = []
+        if cmd.get("mode") is not None:
+            for mode in str(cmd.get("mode")).split(","):
+                if mode not in SHUTDOWN_MODES:
+                    raise CommandFailedError(
+                        f"Unknown mode {mode} value, expecting "
+                        "'acpi', 'agent', 'initctl', 'signal', or 'paravirt'"
+                    )
+                modes.append(mode)
+        with self.transaction():
+            data = model.load(self.state_dir)
+            t = model.now(data)
+            world = model.world(data, t)
+            dom = self.lookup(data, world, cmd.get("domain"))
+            failed = f"Failed to shutdown domain '{dom.name}'"
+            if not dom.running:
+                raise CommandFailedError(failed, NOT_RUNNING)
+            unsupported = [m for m in modes if m not in ("acpi", "agent")]
+            if unsupported:
+                raise CommandFailedError(
+                    failed,
+                    f"Operation not supported: the tower simulator has no '{unsupported[0]}' shutdown",
+                )
+            use_agent = "agent" in modes or (
+                not modes and dom.has_channel and dom.agent_connected
+            )
+            if use_agent and not ("acpi" in modes and not dom.agent_connected):
+                if not dom.has_channel:
+                    raise CommandFailedError(failed, AGENT_NOT_CONFIGURED)
+                if not dom.agent_connected:
+                    raise CommandFailedError(failed, AGENT_NOT_CONNECTED)
+                model.record(data, "shutdown", dom.name, t, mode="agent")
+            elif not dom.spec.get("ignore_acpi"):
+                model.record(data, "shutdown", dom.name, t, mode="acpi")
+            else:
+                # the guest ignores the ACPI power button: accepted, no effect
+                model.record(data, "acpi-ignored", dom.name, t)
+            model.save(self.state_dir, data)
+        self.out.print_extra(f"Domain '{dom.name}' is being shutdown\n")
+
+    def cmd_destroy(self, cmd: Cmd) -> None:
+        with self.transaction():
+            data = model.load(self.state_dir)
+            world = model.world(data)
+            dom = self.lookup(data, world, cmd.get("domain"))
+        raise CommandFailedError(
+            f"Failed to destroy domain '{dom.name}'",
+            "Operation not supported: the tower simulator refuses destroy "
+            "(GPU Handoff never destroys a domain); the attempt was recorded",
+        )
+
+    def cmd_qemu_agent_command(self, cmd: Cmd) -> None:
+        timeout = cmd.get("timeout")
+        if timeout is not None:
+            try:
+                seconds = int(timeout)
+            except ValueError:
+                raise CommandFailedError(
+                    f"Numeric value '{timeout}' for <timeout> option is malformed or out of range"
+                ) from None
+            if seconds < 1:
+                raise CommandFailedError("timeout must be positive")
+        text = " ".join(cmd.get("cmd") or [])
+        with self.transaction():
+            data = model.load(self.state_dir)
+            world = model.world(data)
+            dom = self.lookup(data, world, cmd.get("domain"))
+        if not dom.running:
+            raise CommandFailedError(NOT_RUNNING)
+        if not dom.has_channel:
+            raise CommandFailedError(AGENT_NOT_CONFIGURED)
+        if not dom.agent_connected:
+            raise CommandFailedError(AGENT_NOT_CONNECTED)
+        try:
+            request = json.loads(text)
+            execute = request.get("execute") if isinstance(request, dict) else None
+        except ValueError:
+            execute = None
+        if execute is None:
+            raise CommandFailedError(
+                "internal error: unable to execute QEMU agent command "
+                f"'{text}': Invalid JSON syntax"
+            )
+        if execute != "guest-ping":
+            raise CommandFailedError(
+                f"internal error: unable to execute QEMU agent command '{execute}': "
+                f"The command {execute} has not been found"
+            )
+        if cmd.get("pretty"):
+            self.out.print('{\n  "return": {\n  }\n}\n')
+        else:
+            self.out.print('{"return":{}}\n')
+
+    def cmd_screenshot(self, cmd: Cmd) -> None:
+        screen = cmd.get("screen")
+        if screen is not None:
+            try:
+                int(screen)
+            except ValueError:
+                raise CommandFailedError(
+                    f"Numeric value '{screen}' for <screen> option is malformed or out of range"
+                ) from None
+        with self.transaction():
+            data = model.load(self.state_dir)
+            t = model.now(data)
+            world = model.world(data, t)
+            dom = self.lookup(data, world, cmd.get("domain"))
+        path = cmd.get("file")
+        if path is None:
+            stamp = time.strftime("%Y-%m-%d-%H:%M:%S", time.localtime(t))
+            path = f"{dom.name}-{stamp}.png"
+        if not dom.running:
+            raise CommandFailedError(
+                f"could not take a screenshot of {dom.name}", NOT_RUNNING
+            )
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        except OSError:
+            raise CommandFailedError(f"cannot create file {path}") from None
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(png_image(dom.name, dom.boot_t or 0.0))
+        self.out.print_extra(f"Screenshot saved to {path}, with type of image/png")
+
+    # --- event ----------------------------------------------------------------
+
+    def cmd_event(self, cmd: Cmd) -> None:
+        if cmd.get("list"):
+            for name in EVENT_NAMES:
+                self.out.print(name + "\n")
+            return
+        wanted = cmd.get("event")
+        if not cmd.get("all") and wanted is None:
+            raise CommandFailedError(
+                "one of --list, --all, or --event <type> is required"
+            )
+        if wanted is not None and wanted not in EVENT_NAMES:
+            raise CommandFailedError(f"unknown event type {wanted}")
+        timeout = cmd.get("timeout")
+        limit: float | None = None
+        if timeout is not None:
+            try:
+                limit = float(int(timeout))
+            except ValueError:
+                raise CommandFailedError(
+                    f"Numeric value '{timeout}' for <timeout> option is malformed or out of range"
+                ) from None
+        domain = cmd.get("domain")
+        loop = bool(cmd.get("loop"))
+        timestamp = bool(cmd.get("timestamp"))
+        stream = EventStream(self.state_dir, domain, wanted)
+        if domain is not None:
+            with model.locked(self.state_dir, exclusive=False):
+                data = model.load(self.state_dir)
+                self.lookup(data, model.world(data), domain)
+        count = 0
+        interrupted: list[bool] = []
+
+        def on_sigint(signum: int, frame: Any) -> None:
+            interrupted.append(True)
+
+        previous = signal.signal(signal.SIGINT, on_sigint)
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        started = time.monotonic()
+        try:
+            while not interrupted:
+                for event in stream.poll():
+                    self.out.print(event.line(timestamp=timestamp) + "\n")
+                    self.out.stdout.flush()
+                    count += 1
+                    if not loop:
+                        break
+                if count and not loop:
+                    break
+                if limit is not None and time.monotonic() - started >= limit:
+                    self.out.print(f"event loop timed out\nevents received: {count}\n")
+                    if count == 0:
+                        raise CommandFailedError
+                    return
+                if _reader_gone(self.out.stdout):
+                    os.kill(os.getpid(), signal.SIGPIPE)
+                time.sleep(stream.wait_hint())
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if interrupted:
+            self.out.print("event loop interrupted\n")
+        self.out.print(f"events received: {count}\n")
+
+
+class EventStream:
+    """New events as the simulated clock passes them."""
+
+    def __init__(self, state_dir: str, domain: str | None, wanted: str | None) -> None:
+        self.state_dir = state_dir
+        self.domain = domain
+        self.wanted = wanted
+        self.seen: set[str] = set()
+        self.stamp: tuple[int, int] | None = None
+        self.pending: list[float] = []
+        self.clock_offset = 0.0
+        with model.locked(state_dir, exclusive=False):
+            data = model.load(state_dir)
+            world = model.world(data)
+        self.since = world.t
+        self._remember(world)
+
+    def _remember(self, world: model.World) -> None:
+        self.seen.update(e.key for e in world.events)
+        self.pending = world.pending
+
+    def _wanted(self, event: model.Event) -> bool:
+        if self.domain is not None and event.domain != self.domain:
+            return False
+        if self.wanted is None:
+            return True
+        return event.text.startswith(f"event '{self.wanted}' ")
+
+    def poll(self) -> list[model.Event]:
+        stamp = model.state_mtime(self.state_dir)
+        sim_now = time.time() + self.clock_offset
+        if stamp == self.stamp and not (self.pending and self.pending[0] <= sim_now):
+            return []
+        with model.locked(self.state_dir, exclusive=False):
+            data = model.load(self.state_dir)
+            stamp = model.state_mtime(self.state_dir)
+            world = model.world(data)
+        self.stamp = stamp
+        self.clock_offset = float(data.get("clock_offset", 0.0))
+        fresh = [
+            e for e in world.events if e.key not in self.seen and e.t >= self.since
+        ]
+        self._remember(world)
+        fresh.sort(key=lambda e: e.t)
+        return [e for e in fresh if self._wanted(e)]
+
+    def wait_hint(self) -> float:
+        if self.pending:
+            ahead = self.pending[0] - (time.time() + self.clock_offset)
+            return max(0.002, min(0.02, ahead))
+        return 0.02
+
+
+def _pairs(cells: list[str], widths: list[int]) -> list[tuple[str, int]]:
+    return list(zip(cells, widths))  # noqa: B905 - strict= needs Python 3.10
+
+
+# a tuple, so that no formatter turns it into 3.14-only syntax
+_STREAM_ERRORS = (OSError, ValueError)
+
+
+def _reader_gone(stream: IO[str]) -> bool:
+    """Whether stdout is a pipe whose reader has closed it."""
+    try:
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLERR)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except _STREAM_ERRORS:
+        return False
+
+
+# --- screenshots ----------------------------------------------------------------
+
+
+def png_image(name: str, seed: float, width: int = 160, height: int = 100) -> bytes:
+    """A small real PNG: a colour band per domain, a stripe for the boot."""
+    digest = zlib.crc32(name.encode("utf-8"))
+    base = (digest & 0xFF, (digest >> 8) & 0xFF, (digest >> 16) & 0xFF)
+    stripe = int(seed * 10) % width
+    rows = []
+    for y in range(height):
+        row = bytearray([0])
+        for x in range(width):
+            if abs(x - stripe) < 3:
+                row += b"\xff\xff\xff"
+            else:
+                shade = (x * 255 // max(1, width - 1) + y) % 256
+                row += bytes(
+                    ((base[0] + shade) % 256, base[1], (base[2] + y * 2) % 256)
+                )
+        rows.append(bytes(row))
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(body))
+            + kind
+            + body
+            + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+        )
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"".join(rows), 9))
+        + chunk(b"IEND", b"")
+    )
+
+
+# --- main -----------------------------------------------------------------------
+
+USAGE_ERROR = "error: unsupported option '{}'. See --help.\n"
+OPTS_WITH_VALUE = {"-c": "connect", "-d": "debug", "-e": "escape", "-k": "keepalive-interval",
+                   "-K": "keepalive-count", "-l": "log"}  # fmt: skip
+LONG_WITH_VALUE = {"--connect", "--debug", "--escape", "--keepalive-interval",
+                   "--keepalive-count", "--log"}  # fmt: skip
+LONG_FLAGS = {"--quiet", "--readonly", "--timing", "--no-pkttyagent"}
+
+
+def main(
+    state_dir: str,
+    argv: list[str],
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    quiet = False
+    args = list(argv)
+    while args and args[0].startswith("-") and args[0] != "-":
+        opt = args.pop(0)
+        if opt == "--":
+            break
+        if opt in ("-q", "--quiet"):
+            quiet = True
+        elif opt in ("-r", "-t", "--readonly", "--timing", "--no-pkttyagent"):
+            pass
+        elif opt in ("-v", "--version", "-V"):
+            stdout.write("12.8.0\n")
+            return 0
+        elif opt in OPTS_WITH_VALUE or opt in LONG_WITH_VALUE:
+            if not args:
+                long = OPTS_WITH_VALUE.get(opt, opt[2:])
+                short = next(
+                    (s for s, name in OPTS_WITH_VALUE.items() if name == long), opt
+                )
+                stderr.write(
+                    f"error: option '{short}'/'--{long}' requires an argument\n"
+                )
+                return 1
+            args.pop(0)
+        elif opt.split("=", 1)[0] in LONG_WITH_VALUE:
+            pass
+        elif len(opt) > 2 and opt[:2] in OPTS_WITH_VALUE:
+            pass  # -cURI
+        else:
+            stderr.write(USAGE_ERROR.format(opt))
+            return 1
+    started = time.time()
+    record: JsonObj = {
+        "kind": "start",
+        "id": f"{os.getpid()}-{time.monotonic_ns()}",
+        "pid": os.getpid(),
+        "argv": list(argv),
+        "t": started,
+    }
+    out = Out(stdout, stderr, quiet)
+    try:
+        cmds = parse(args) if args else []
+    except ParseError as err:
+        record["commands"] = None
+        model.append_command(state_dir, record)
+        out.error(str(err))
+        _record_end(state_dir, record, 1)
+        return 1
+    record["commands"] = [c.tokens() for c in cmds]
+    model.append_command(state_dir, record)
+    if not args:
+        stderr.write("error: the tower simulator has no interactive virsh shell\n")
+        _record_end(state_dir, record, 1)
+        return 1
+    if args == [""]:
+        _record_end(state_dir, record, 1)
+        return 1
+    session = Session(state_dir, out)
+    ok = True
+    for cmd in cmds:
+        ok = session.run(cmd)
+        out.print_extra("\n")
+    stdout.flush()
+    rc = 0 if ok else 1
+    _record_end(state_dir, record, rc)
+    return rc
+
+
+def _record_end(state_dir: str, record: JsonObj, rc: int) -> None:
+    model.append_command(
+        state_dir, {"kind": "end", "id": record["id"], "rc": rc, "t": time.time()}
+    )
