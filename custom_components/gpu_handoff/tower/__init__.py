@@ -1,0 +1,1 @@
+"""Tower agent of GPU Handoff (installed on the tower as gpu-handoff)."""

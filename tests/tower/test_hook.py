@@ -1,0 +1,144 @@
+"""The libvirt qemu hook: records the request, fires a detached stop, returns."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.tower import nodes
+from tests.tower.conftest import FakeTower
+from tests.tower.test_jobs import write_systemd_run
+
+WIN1_XML = nodes.domain_xml(
+    "win-1", nodes.WIN1_DEVICES, running=True, test_driver_file=False
+)
+
+
+def hook_tower(tower: FakeTower) -> Path:
+    """Configure a systemd-run stand-in that only records (runs nothing)."""
+    tool = write_systemd_run(tower.directory, run_it=False)
+    tower.configure(
+        detach="systemd", commands={"virsh": str(tower.virsh), "systemd_run": str(tool)}
+    )
+    return tower.directory / "systemd-run.jsonl"
+
+
+def test_prepare_begin_fires_stop_without_libvirt(fake_tower: FakeTower) -> None:
+    calls = hook_tower(fake_tower)
+    assert fake_tower.run("status").rc == 0  # writes the claims cache
+    before = len(fake_tower.log())
+    run = fake_tower.run("hook", "win-1", "prepare", "begin", "-", stdin=WIN1_XML)
+    assert run.rc == 0
+    assert run.lines == []
+    assert run.stderr == ""
+    assert len(fake_tower.log()) == before  # virsh never called from the hook
+    requests = fake_tower.run("status").reply["hook_requests"]
+    assert len(requests) == 1
+    request = requests[0]
+    assert request["domain"] == "win-1"
+    assert request["addresses"] == ["0000:01:00.0", "0000:01:00.1"]
+    job = fake_tower.run("job", request["job"]).reply["job"]
+    assert job["kind"] == "stop"
+    assert job["args"] == {"domain": "gpu-node"}
+    assert job["requested_by"] == "hook"
+    assert len(calls.read_text(encoding="utf-8").splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin"),
+    [
+        (["win-1", "start", "begin", "-"], WIN1_XML),
+        (["win-1", "prepare", "end", "-"], WIN1_XML),
+        (["gpu-node", "prepare", "begin", "-"], WIN1_XML),
+        (["other", "prepare", "begin", "-"], WIN1_XML),
+        (["win-1", "prepare", "begin", "-"], "<not xml"),
+        (["win-1", "prepare", "begin", "-"], "<domain><name>win-1</name></domain>"),
+        (["win-1"], ""),
+    ],
+)
+def test_everything_else_is_silent(
+    fake_tower: FakeTower, args: list[str], stdin: str
+) -> None:
+    hook_tower(fake_tower)
+    fake_tower.run("status")
+    run = fake_tower.run("hook", *args, stdin=stdin)
+    assert (run.rc, run.lines, run.stderr) == (0, [], "")
+    assert not (fake_tower.state_dir / "requests").exists()
+    assert not (fake_tower.state_dir / "jobs").exists()
+
+
+def test_no_claims_cache_no_action(fake_tower: FakeTower) -> None:
+    hook_tower(fake_tower)
+    run = fake_tower.run("hook", "win-1", "prepare", "begin", "-", stdin=WIN1_XML)
+    assert run.rc == 0
+    assert not (fake_tower.state_dir / "requests").exists()
+
+
+def test_broken_config_still_exits_zero(tmp_path: Path) -> None:
+    from tests.tower.conftest import run_agent
+
+    run = run_agent(
+        [
+            "--config",
+            str(tmp_path / "none.json"),
+            "hook",
+            "win-1",
+            "prepare",
+            "begin",
+            "-",
+        ]
+    )
+    assert run.rc == 0
+    assert run.lines == []
+    assert "cannot read" in run.stderr
+
+
+def test_spawn_failure_is_recorded(fake_tower: FakeTower) -> None:
+    fake_tower.run("status")
+    fake_tower.configure(
+        detach="systemd",
+        commands={"virsh": str(fake_tower.virsh), "systemd_run": "/nonexistent"},
+    )
+    run = fake_tower.run("hook", "win-1", "prepare", "begin", "-", stdin=WIN1_XML)
+    assert run.rc == 0
+    request = fake_tower.run("status").reply["hook_requests"][0]
+    assert request["job"] is None
+    assert request["error"]["code"] == "spawn_failed"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+def test_files_belong_to_state_dir_owner(fake_tower: FakeTower) -> None:
+    hook_tower(fake_tower)
+    fake_tower.run("status")
+    os.chown(fake_tower.state_dir, 65534, 65534)
+    os.chown(fake_tower.state_dir / "claims.json", 65534, 65534)
+    run = fake_tower.run("hook", "win-1", "prepare", "begin", "-", stdin=WIN1_XML)
+    assert run.rc == 0
+    written = list(fake_tower.state_dir.rglob("*"))
+    assert {p.relative_to(fake_tower.state_dir).parts[0] for p in written} >= {
+        "jobs",
+        "requests",
+    }
+    for path in written:
+        assert (path.stat().st_uid, path.stat().st_gid) == (65534, 65534), path
+
+
+def test_old_requests_pruned(
+    fake_tower: FakeTower, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from custom_components.gpu_handoff.tower import gpu_handoff as agent
+
+    monkeypatch.setattr(agent, "MAX_HOOK_REQUESTS", 2)
+    hook_tower(fake_tower)
+    fake_tower.run("status")
+    for _ in range(3):
+        fake_tower.run("hook", "win-1", "prepare", "begin", "-", stdin=WIN1_XML)
+    names = sorted(p.name for p in (fake_tower.state_dir / "requests").iterdir())
+    assert len(names) == 2
+    data = [
+        json.loads((fake_tower.state_dir / "requests" / n).read_text()) for n in names
+    ]
+    assert all(d["domain"] == "win-1" for d in data)

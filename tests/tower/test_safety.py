@@ -1,0 +1,128 @@
+"""Never destroy; Python 3.9 compatibility; the protocol constants."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+from pathlib import Path
+import re
+import subprocess
+
+import pytest
+
+from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from tests.tower.conftest import REQUIRE_SYSTEM, FakeTower, run_agent, write_config
+
+SOURCE = Path(agent.__file__)
+
+
+def test_no_destroy_anywhere_in_the_agent() -> None:
+    """No string constant in the agent names the destroy command, in any form."""
+    tree = ast.parse(SOURCE.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for word in re.findall(r"[a-z-]+", node.value.lower()):
+                assert word != "destroy", f"line {node.lineno}: {node.value!r}"
+                assert not word.endswith("destroy"), node.value
+        if isinstance(node, ast.Name | ast.Attribute):
+            name = node.id if isinstance(node, ast.Name) else node.attr
+            assert "destroy" not in name.lower()
+    # Built from pieces (e.g. "des" + "troy") cannot pass the allow-list either.
+    assert "destroy" not in agent.VIRSH_COMMANDS
+    with pytest.raises(agent.AgentError):
+        agent.Virsh.check(["des" + "troy", "gpu-node"])
+
+
+def test_virsh_refuses_commands_outside_the_contract(fake_tower: FakeTower) -> None:
+    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
+    virsh = agent.Virsh(cfg)
+    for args in (["undefine", "x"], [], ["destroy", "gpu-node"]):
+        with pytest.raises(agent.AgentError):
+            virsh.run(args)
+    with pytest.raises(agent.AgentError):
+        virsh.batch([["list", "--all", "--name"], ["destroy", "gpu-node"]])
+    assert fake_tower.log() == []
+
+
+def test_every_path_against_recording_virsh(fake_tower: FakeTower) -> None:
+    """Failure paths included: the recorded invocations never contain destroy."""
+    fake_tower.configure(timeouts={"agent": 0.1, "shutdown": 0.1, "start": 0.1})
+    fake_tower.set_domain("gpu-node", shutdown_polls=-1)
+    for argv in (
+        ["stop", "gpu-node"],
+        ["handoff", "win-1"],
+        ["release", "win-2"],
+        ["start", "win-1"],
+    ):
+        job_id = fake_tower.run(*argv).reply["job"]["id"]
+        fake_tower.wait_job(job_id)
+    fake_tower.set_domain("gpu-node", agent_after=10**6)
+    fake_tower.wait_job(fake_tower.run("stop", "gpu-node").reply["job"]["id"])
+    words = {w for argv in fake_tower.log() for arg in argv for w in arg.split()}
+    assert "destroy" not in words
+    assert "shutdown" in words
+
+
+def test_protocol_constants() -> None:
+    assert agent.PROTOCOL == 1
+    codes = {v for k, v in vars(agent).items() if k.startswith("ERR_")}
+    assert codes == agent.ERROR_CODES
+    assert all(re.fullmatch(r"[a-z]+(_[a-z]+)*", code) for code in codes)
+    run = run_agent(["version"])
+    assert run.rc == 0
+    assert run.reply["version"] == agent.VERSION
+    assert "run-job" not in run.reply["verbs"]
+
+
+def old_python() -> tuple[str, dict[str, str]]:
+    python = os.environ.get("GPU_HANDOFF_OLD_PYTHON")
+    if not python:
+        if REQUIRE_SYSTEM:
+            pytest.fail(
+                "GPU_HANDOFF_OLD_PYTHON is unset (GPU_HANDOFF_REQUIRE_SYSTEM=1)"
+            )
+        pytest.skip("GPU_HANDOFF_OLD_PYTHON is unset")
+    env = dict(os.environ)
+    if os.environ.get("GPU_HANDOFF_OLD_PYTHON_LIB"):
+        env["LD_LIBRARY_PATH"] = os.environ["GPU_HANDOFF_OLD_PYTHON_LIB"]
+    return python, env
+
+
+def test_python39(tmp_path: Path) -> None:
+    python, env = old_python()
+    version = subprocess.run(
+        [python, "-c", "import sys; print(sys.version_info[:2])"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    assert version.stdout.strip() == "(3, 9)"
+    subprocess.run([python, "-m", "py_compile", str(SOURCE)], env=env, check=True)
+
+    def run(*argv: str) -> dict[str, object]:
+        proc = subprocess.run(
+            [python, str(SOURCE), *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+        reply: dict[str, object] = json.loads(proc.stdout)
+        assert (proc.returncode == 0) == reply["ok"]
+        return reply
+
+    reply = run("version")
+    assert str(reply["python"]).startswith("3.9.")
+    assert reply["protocol"] == agent.PROTOCOL
+    good = write_config(
+        tmp_path / "good.json", gpu_node="g", gaming=["w"], state_dir=str(tmp_path)
+    )
+    assert run("--config", str(good), "check-config")["ok"] is True
+    bad = write_config(
+        tmp_path / "bad.json", gpu_node="g", gaming=["g"], timeouts={"agent": -1}
+    )
+    reply = run("--config", str(bad), "check-config")
+    assert reply["error"]["code"] == "config_invalid"  # type: ignore[index]
+    assert "timeouts.agent" in reply["error"]["message"]  # type: ignore[index]

@@ -1,0 +1,143 @@
+"""`status` against real virsh and libvirt's test driver (test:///node.xml)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.tower import nodes
+from tests.tower.conftest import FakeTower, require_tool, run_agent, write_config
+
+
+def status(tmp_path: Path, node: Path) -> dict[str, object]:
+    require_tool("virsh")
+    config = write_config(
+        tmp_path / "c.json",
+        libvirt_uri=f"test://{node}",
+        gpu_node="gpu-node",
+        gaming=["win-1", "win-2", "win-3"],
+        state_dir=str(tmp_path / "state"),
+    )
+    run = run_agent(["--config", str(config), "status"])
+    assert run.rc == 0, run.lines
+    return run.reply
+
+
+def test_status_domains_cards_findings(tmp_path: Path) -> None:
+    node = nodes.write_node_file(tmp_path / "node.xml", other=True)
+    reply = status(tmp_path, node)
+    domains = {d["name"]: d for d in reply["domains"]}  # type: ignore[attr-defined]
+    gpu = domains["gpu-node"]
+    assert gpu["role"] == "gpu_node"
+    assert (gpu["state"], gpu["reason"]) == ("running", "unknown")
+    assert gpu["agent_channel"] is True
+    assert gpu["agent_ready"] is False  # the test driver has no guest agent
+    assert [h["address"] for h in gpu["hostdevs"]] == [
+        "0000:01:00.0",
+        "0000:01:00.1",
+        "0000:02:00.0",
+        "0000:02:00.1",
+    ]
+    assert domains["win-1"]["state"] == "shut_off"
+    assert domains["win-1"]["agent_ready"] is None
+    assert domains["win-3"]["exists"] is False
+    cards = {c["address"]: c for c in reply["cards"]}  # type: ignore[attr-defined]
+    assert cards["0000:01:00.0"] == {
+        "address": "0000:01:00.0",
+        "held_by": "gpu-node",
+        "claimed_by": ["gpu-node", "win-1"],
+    }
+    assert cards["0000:02:00.0"]["claimed_by"] == ["gpu-node", "other-vm", "win-2"]
+    findings = {(f["code"], f["domain"]) for f in reply["findings"]}  # type: ignore[attr-defined]
+    assert findings == {
+        ("rom_bar_not_off", "gpu-node"),
+        ("no_agent_channel", "win-2"),
+        ("claimed_by_unmanaged", "other-vm"),
+        ("domain_missing", "win-3"),
+    }
+    # Two virsh processes: managed domains (+ pings), then the unmanaged one.
+    assert reply["virsh_calls"] == 2
+    cache = json.loads((tmp_path / "state" / "claims.json").read_text(encoding="utf-8"))
+    assert cache["gpu_node"] == "gpu-node"
+    assert "0000:02:00.1" in cache["addresses"]
+
+
+def test_status_gaming_holds_card(tmp_path: Path) -> None:
+    node = nodes.write_node_file(tmp_path / "node.xml", running=("win-1",))
+    reply = status(tmp_path, node)
+    cards = {c["address"]: c for c in reply["cards"]}  # type: ignore[attr-defined]
+    assert cards["0000:01:00.0"]["held_by"] == "win-1"
+    assert cards["0000:02:00.0"]["held_by"] is None
+    assert reply["virsh_calls"] == 1
+
+
+def test_status_libvirt_unreachable(tmp_path: Path) -> None:
+    require_tool("virsh")
+    config = write_config(
+        tmp_path / "c.json",
+        libvirt_uri=f"test+unix:///default?socket={tmp_path}/none",
+        gpu_node="gpu-node",
+        gaming=["win-1"],
+        state_dir=str(tmp_path / "state"),
+    )
+    run = run_agent(["--config", str(config), "status"])
+    assert run.rc == 1
+    assert run.reply["error"]["code"] == "libvirt_unreachable"
+
+
+def test_status_unreachable_fake(fake_tower: FakeTower) -> None:
+    state = fake_tower.load()
+    state["unreachable"] = True
+    fake_tower.save(state)
+    assert fake_tower.run("status").reply["error"]["code"] == "libvirt_unreachable"
+
+
+def test_status_agent_ready_and_jobs(fake_tower: FakeTower) -> None:
+    run = fake_tower.run("status")
+    gpu = run.reply["domains"][0]
+    assert gpu["agent_ready"] is True
+    assert run.reply["active_jobs"] == []
+    assert run.reply["hook_requests"] == []
+
+
+def test_screenshot_real(tmp_path: Path, node_file: Path) -> None:
+    require_tool("virsh")
+    config = write_config(
+        tmp_path / "c.json",
+        libvirt_uri=f"test://{node_file}",
+        gpu_node="gpu-node",
+        gaming=["win-1"],
+        state_dir=str(tmp_path / "state"),
+    )
+    run = run_agent(["--config", str(config), "screenshot", "gpu-node"])
+    assert run.rc == 0
+    assert run.reply["mime"] == "image/png"
+    import base64
+
+    assert base64.b64decode(run.reply["data"]).startswith(b"\x89PNG")
+
+
+def test_screenshot_limits_and_cleanup(
+    fake_tower: FakeTower, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    fake_tower.configure(screenshot_max_bytes=3)
+    run = fake_tower.run("screenshot", "win-1")
+    assert run.reply["error"]["code"] == "too_large"
+    assert list(tmp.iterdir()) == []
+    fake_tower.configure(screenshot_max_bytes=4)
+    run = fake_tower.run("screenshot", "win-1")
+    assert run.reply["size"] == 4
+    assert list(tmp.iterdir()) == []
+    state = fake_tower.load()
+    del state["domains"]["win-2"]
+    fake_tower.save(state)
+    run = fake_tower.run("screenshot", "win-2")
+    assert run.reply["error"]["code"] == "screenshot_failed"
+    assert list(tmp.iterdir()) == []

@@ -1,0 +1,252 @@
+"""The real tower agent against the simulated tower.
+
+The agent runs as a program (as sshd's forced command would run it), reads
+libvirt through the simulator's ``virsh`` and detaches its jobs through the
+simulator's ``systemd-run``, named in its configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import fcntl
+import json
+from pathlib import Path
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.towersim import Tower, realistic_tower
+from tests.towersim.helpers import sim
+
+AGENT = (
+    Path(__file__).resolve().parent.parent.parent
+    / "custom_components/gpu_handoff/tower/gpu_handoff.py"
+)
+# An ssh forced command's environment: nothing of ours leaks in.
+AGENT_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
+
+
+class Agent:
+    def __init__(self, tower: Tower, directory: Path, **timeouts: float) -> None:
+        self.tower = tower
+        self.state_dir = directory / "agent-state"
+        self.config = directory / "agent.json"
+        self.config.write_text(
+            json.dumps(
+                {
+                    "libvirt_uri": tower.uri,
+                    "gpu_node": "gpu-node",
+                    "gaming": ["gaming-1", "gaming-2"],
+                    "timeouts": {
+                        "agent": 20.0,
+                        "shutdown": 20.0,
+                        "start": 30.0,
+                        **timeouts,
+                    },
+                    "shutdown_modes": ["agent"],
+                    "state_dir": str(self.state_dir),
+                    "commands": {
+                        "virsh": str(tower.virsh),
+                        "systemd_run": str(tower.systemd_run),
+                    },
+                    "detach": "systemd",
+                    "poll_interval": 0.02,
+                }
+            ),
+            encoding="utf-8",
+        )
+
+    def run(self, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(AGENT), "--config", str(self.config), *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            env=AGENT_ENV,
+            timeout=60,
+            check=False,
+        )
+
+    def call(self, *args: str) -> dict[str, Any]:
+        proc = self.run(*args)
+        reply: dict[str, Any] = json.loads(proc.stdout)
+        assert reply["ok"], reply
+        return reply
+
+    def submit(self, verb: str, *args: str) -> str:
+        job_id: str = self.call(verb, *args)["job"]["id"]
+        return job_id
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        job: dict[str, Any] = self.call("job", job_id)["job"]
+        return job
+
+    def peek(self, job_id: str) -> dict[str, Any]:
+        """The job's record file, read directly (cheap enough to poll)."""
+        try:
+            data: dict[str, Any] = json.loads(
+                (self.state_dir / "jobs" / f"{job_id}.json").read_text("utf-8")
+            )
+        except OSError, ValueError:
+            return {}
+        return data
+
+    def step(self, job_id: str) -> str | None:
+        job = self.peek(job_id)
+        index = job.get("step")
+        return job["steps"][index]["name"] if isinstance(index, int) else None
+
+    def wait(self, job_id: str, timeout: float = 60) -> dict[str, Any]:
+        """Wait for the job to end; its record as the ``job`` verb reports it."""
+        self.tower.wait_until(
+            lambda: self.peek(job_id).get("state") in ("succeeded", "failed"),
+            timeout=timeout,
+            what=f"job {job_id}",
+        )
+        return self.job(job_id)
+
+    def held_locks(self) -> list[str]:
+        """Lock files of the agent that some process still holds."""
+        held = []
+        for path in sorted(self.state_dir.rglob("*.lock")):
+            with path.open("a") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    held.append(path.name)
+                else:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
+        return held
+
+
+@pytest.fixture
+def agent_tower(tmp_path: Path) -> Iterator[Tower]:
+    if not AGENT.exists():
+        pytest.fail(f"the agent is missing: {AGENT}")
+    tower = realistic_tower(tmp_path / "tower", time_scale=0.002)
+    yield tower
+    tower.close()
+
+
+def _assert_clean(agent: Agent, tower: Tower) -> None:
+    assert tower.loaded_units() == [], "leaked units"
+    assert agent.held_locks() == [], "locks still held"
+    active = [
+        j for j in agent.call("jobs")["jobs"] if j["state"] in ("queued", "running")
+    ]
+    assert active == [], "jobs still running"
+    assert tower.destroy_attempts() == []
+
+
+def test_twenty_handoff_and_release_cycles(agent_tower: Tower, tmp_path: Path) -> None:
+    tower = agent_tower
+    agent = Agent(tower, tmp_path)
+    for cycle in range(20):
+        gaming = f"gaming-{cycle % 2 + 1}"
+        job = agent.wait(agent.submit("handoff", gaming))
+        assert job["state"] == "succeeded", job
+        assert tower.domstate("gpu-node") == "shut off (shutdown)"
+        assert tower.domstate(gaming) == "running (booted)"
+        if cycle % 3 == 0:
+            # the player powers the game VM off; the cards go back
+            tower.guest_shutdown(gaming)
+            tower.wait_until(
+                lambda: not tower.is_running(gaming),  # noqa: B023 - used at once
+                timeout=20,
+                what="power-off",
+            )
+            job = agent.wait(agent.submit("release"))
+        else:
+            job = agent.wait(agent.submit("release", gaming))  # the switch turned off
+        assert job["state"] == "succeeded", job
+        assert tower.domstate("gpu-node") == "running (booted)"
+        assert not tower.is_running(gaming)
+    _assert_clean(agent, tower)
+    stops = tower.calls("shutdown", "gpu-node")
+    assert len(stops) == 20
+    assert all(
+        c.commands == [["shutdown", "--mode", "agent", "gpu-node"]] for c in stops
+    )
+    assert len(tower.unit_runs()) == 40
+    assert all(u.exit_code == 0 for u in tower.unit_runs())
+
+
+def test_two_concurrent_handoffs(agent_tower: Tower, tmp_path: Path) -> None:
+    tower = agent_tower
+    agent = Agent(tower, tmp_path)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(AGENT), "--config", str(agent.config), "handoff", g],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=AGENT_ENV,
+        )
+        for g in ("gaming-1", "gaming-2")
+    ]
+    ids = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=60)
+        ids.append(json.loads(out)["job"]["id"])
+    jobs = [agent.wait(job_id) for job_id in ids]
+    assert [j["state"] for j in jobs] == ["succeeded", "succeeded"], jobs
+    assert tower.domstate("gaming-1") == "running (booted)"
+    assert tower.domstate("gaming-2") == "running (booted)"
+    assert tower.domstate("gpu-node") == "shut off (shutdown)"
+    # one after the other, and only one of them stopped the GPU node
+    first, second = sorted(jobs, key=lambda j: j["started"])
+    assert first["finished"] <= second["started"]
+    assert len(tower.calls("shutdown", "gpu-node")) == 1
+    _assert_clean(agent, tower)
+
+
+def test_hook_fires_while_a_handoff_runs(agent_tower: Tower, tmp_path: Path) -> None:
+    tower = agent_tower
+    agent = Agent(tower, tmp_path)
+    # a fresh GPU node whose guest agent is not up: the handoff waits for it
+    assert sim(tower, "shutdown", "--mode", "agent", "gpu-node").rc == 0
+    tower.wait_until(lambda: not tower.is_running("gpu-node"), timeout=20, what="off")
+    tower.set_agent_delay("gpu-node", None)
+    assert sim(tower, "start", "gpu-node").rc == 0
+    agent.call("status")  # the hook reads the GPU node's claims from its cache
+    handoff = agent.submit("handoff", "gaming-1")
+    tower.wait_until(
+        lambda: agent.step(handoff) == "wait_agent",
+        timeout=20,
+        what="the handoff to wait for the guest agent",
+    )
+    # gaming-2 started by hand: libvirt runs the qemu hook with its XML
+    xml = sim(tower, "dumpxml", "gaming-2").out
+    hook = agent.run("hook", "gaming-2", "prepare", "begin", "-", stdin=xml)
+    assert (hook.returncode, hook.stdout) == (0, "")
+    assert agent.job(handoff)["state"] == "running"  # the hook did not wait for it
+    requests = agent.call("status")["hook_requests"]
+    assert [r["domain"] for r in requests] == ["gaming-2"]
+    hook_job = requests[0]["job"]
+    assert hook_job
+    tower.set_agent_delay("gpu-node", 0.0)  # the guest agent comes up now
+    assert agent.wait(handoff)["state"] == "succeeded"
+    assert agent.wait(hook_job)["state"] == "succeeded"
+    assert tower.domstate("gaming-1") == "running (booted)"
+    assert tower.domstate("gpu-node") == "shut off (shutdown)"
+    assert len(tower.calls("shutdown", "gpu-node")) == 2  # ours above, the handoff's
+    _assert_clean(agent, tower)
+
+
+def test_guest_agent_never_comes_up(agent_tower: Tower, tmp_path: Path) -> None:
+    tower = agent_tower
+    agent = Agent(tower, tmp_path, agent=1.0)
+    assert sim(tower, "shutdown", "--mode", "agent", "gpu-node").rc == 0
+    tower.wait_until(lambda: not tower.is_running("gpu-node"), timeout=20, what="off")
+    tower.set_agent_delay("gpu-node", None)
+    assert sim(tower, "start", "gpu-node").rc == 0
+    before = len(tower.calls("shutdown", "gpu-node"))
+    job = agent.wait(agent.submit("stop", "gpu-node"))
+    assert job["state"] == "failed"
+    assert job["error"]["code"] == "agent_timeout"
+    assert tower.domstate("gpu-node") == "running (booted)"
+    assert len(tower.calls("shutdown", "gpu-node")) == before  # no stop was sent
+    _assert_clean(agent, tower)
+    (unit,) = tower.unit_runs()
+    assert (unit.state, unit.exit_code, unit.loaded) == ("failed", 1, False)
