@@ -1,0 +1,373 @@
+"""A private root libvirtd with the QEMU driver, for real guests under TCG.
+
+A root libvirtd always reads /etc/libvirt/qemu.conf and keeps its state in
+/run/libvirt, /var/lib/libvirt, /var/cache/libvirt and /var/log/libvirt
+(``-f`` moves only libvirtd.conf). So the daemon runs under ``unshare -m`` with
+those five directories bind-mounted from a private temporary directory: nothing
+it writes reaches the machine's own libvirt, and its unix socket lives outside
+them, where ``virsh -c qemu+unix:///system?socket=...`` reaches it. QEMU's
+capability cache (/var/cache/libvirt) is kept in the project's cache directory,
+so only the first start pays for probing QEMU.
+
+On exit every domain it still runs is destroyed (teardown only, after the
+tests looked at them), the daemon is stopped, and any QEMU process it left is
+killed by its own pid file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from typing import TYPE_CHECKING, Self
+
+from tests.support.waiting import wait_until
+
+if TYPE_CHECKING:
+    from tests.realvm.build_guest import Guest
+
+BIND_TARGETS = {
+    "etc": "/etc/libvirt",
+    "run": "/run/libvirt",
+    "lib": "/var/lib/libvirt",
+    "cache": "/var/cache/libvirt",
+    "log": "/var/log/libvirt",
+}
+
+QEMU_CONF = """\
+# Written by tests/realvm/qemu_libvirtd.py for a private test daemon.
+stdio_handler = "file"
+user = "root"
+group = "root"
+dynamic_ownership = 0
+remember_owner = 0
+namespaces = []
+cgroup_controllers = []
+security_driver = "none"
+"""
+
+LIBVIRTD_CONF = """\
+# Written by tests/realvm/qemu_libvirtd.py for a private test daemon.
+unix_sock_dir = "{sock_dir}"
+unix_sock_group = "root"
+unix_sock_ro_perms = "0700"
+unix_sock_rw_perms = "0700"
+unix_sock_admin_perms = "0700"
+auth_unix_ro = "none"
+auth_unix_rw = "none"
+listen_tcp = 0
+listen_tls = 0
+log_outputs = "3:file:{log_dir}/libvirtd.log"
+"""
+
+START_TIMEOUT = 120.0
+
+
+class LibvirtdError(RuntimeError):
+    """The private libvirtd could not be run."""
+
+
+def missing_tools() -> list[str]:
+    """The programs this daemon needs that are not installed."""
+    return [
+        tool
+        for tool in ("libvirtd", "virsh", "qemu-system-x86_64", "unshare")
+        if shutil.which(tool) is None
+    ]
+
+
+class QemuLibvirtd:
+    """``with QemuLibvirtd() as d:`` runs the daemon; ``d.uri`` reaches it."""
+
+    def __init__(self, *, cache_dir: Path | None = None) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="gh-qemu-libvirtd-"))
+        self.dirs = {key: self.tmp / key for key in BIND_TARGETS}
+        if cache_dir is not None:
+            self.dirs["cache"] = cache_dir
+        self.sock_dir = self.tmp / "sock"
+        self.data_dir = self.tmp / "data"  # serial logs and other guest files
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pid_ns: str | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"qemu+unix:///system?socket={self.sock_dir}/libvirt-sock"
+
+    @property
+    def log_file(self) -> Path:
+        return self.dirs["log"] / "libvirtd.log"
+
+    def domain_log(self, name: str) -> Path:
+        """QEMU's own log of a domain (command line, 'shutting down, reason=')."""
+        return self.dirs["log"] / "qemu" / f"{name}.log"
+
+    def virsh(
+        self, *args: str, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["virsh", "-c", self.uri, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def start(self) -> None:
+        missing = missing_tools()
+        if missing:
+            raise LibvirtdError(f"missing: {', '.join(missing)}")
+        for d in (*self.dirs.values(), self.sock_dir, self.data_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        (self.dirs["etc"] / "qemu.conf").write_text(QEMU_CONF)
+        conf = self.dirs["etc"] / "libvirtd.conf"
+        conf.write_text(
+            LIBVIRTD_CONF.format(sock_dir=self.sock_dir, log_dir=self.dirs["log"])
+        )
+        mounts = []
+        for key, target in BIND_TARGETS.items():
+            mounts.append(f"mkdir -p {target}")
+            mounts.append(f'mount --bind "{self.dirs[key]}" {target}')
+        # The daemon gets its own mount and PID namespaces. A shell is the
+        # namespace's init: QEMU daemonizes, and its processes must be reaped
+        # by an init that waits for any child (the test runner may be PID 1 of
+        # its own namespace and reaps nobody; libvirtd waits for a killed QEMU
+        # to vanish). When the shell ends, the kernel kills whatever is left.
+        # In a chroot "/" is no mount point and cannot be made private; there
+        # the enclosing namespace is private already.
+        script = "\n".join(
+            [
+                "set -e",
+                "mount --make-rprivate / 2>/dev/null || true",
+                "mount -t proc proc /proc",
+                *mounts,
+                "set +e",
+                'libvirtd -f "$1" -p "$2" &',
+                "pid=$!",
+                "trap 'kill -TERM $pid' TERM INT",
+                "while kill -0 $pid 2>/dev/null; do wait; done",
+            ]
+        )
+        stderr = (self.tmp / "libvirtd.stderr").open("wb")
+        with stderr:
+            self.proc = subprocess.Popen(
+                [
+                    "unshare",
+                    "--mount",
+                    "--pid",
+                    "--fork",
+                    "--kill-child",
+                    "--propagation",
+                    "unchanged",
+                    "sh",
+                    "-c",
+                    script,
+                    "gh-libvirtd",
+                    str(conf),
+                    str(self.tmp / "libvirtd.pid"),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=stderr,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if self.proc.poll() is not None:
+                raise LibvirtdError(
+                    f"libvirtd exited with {self.proc.returncode}: {self.stderr_text()}"
+                )
+            if (self.sock_dir / "libvirt-sock").exists():
+                probe = self.virsh("uri", timeout=START_TIMEOUT)
+                if probe.returncode == 0:
+                    init = self._init_pid()
+                    if init is not None:
+                        self.pid_ns = str(Path(f"/proc/{init}/ns/pid").readlink())
+                    return
+            if time.monotonic() > deadline:
+                raise LibvirtdError(f"libvirtd did not answer: {self.stderr_text()}")
+            time.sleep(0.05)
+
+    def stderr_text(self) -> str:
+        path = self.tmp / "libvirtd.stderr"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def qemu_pids(self) -> list[int]:
+        """Pids (as seen here) of the QEMU processes in this daemon's PID
+        namespace."""
+        if self.pid_ns is None:
+            return []
+        pids = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                if str((proc / "ns" / "pid").readlink()) != self.pid_ns:
+                    continue
+                if b"qemu-system" in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+        return pids
+
+    def _init_pid(self) -> int | None:
+        """The namespace's init (the shell), a child of unshare."""
+        if self.proc is None:
+            return None
+        with contextlib.suppress(OSError, ValueError):
+            task = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+            children = task.read_text().split()
+            if children:
+                return int(children[0])
+        return None
+
+    def stop(self) -> list[int]:
+        """Stop everything; returns the QEMU pids that were still alive after
+        the daemon ended (and had to be killed)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                for name in self.virsh("list", "--name", timeout=30).stdout.split():
+                    # Teardown only: the tests have looked at the domain already.
+                    self.virsh("destroy", name, timeout=30)
+            init = self._init_pid()
+            if init is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(init, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        leftovers = self.qemu_pids()
+        for pid in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc = None
+        return leftovers
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def domain_xml(
+    name: str,
+    *,
+    kernel: Path,
+    initrd: Path,
+    cmdline: str,
+    serial_log: Path,
+    memory_mib: int = 192,
+) -> str:
+    """A TCG guest: direct kernel boot, no disk, serial to a file, and the QEMU
+    guest agent's virtio channel."""
+    return f"""<domain type='qemu'>
+  <name>{name}</name>
+  <memory unit='MiB'>{memory_mib}</memory>
+  <vcpu>1</vcpu>
+  <os>
+    <type arch='x86_64' machine='pc'>hvm</type>
+    <kernel>{kernel}</kernel>
+    <initrd>{initrd}</initrd>
+    <cmdline>{cmdline}</cmdline>
+  </os>
+  <features><acpi/></features>
+  <on_poweroff>destroy</on_poweroff>
+  <on_reboot>restart</on_reboot>
+  <on_crash>destroy</on_crash>
+  <devices>
+    <emulator>{shutil.which("qemu-system-x86_64")}</emulator>
+    <serial type='file'>
+      <source path='{serial_log}'/>
+      <target port='0'/>
+    </serial>
+    <channel type='unix'>
+      <target type='virtio' name='org.qemu.guest_agent.0'/>
+    </channel>
+    <video><model type='none'/></video>
+    <memballoon model='none'/>
+  </devices>
+</domain>
+"""
+
+
+class EventLog:
+    """``virsh event --loop --all --timestamp`` running into a file."""
+
+    def __init__(self, daemon: QemuLibvirtd, name: str = "events") -> None:
+        self.path = daemon.data_dir / f"{name}.txt"
+        with self.path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    "virsh",
+                    "-c",
+                    daemon.uri,
+                    "event",
+                    "--loop",
+                    "--all",
+                    "--timestamp",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def lines(self) -> list[str]:
+        text = self.path.read_text(errors="replace")
+        # Only whole lines: the last one may still be being written.
+        return text.split("\n")[:-1]
+
+    def wait_for(self, needle: str, *, timeout: float) -> str:
+        return wait_until(
+            lambda: next((line for line in self.lines() if needle in line), None),
+            timeout=timeout,
+            what=f"event {needle!r}",
+        )
+
+    def stop(self) -> list[str]:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.lines()
+
+
+def define_guest(
+    daemon: QemuLibvirtd,
+    guest: Guest,
+    name: str,
+    *,
+    knobs: str = "",
+) -> Path:
+    """Define a domain booting ``guest`` with /init knobs on the kernel command
+    line (see build_guest); returns its serial log."""
+    serial = daemon.data_dir / f"{name}.serial"
+    xml = daemon.data_dir / f"{name}.xml"
+    xml.write_text(
+        domain_xml(
+            name,
+            kernel=guest.kernel,
+            initrd=guest.initrd,
+            cmdline=f"{guest.cmdline} {knobs}".strip(),
+            serial_log=serial,
+        )
+    )
+    result = daemon.virsh("define", str(xml))
+    if result.returncode != 0:
+        raise LibvirtdError(f"define {name}: {result.stderr}")
+    return serial

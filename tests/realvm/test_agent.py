@@ -1,0 +1,288 @@
+"""The tower agent's `stop` job against real QEMU guests with a real guest agent.
+
+Two guests boot at once under the private libvirtd: "gpu-node", whose guest
+agent starts AGENT_DELAY s after boot, and "silent-node", which never starts
+one. Each is stopped by its own agent configuration (two "towers": jobs of one
+tower run one after another), right after `virsh start`, while no agent is up.
+
+The agent runs virsh through a wrapper that logs every invocation with its
+time, so the tests see exactly which commands reached libvirt and when.
+
+Not real here: the guests run under TCG (KVM guests hang on these machines)
+and carry no <hostdev> (no VFIO: libvirt refuses to start them), so card
+ownership is left to the test-driver and simulator tests; jobs detach as plain
+processes (no systemd in the test environment); the agent runs as root, not as
+a member of the libvirt group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+import datetime as dt
+import json
+import os
+from pathlib import Path
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from tests.realvm.qemu_libvirtd import EventLog, define_guest
+from tests.support.waiting import wait_until
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from tests.realvm.build_guest import Guest
+    from tests.realvm.qemu_libvirtd import QemuLibvirtd
+
+pytestmark = pytest.mark.system
+
+AGENT = (
+    Path(__file__).resolve().parents[2]
+    / "custom_components"
+    / "gpu_handoff"
+    / "tower"
+    / "gpu_handoff.py"
+)
+GPU_NODE = "gpu-node"
+SILENT = "silent-node"
+AGENT_DELAY = 12
+SILENT_AGENT_TIMEOUT = 8.0
+JOB_TIMEOUT = 240.0
+
+VIRSH_WRAPPER = """#!/bin/sh
+printf '%s %s\\n' "$(date +%s.%N)" "$*" >>"{log}"
+exec virsh "$@"
+"""
+
+
+@dataclass
+class Tower:
+    config: Path
+    virsh_log: Path
+    env: dict[str, str]
+
+    def agent(self, *args: str) -> dict[str, Any]:
+        proc = subprocess.run(
+            [sys.executable, str(AGENT), "--config", str(self.config), *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=120,
+            check=False,
+        )
+        try:
+            reply: dict[str, Any] = json.loads(proc.stdout)
+        except ValueError:
+            pytest.fail(f"agent said {proc.stdout!r} / {proc.stderr!r}")
+        return reply
+
+    def invocations(self) -> list[tuple[float, str]]:
+        if not self.virsh_log.exists():
+            return []
+        out = []
+        for line in self.virsh_log.read_text().splitlines():
+            stamp, _, args = line.partition(" ")
+            out.append((float(stamp), args))
+        return out
+
+
+def make_tower(
+    daemon: QemuLibvirtd, name: str, gpu_node: str, timeouts: dict[str, float]
+) -> Tower:
+    base = daemon.data_dir / f"tower-{name}"
+    base.mkdir()
+    log = base / "virsh.log"
+    wrapper = base / "virsh"
+    wrapper.write_text(VIRSH_WRAPPER.format(log=log))
+    wrapper.chmod(0o755)
+    config = base / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "libvirt_uri": daemon.uri,
+                "gpu_node": gpu_node,
+                "gaming": [f"{name}-game"],
+                "timeouts": timeouts,
+                "state_dir": str(base / "state"),
+                "commands": {"virsh": str(wrapper)},
+                "detach": "process",
+                "poll_interval": 0.5,
+            }
+        )
+    )
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(base),
+        "LANG": "C.UTF-8",
+    }
+    return Tower(config=config, virsh_log=log, env=env)
+
+
+def wait_job(tower: Tower, job_id: str) -> dict[str, Any]:
+    def finished() -> dict[str, Any] | None:
+        reply = tower.agent("job", job_id)
+        assert reply["ok"], reply
+        job: dict[str, Any] = reply["job"]
+        return job if job["state"] in ("succeeded", "failed") else None
+
+    job = wait_until(finished, timeout=JOB_TIMEOUT, interval=0.5, what=f"job {job_id}")
+    pid = (job.get("runner") or {}).get("pid")
+    if pid:
+        # The detached runner may have become our child (when this process is
+        # its namespace's init): reap it.
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    return job
+
+
+def event_epoch(line: str) -> float:
+    stamp = line.split(": event ", 1)[0]
+    return dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f%z").timestamp()
+
+
+def iso_epoch(text: str) -> float:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+@dataclass
+class Run:
+    gpu_tower: Tower
+    silent_tower: Tower
+    gpu_job: dict[str, Any]
+    silent_job: dict[str, Any]
+    submitted_gpu: dict[str, Any]
+    events: list[str]
+    states: dict[str, str]
+    domain_logs: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def stop_jobs(
+    qemu_libvirtd: QemuLibvirtd, guest: Guest, realvm_timings: dict[str, float]
+) -> Iterator[Run]:
+    if not AGENT.exists():
+        pytest.fail(f"the tower agent is missing: {AGENT}")
+    d = qemu_libvirtd
+    gpu_tower = make_tower(d, "a", GPU_NODE, {"agent": 180.0, "shutdown": 60.0})
+    silent_tower = make_tower(
+        d, "b", SILENT, {"agent": SILENT_AGENT_TIMEOUT, "shutdown": 30.0}
+    )
+    define_guest(d, guest, GPU_NODE, knobs=f"gh.agent_delay={AGENT_DELAY}")
+    # The silent guest honours ACPI only so that teardown can stop it without
+    # destroying it; the agent is configured for agent shutdowns only.
+    define_guest(d, guest, SILENT, knobs="gh.agent=off gh.acpi=on")
+    events = EventLog(d, "agent-events")
+    try:
+        for name in (GPU_NODE, SILENT):
+            assert d.virsh("start", name).returncode == 0
+        submitted_gpu = gpu_tower.agent("stop", GPU_NODE)
+        submitted_silent = silent_tower.agent("stop", SILENT)
+        assert submitted_gpu["ok"], submitted_gpu
+        assert submitted_silent["ok"], submitted_silent
+        gpu_job = wait_job(gpu_tower, submitted_gpu["job"]["id"])
+        silent_job = wait_job(silent_tower, submitted_silent["job"]["id"])
+        events.wait_for(f"for domain '{GPU_NODE}': Stopped", timeout=60)
+        states = {
+            name: d.virsh("domstate", "--reason", name).stdout.strip()
+            for name in (GPU_NODE, SILENT)
+        }
+        domain_logs = {
+            name: d.domain_log(name).read_text(errors="replace")
+            for name in (GPU_NODE, SILENT)
+        }
+        realvm_timings["agent gpu-node stop job"] = iso_epoch(
+            gpu_job["finished"]
+        ) - iso_epoch(gpu_job["created"])
+        yield Run(
+            gpu_tower=gpu_tower,
+            silent_tower=silent_tower,
+            gpu_job=gpu_job,
+            silent_job=silent_job,
+            submitted_gpu=submitted_gpu,
+            events=events.lines(),
+            states=states,
+            domain_logs=domain_logs,
+        )
+    finally:
+        # Stop the silent guest gracefully (it honours ACPI), then forget both.
+        if d.virsh("domstate", SILENT).stdout.strip() == "running":
+            d.virsh("shutdown", "--mode", "acpi", SILENT)
+            # If it does not stop, the daemon's teardown destroys what is left.
+            with contextlib.suppress(TimeoutError):
+                wait_until(
+                    lambda: d.virsh("domstate", SILENT).stdout.strip() == "shut off",
+                    timeout=60,
+                    what="the silent guest to shut off",
+                )
+        events.stop()
+        for name in (GPU_NODE, SILENT):
+            d.virsh("undefine", name)
+
+
+def test_stop_waits_for_the_guest_agent_then_shuts_the_domain_off(
+    stop_jobs: Run,
+) -> None:
+    job = stop_jobs.gpu_job
+    assert job["state"] == "succeeded", job
+    steps = {s["name"]: s for s in job["steps"]}
+    assert [s["result"] for s in job["steps"]] == ["ok", "ok", "ok"], job["steps"]
+    assert steps["shutdown"]["detail"] == "shutdown --mode agent accepted"
+    assert stop_jobs.states[GPU_NODE] == "shut off (shutdown)"
+    assert "shutting down, reason=shutdown" in stop_jobs.domain_logs[GPU_NODE]
+
+
+def test_stop_sends_no_shutdown_before_the_agent_is_up(stop_jobs: Run) -> None:
+    connected = next(
+        line
+        for line in stop_jobs.events
+        if f"'agent-lifecycle' for domain '{GPU_NODE}': state: 'connected'" in line
+    )
+    connected_at = event_epoch(connected)
+    # The job was submitted while the agent was down, else this proves nothing.
+    assert iso_epoch(stop_jobs.gpu_job["created"]) < connected_at
+    shutdowns = [
+        (t, args)
+        for t, args in stop_jobs.gpu_tower.invocations()
+        if " shutdown " in f" {args} "
+    ]
+    assert len(shutdowns) == 1, shutdowns
+    assert shutdowns[0][0] >= connected_at, (shutdowns, connected)
+    assert "--mode agent" in shutdowns[0][1]
+    # It polled the agent while waiting (more than once: the agent was late).
+    pings = [
+        a for _, a in stop_jobs.gpu_tower.invocations() if "qemu-agent-command" in a
+    ]
+    assert len(pings) >= 2
+
+
+def test_stop_of_a_guest_without_agent_fails_after_its_timeout_and_leaves_it_running(
+    stop_jobs: Run,
+) -> None:
+    job = stop_jobs.silent_job
+    assert job["state"] == "failed", job
+    assert job["error"]["code"] == "agent_timeout"
+    steps = {s["name"]: s for s in job["steps"]}
+    assert steps["wait_agent"]["result"] == "failed"
+    assert steps["shutdown"]["result"] is None
+    assert (
+        iso_epoch(job["finished"]) - iso_epoch(job["created"]) >= SILENT_AGENT_TIMEOUT
+    )
+    assert stop_jobs.states[SILENT] == "running (booted)"
+    assert not any(
+        " shutdown " in f" {a} " for _, a in stop_jobs.silent_tower.invocations()
+    )
+    assert not any(
+        " destroy " in f" {a} " for _, a in stop_jobs.silent_tower.invocations()
+    )
+
+
+def test_nothing_was_destroyed(stop_jobs: Run) -> None:
+    assert not [line for line in stop_jobs.events if "Destroyed" in line]
+    for name, text in stop_jobs.domain_logs.items():
+        # (QEMU's log says "terminating on signal 15 from ... (libvirtd)" after
+        # a graceful shutdown too: libvirt ends a powered-off QEMU itself.)
+        assert "reason=destroyed" not in text, name
