@@ -1,0 +1,62 @@
+"""Pytest fixtures for any test that needs a cluster.
+
+Import them into a conftest.py::
+
+    from tests.k8semu.fixtures import (  # noqa: F401
+        k8s_admin_api_fixture,
+        k8s_api_fixture,
+        k8s_emulator_fixture,
+    )
+
+(or ``pytest_plugins = ["tests.k8semu.fixtures"]`` in the top conftest.py).
+
+``k8s_emulator`` is the demo cluster over HTTPS on 127.0.0.1 (it requests
+``socket_enabled``); ``k8s_api`` is a kubernetes_asyncio ApiClient with the
+product's token (PRODUCT_RULES only); ``k8s_admin_api`` may do everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from pathlib import Path
+
+from kubernetes_asyncio import client
+import pytest
+
+from .auth import ALL_RULES
+from .client import api_client_for
+from .emulator import K8sEmulator
+from .seed import seed_demo
+
+ADMIN_TOKEN = "admin-test-token"  # noqa: S105 - a test credential
+
+
+@pytest.fixture(name="k8s_emulator")
+async def k8s_emulator_fixture(socket_enabled: None) -> AsyncGenerator[K8sEmulator]:
+    """The demo cluster; leases renewed every 0.05 s."""
+    emu = K8sEmulator(lease_interval=0.05)
+    emu.add_token(ADMIN_TOKEN, ALL_RULES, user="kubernetes-admin")
+    seed_demo(emu)
+    await emu.start()
+    yield emu
+    await emu.stop()
+
+
+@pytest.fixture(name="k8s_api")
+async def k8s_api_fixture(
+    k8s_emulator: K8sEmulator, tmp_path: Path
+) -> AsyncGenerator[client.ApiClient]:
+    """A client with the product's token."""
+    api_client = await api_client_for(k8s_emulator, tmp_path)
+    yield api_client
+    await api_client.close()
+
+
+@pytest.fixture(name="k8s_admin_api")
+async def k8s_admin_api_fixture(
+    k8s_emulator: K8sEmulator, tmp_path: Path
+) -> AsyncGenerator[client.ApiClient]:
+    """A client that may do everything."""
+    api_client = await api_client_for(k8s_emulator, tmp_path, ADMIN_TOKEN)
+    yield api_client
+    await api_client.close()

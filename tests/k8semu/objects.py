@@ -1,0 +1,485 @@
+"""Builders for realistic objects (what a kubelet, controllers or kubectl
+would have written), used by the control API and the demo seed."""
+
+from __future__ import annotations
+
+from typing import Any
+import uuid
+
+from .store import now_micro, now_rfc3339
+
+JsonObj = dict[str, Any]
+
+NODE_LEASE_NAMESPACE = "kube-node-lease"
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+GPU = "nvidia.com/gpu"
+
+
+def ready_condition(up: bool) -> JsonObj:
+    """The node Ready condition as the kubelet / node lifecycle controller set it."""
+    now = now_rfc3339()
+    if up:
+        return {
+            "type": "Ready",
+            "status": "True",
+            "reason": "KubeletReady",
+            "message": "kubelet is posting ready status",
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": now,
+        }
+    return {
+        "type": "Ready",
+        "status": "Unknown",
+        "reason": "NodeStatusUnknown",
+        "message": "Kubelet stopped posting node status.",
+        "lastHeartbeatTime": now,
+        "lastTransitionTime": now,
+    }
+
+
+UNREACHABLE_TAINTS = (
+    {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"},
+    {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"},
+)
+
+
+def make_node(
+    name: str,
+    *,
+    gpus: int = 0,
+    allocatable_gpus: int | None = None,
+    control_plane: bool = False,
+    up: bool = True,
+    unschedulable: bool = False,
+    labels: dict[str, str] | None = None,
+    address: str = "10.0.0.10",
+    gpu_product: str | None = None,
+) -> JsonObj:
+    """A Node as a k3s kubelet registers it (with the NVIDIA device plugin's GPUs)."""
+    now = now_rfc3339()
+    node_labels = {
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64",
+        "beta.kubernetes.io/os": "linux",
+        "beta.kubernetes.io/arch": "amd64",
+    }
+    if control_plane:
+        node_labels["node-role.kubernetes.io/control-plane"] = "true"
+    capacity = {
+        "cpu": "8",
+        "memory": "32777404Ki",
+        "pods": "110",
+        "ephemeral-storage": "102626232Ki",
+    }
+    allocatable = dict(capacity)
+    if gpus:
+        capacity[GPU] = str(gpus)
+        allocatable[GPU] = str(gpus if allocatable_gpus is None else allocatable_gpus)
+        if gpu_product:
+            node_labels["nvidia.com/gpu.product"] = gpu_product
+            node_labels["nvidia.com/gpu.count"] = str(gpus)
+            node_labels["nvidia.com/gpu.present"] = "true"
+    node_labels.update(labels or {})
+    spec: JsonObj = {
+        "podCIDR": "10.42.0.0/24",
+        "podCIDRs": ["10.42.0.0/24"],
+        "providerID": f"k3s://{name}",
+    }
+    if unschedulable:
+        spec["unschedulable"] = True
+        spec["taints"] = [
+            {
+                "key": "node.kubernetes.io/unschedulable",
+                "effect": "NoSchedule",
+                "timeAdded": now,
+            }
+        ]
+    if not up:
+        spec["taints"] = [
+            *spec.get("taints", []),
+            *({**t, "timeAdded": now} for t in UNREACHABLE_TAINTS),
+        ]
+    pressure = [
+        {
+            "type": kind,
+            "status": "False",
+            "reason": f"KubeletHasNo{label}",
+            "message": f"kubelet has no {label.lower()}",
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": now,
+        }
+        for kind, label in (
+            ("MemoryPressure", "MemoryPressure"),
+            ("DiskPressure", "DiskPressure"),
+            ("PIDPressure", "PIDPressure"),
+        )
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": node_labels,
+            "annotations": {
+                "node.alpha.kubernetes.io/ttl": "0",
+                "volumes.kubernetes.io/controller-managed-attach-detach": "true",
+            },
+        },
+        "spec": spec,
+        "status": {
+            "capacity": capacity,
+            "allocatable": allocatable,
+            "conditions": [*pressure, ready_condition(up)],
+            "addresses": [
+                {"type": "InternalIP", "address": address},
+                {"type": "Hostname", "address": name},
+            ],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+            "nodeInfo": {
+                "machineID": uuid.uuid5(uuid.NAMESPACE_DNS, name).hex,
+                "systemUUID": str(uuid.uuid5(uuid.NAMESPACE_URL, name)),
+                "bootID": str(uuid.uuid4()),
+                "kernelVersion": "6.12.57+deb13-amd64",
+                "osImage": "Debian GNU/Linux 13 (trixie)",
+                "containerRuntimeVersion": "containerd://2.1.4-k3s1",
+                "kubeletVersion": "v1.34.2+k3s1",
+                "kubeProxyVersion": "v1.34.2+k3s1",
+                "operatingSystem": "linux",
+                "architecture": "amd64",
+            },
+        },
+    }
+
+
+def make_lease(
+    node_name: str, *, duration: int = 40, node_uid: str | None = None
+) -> JsonObj:
+    """The node's heartbeat Lease in kube-node-lease."""
+    now = now_micro()
+    meta: JsonObj = {"name": node_name, "namespace": NODE_LEASE_NAMESPACE}
+    if node_uid:
+        meta["ownerReferences"] = [
+            {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid}
+        ]
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": meta,
+        "spec": {
+            "holderIdentity": node_name,
+            "leaseDurationSeconds": duration,
+            "renewTime": now,
+            "acquireTime": now,
+        },
+    }
+
+
+def owner_ref(kind: str, name: str, uid: str, api_version: str = "apps/v1") -> JsonObj:
+    """A controller ownerReference."""
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def make_pod(
+    name: str,
+    namespace: str = "default",
+    *,
+    node: str | None = None,
+    phase: str = "Running",
+    ready: bool | None = None,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    owner: JsonObj | None = None,
+    gpu_request: int = 0,
+    gpu_limit_only: bool = False,
+    empty_dir: bool = False,
+    image: str = "registry.example/app:1.0",
+    container_name: str = "main",
+    waiting_reason: str | None = None,
+) -> JsonObj:
+    """A scheduled pod with kubelet-written status.
+
+    ``phase`` Pending with ``waiting_reason`` (e.g. ContainerCreating) models a
+    pod whose sandbox never starts; ``ready`` defaults to phase == Running.
+    """
+    if ready is None:
+        ready = phase == "Running"
+    now = now_rfc3339()
+    resources: JsonObj = {
+        "requests": {"cpu": "100m", "memory": "128Mi"},
+        "limits": {"memory": "256Mi"},
+    }
+    if gpu_request:
+        resources["limits"][GPU] = str(gpu_request)
+        if not gpu_limit_only:
+            resources["requests"][GPU] = str(gpu_request)
+    container: JsonObj = {
+        "name": container_name,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "resources": resources,
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "File",
+    }
+    volumes: list[JsonObj] = [
+        {
+            "name": f"kube-api-access-{name[:5]}",
+            "projected": {
+                "defaultMode": 420,
+                "sources": [
+                    {
+                        "serviceAccountToken": {
+                            "expirationSeconds": 3607,
+                            "path": "token",
+                        }
+                    }
+                ],
+            },
+        }
+    ]
+    if empty_dir:
+        volumes.append({"name": "scratch", "emptyDir": {}})
+        container["volumeMounts"] = [{"name": "scratch", "mountPath": "/scratch"}]
+    meta: JsonObj = {"name": name, "namespace": namespace, "labels": dict(labels or {})}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    if owner:
+        meta["ownerReferences"] = [owner]
+    spec: JsonObj = {
+        "containers": [container],
+        "volumes": volumes,
+        "restartPolicy": "Always" if phase in ("Running", "Pending") else "Never",
+        "terminationGracePeriodSeconds": 30,
+        "dnsPolicy": "ClusterFirst",
+        "serviceAccountName": "default",
+        "schedulerName": "default-scheduler",
+        "enableServiceLinks": True,
+        "priority": 0,
+    }
+    if node:
+        spec["nodeName"] = node
+
+    def cond(ctype: str, ok: bool, reason: str | None = None) -> JsonObj:
+        c: JsonObj = {
+            "type": ctype,
+            "status": "True" if ok else "False",
+            "lastProbeTime": None,
+            "lastTransitionTime": now,
+        }
+        if reason:
+            c["reason"] = reason
+        return c
+
+    started = phase == "Running"
+    status: JsonObj = {"phase": phase, "qosClass": "Burstable", "startTime": now}
+    if node:
+        status["hostIP"] = "10.0.0.10"
+        status["conditions"] = [
+            cond(
+                "PodReadyToStartContainers",
+                phase != "Pending" or waiting_reason is None,
+            ),
+            cond("Initialized", True),
+            cond("Ready", ready, None if ready else "ContainersNotReady"),
+            cond("ContainersReady", ready, None if ready else "ContainersNotReady"),
+            cond("PodScheduled", True),
+        ]
+        if phase == "Running":
+            status["podIP"] = "10.42.0.17"
+            status["podIPs"] = [{"ip": "10.42.0.17"}]
+        state: JsonObj
+        if started:
+            state = {"running": {"startedAt": now}}
+        elif phase in ("Succeeded", "Failed"):
+            state = {
+                "terminated": {
+                    "exitCode": 0 if phase == "Succeeded" else 1,
+                    "reason": "Completed" if phase == "Succeeded" else "Error",
+                    "startedAt": now,
+                    "finishedAt": now,
+                }
+            }
+        else:
+            state = {"waiting": {"reason": waiting_reason or "ContainerCreating"}}
+        status["containerStatuses"] = [
+            {
+                "name": container_name,
+                "image": image,
+                "imageID": ""
+                if phase == "Pending"
+                else f"{image}@sha256:{uuid.uuid5(uuid.NAMESPACE_URL, image).hex * 2}",
+                "ready": ready,
+                "started": started,
+                "restartCount": 0,
+                "state": state,
+            }
+        ]
+    else:
+        status["conditions"] = [cond("PodScheduled", False, "Unschedulable")]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": spec,
+        "status": status,
+    }
+
+
+def _pod_template(labels: dict[str, str], image: str, gpu_request: int = 0) -> JsonObj:
+    resources: JsonObj = {}
+    if gpu_request:
+        resources = {
+            "limits": {GPU: str(gpu_request)},
+            "requests": {GPU: str(gpu_request)},
+        }
+    return {
+        "metadata": {"labels": dict(labels)},
+        "spec": {
+            "containers": [{"name": "main", "image": image, "resources": resources}]
+        },
+    }
+
+
+def make_daemonset(
+    name: str, namespace: str, *, labels: dict[str, str], image: str, nodes: int = 1
+) -> JsonObj:
+    """A DaemonSet whose pods run on ``nodes`` nodes."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "spec": {
+            "selector": {"matchLabels": dict(labels)},
+            "template": _pod_template(labels, image),
+            "updateStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0},
+            },
+            "revisionHistoryLimit": 10,
+        },
+        "status": {
+            "currentNumberScheduled": nodes,
+            "desiredNumberScheduled": nodes,
+            "numberAvailable": nodes,
+            "numberMisscheduled": 0,
+            "numberReady": nodes,
+            "observedGeneration": 1,
+            "updatedNumberScheduled": nodes,
+        },
+    }
+
+
+def make_replicaset(
+    name: str,
+    namespace: str,
+    *,
+    labels: dict[str, str],
+    image: str,
+    replicas: int = 1,
+    gpu_request: int = 0,
+) -> JsonObj:
+    """A ReplicaSet (as a Deployment would own it)."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "ReplicaSet",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": dict(labels)},
+            "template": _pod_template(labels, image, gpu_request),
+        },
+        "status": {
+            "replicas": replicas,
+            "readyReplicas": replicas,
+            "availableReplicas": replicas,
+            "fullyLabeledReplicas": replicas,
+            "observedGeneration": 1,
+        },
+    }
+
+
+def make_pdb(
+    name: str,
+    namespace: str,
+    *,
+    match_labels: dict[str, str] | None = None,
+    selector: JsonObj | None = None,
+    min_available: int | str | None = None,
+    max_unavailable: int | str | None = None,
+) -> JsonObj:
+    """A policy/v1 PodDisruptionBudget."""
+    spec: JsonObj = {
+        "selector": selector
+        if selector is not None
+        else {"matchLabels": dict(match_labels or {})}
+    }
+    if min_available is not None:
+        spec["minAvailable"] = min_available
+    if max_unavailable is not None:
+        spec["maxUnavailable"] = max_unavailable
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
+
+
+def make_event(
+    name: str,
+    namespace: str,
+    *,
+    involved: JsonObj,
+    reason: str,
+    message: str,
+    event_type: str = "Normal",
+    component: str = "kubelet",
+    host: str | None = None,
+    count: int = 1,
+) -> JsonObj:
+    """A core/v1 Event about ``involved`` (a full object)."""
+    meta = involved.get("metadata") or {}
+    now = now_rfc3339()
+    source: JsonObj = {"component": component}
+    if host:
+        source["host"] = host
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": name, "namespace": namespace},
+        "involvedObject": {
+            "apiVersion": involved.get("apiVersion", "v1"),
+            "kind": involved.get("kind", "Pod"),
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace"),
+            "uid": meta.get("uid"),
+            "resourceVersion": meta.get("resourceVersion"),
+        },
+        "reason": reason,
+        "message": message,
+        "type": event_type,
+        "source": source,
+        "reportingComponent": component,
+        "reportingInstance": host or "",
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": count,
+    }
+
+
+def make_namespace(name: str) -> JsonObj:
+    """An active Namespace."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": name, "labels": {"kubernetes.io/metadata.name": name}},
+        "spec": {"finalizers": ["kubernetes"]},
+        "status": {"phase": "Active"},
+    }
