@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
+import os
+from pathlib import Path
+import shutil
 from typing import Any
 
 from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
 import pytest
 from pytest_homeassistant_custom_component.common import MockConfigEntry
+import yaml
 
-from custom_components.gpu_handoff.const import DOMAIN
+from custom_components.gpu_handoff.const import (
+    CONF_GPU_NODE,
+    CONF_HOST_KEY,
+    CONF_K8S_NODE,
+    CONF_KUBECONFIG,
+    CONF_PASSPHRASE,
+    CONF_PRIVATE_KEY,
+    DOMAIN,
+)
+from tests.k8semu import K8sEmulator
+from tests.support.sshd import Sshd, sshd_available
+from tests.support.testdriver import agent_command, write_tower
+
+pytest_plugins = ["tests.k8semu.fixtures"]
 
 
 @pytest.fixture(autouse=True)
@@ -35,3 +52,51 @@ def mock_config_entry(entry_data: dict[str, Any]) -> MockConfigEntry:
         unique_id="127.0.0.1:2222",
         data=entry_data,
     )
+
+
+@pytest.fixture
+def tower_dir(tmp_path: Path) -> Path:
+    """Where the tower's files (test-driver node, agent config, sshd) live."""
+    return tmp_path / "tower"
+
+
+@pytest.fixture
+def tower(tower_dir: Path, socket_enabled: None) -> Iterator[Sshd]:
+    """A real sshd on 127.0.0.1 forcing the real agent, on a test-driver tower."""
+    if not (sshd_available() and shutil.which("virsh")):
+        if os.environ.get("GPU_HANDOFF_REQUIRE_SYSTEM"):
+            pytest.fail("sshd and virsh are required here")
+        pytest.skip("needs OpenSSH's sshd and libvirt's virsh")
+    tower_dir.mkdir(parents=True, exist_ok=True)
+    server = Sshd(tower_dir / "sshd", agent_command(write_tower(tower_dir))).start()
+    yield server
+    server.stop()
+
+
+def tower_entry_data(server: Sshd) -> dict[str, Any]:
+    """Config entry data that logs in to ``server`` with its client key."""
+    return {
+        CONF_HOST: "127.0.0.1",
+        CONF_PORT: server.port,
+        CONF_USERNAME: server.user,
+        CONF_PRIVATE_KEY: server.client_key.read_text(encoding="utf-8"),
+        CONF_PASSPHRASE: None,
+        CONF_HOST_KEY: server.host_public_key,
+        CONF_GPU_NODE: "gpu-node",
+        CONF_KUBECONFIG: "",
+        CONF_K8S_NODE: "gpu-node",
+    }
+
+
+@pytest.fixture
+def cluster(k8s_emulator: K8sEmulator) -> K8sEmulator:
+    """The Kubernetes API emulator over real HTTPS, seeded with the demo cluster.
+
+    Its default token carries only the verbs the product's ClusterRole grants.
+    """
+    return k8s_emulator
+
+
+def kubeconfig_text(emulator: K8sEmulator, token: str | None = None) -> str:
+    """The emulator's kubeconfig as a user would paste it."""
+    return yaml.safe_dump(emulator.kubeconfig(token), sort_keys=False)

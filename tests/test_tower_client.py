@@ -1,0 +1,299 @@
+"""The tower client against a real OpenSSH server that forces the real agent.
+
+Real parts: sshd on 127.0.0.1 with a ``restrict,command=...`` authorized_keys
+line, the agent program, and virsh with libvirt's test driver. Nothing mocked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+import os
+from pathlib import Path
+import shutil
+
+import pytest
+
+from custom_components.gpu_handoff.tower_client import (
+    AgentCommandError,
+    AgentMissingError,
+    AgentVersionError,
+    TowerAuthError,
+    TowerClient,
+    TowerConnectionError,
+    TowerCredentials,
+    TowerHostKeyError,
+    authorized_keys_line,
+    fetch_host_key,
+    fingerprint,
+    generate_key_pair,
+    public_key_of,
+)
+from tests.support.sshd import Sshd, generate_key, sshd_available
+from tests.support.testdriver import agent_command, write_tower
+
+pytestmark = pytest.mark.skipif(
+    not (sshd_available() and shutil.which("virsh"))
+    and not os.environ.get("GPU_HANDOFF_REQUIRE_SYSTEM"),
+    reason="needs OpenSSH's sshd and libvirt's virsh",
+)
+
+
+@pytest.fixture
+def sshd(tmp_path: Path, socket_enabled: None) -> Iterator[Sshd]:
+    """sshd forcing the agent with a test-driver tower."""
+    config = write_tower(tmp_path)
+    server = Sshd(tmp_path / "sshd", agent_command(config)).start()
+    yield server
+    server.stop()
+
+
+def credentials(server: Sshd, **changes: str) -> TowerCredentials:
+    """Credentials that log in to ``server`` with its client key."""
+    values = {
+        "host": "127.0.0.1",
+        "port": server.port,
+        "username": server.user,
+        "private_key": server.client_key.read_text(encoding="utf-8"),
+        "host_key": server.host_public_key,
+    } | changes
+    return TowerCredentials(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def client(sshd: Sshd) -> AsyncIterator[TowerClient]:
+    """A connected client."""
+    tower = TowerClient(credentials(sshd))
+    yield tower
+    await tower.close()
+
+
+async def test_version_and_status_over_forced_command(client: TowerClient) -> None:
+    """The forced agent answers version and status over one reused connection."""
+    version = await client.version()
+    assert version["ok"] is True
+    assert "status" in version["verbs"]
+    status = await client.status()
+    assert client.connected
+    domains = {domain["name"]: domain for domain in status["domains"]}
+    assert domains["gpu-node"]["state"] == "running"
+    assert domains["gaming-1"]["state"] == "shut_off"
+    holders = {card["address"]: card["held_by"] for card in status["cards"]}
+    assert holders["0000:02:00.0"] == "gpu-node"
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (("status;", "id"), "not_allowed"),
+        (("stop", "../x"), "unknown_domain"),
+        (("stop", "not-a-vm"), "unknown_domain"),
+        (("start", "gaming-1", "--force"), "bad_request"),
+        (("run-job", "abc"), "not_allowed"),
+        (("install",), "not_allowed"),
+        (("status", "x" * 600), "bad_request"),
+    ],
+)
+async def test_forced_command_rejects_bad_requests(
+    client: TowerClient, args: tuple[str, ...], code: str
+) -> None:
+    """The agent refuses anything but its verbs with configured domains."""
+    with pytest.raises(AgentCommandError) as err:
+        await client.call(*args)
+    assert err.value.code == code
+
+
+async def test_shell_metacharacters_reach_no_shell(
+    client: TowerClient, sshd: Sshd, tmp_path: Path
+) -> None:
+    """A request with shell syntax is one rejected request, not a command."""
+    marker = tmp_path / "pwned"
+    with pytest.raises(AgentCommandError):
+        await client.call("status", f"$(touch {marker})")
+    with pytest.raises(AgentCommandError):
+        await client.call(f"status && touch {marker}")
+    assert not marker.exists()
+
+
+async def test_host_key_mismatch_refuses(sshd: Sshd, tmp_path: Path) -> None:
+    """A host key other than the pinned one refuses to connect."""
+    other = generate_key(tmp_path / "other_host_key")
+    tower = TowerClient(credentials(sshd, host_key=other))
+    with pytest.raises(TowerHostKeyError):
+        await tower.status()
+    assert not tower.connected
+    await tower.close()
+
+
+async def test_refused_key(sshd: Sshd) -> None:
+    """A key the tower does not know is refused as an authentication error."""
+    private, _public = generate_key_pair()
+    tower = TowerClient(credentials(sshd, private_key=private))
+    with pytest.raises(TowerAuthError):
+        await tower.connect()
+    await tower.close()
+
+
+async def test_unreadable_key_and_pin(sshd: Sshd) -> None:
+    """Garbage key material is an auth error; a garbage pin a host key error."""
+    with pytest.raises(TowerAuthError):
+        await TowerClient(credentials(sshd, private_key="not a key")).connect()
+    with pytest.raises(TowerHostKeyError):
+        await TowerClient(credentials(sshd, host_key="ssh-ed25519 ####")).connect()
+
+
+async def test_unreachable_tower(sshd: Sshd) -> None:
+    """Nothing listening is a connection error."""
+    port = sshd.port
+    sshd.stop()
+    tower = TowerClient(credentials(sshd, port=port))  # type: ignore[arg-type]
+    with pytest.raises(TowerConnectionError):
+        await tower.connect()
+    with pytest.raises(TowerConnectionError):
+        await fetch_host_key("127.0.0.1", port)
+
+
+async def test_reconnects_after_the_tower_restarts(sshd: Sshd) -> None:
+    """A request after sshd restarted reconnects once and succeeds."""
+    tower = TowerClient(credentials(sshd))
+    await tower.version()
+    sshd.stop()
+    sshd.start_again()
+    assert (await tower.version())["ok"] is True
+    await tower.close()
+
+
+def _forcing(tmp_path: Path, script: str, *extra_config: str) -> Sshd:
+    program = tmp_path / "fake-agent"
+    program.write_text(f"#!/bin/sh\n{script}\n", encoding="utf-8")
+    program.chmod(0o755)
+    return Sshd(
+        tmp_path / "sshd", [str(program)], extra_config=list(extra_config)
+    ).start()
+
+
+@pytest.mark.parametrize(
+    ("script", "error"),
+    [
+        ("exit 127", AgentMissingError),
+        ("echo 'command not found' >&2; exit 1", AgentMissingError),
+        ("echo hello", AgentMissingError),
+        ("echo '[1]'", AgentMissingError),
+        ('echo \'{"protocol": 99, "ok": true}\'', AgentVersionError),
+    ],
+)
+async def test_something_else_than_the_agent(
+    tmp_path: Path, socket_enabled: None, script: str, error: type[Exception]
+) -> None:
+    """A forced command that is not (this version of) the agent is reported as such.
+
+    The forced command here is a shell script standing in for a missing or
+    foreign program: that is the case under test.
+    """
+    server = _forcing(tmp_path, script)
+    tower = TowerClient(credentials(server))
+    try:
+        with pytest.raises(error):
+            await tower.version()
+    finally:
+        await tower.close()
+        server.stop()
+
+
+async def test_host_key_fetch_and_fingerprint(sshd: Sshd) -> None:
+    """The fetched host key is the server's, with ssh-keygen's fingerprint."""
+    key = await fetch_host_key("127.0.0.1", sshd.port)
+    assert key.split()[:2] == sshd.host_public_key.split()[:2]
+    assert fingerprint(key) == sshd.host_fingerprint
+
+
+def test_key_pair_helpers() -> None:
+    """Generated keys round-trip; unreadable keys are auth errors."""
+    private, public = generate_key_pair()
+    assert public.startswith("ssh-ed25519 ")
+    assert public_key_of(private) == public
+    line = authorized_keys_line(public, "/usr/local/bin/gpu-handoff serve")
+    assert line == f'restrict,command="/usr/local/bin/gpu-handoff serve" {public}'
+    with pytest.raises(TowerAuthError):
+        public_key_of("-----BEGIN OPENSSH PRIVATE KEY-----\nnope\n")
+    assert "PRIVATE" not in repr(
+        TowerCredentials(
+            host="h", port=22, username="u", private_key=private, host_key=public
+        )
+    )
+
+
+async def test_watch_streams_until_closed(client: TowerClient) -> None:
+    """watch starts with a 'watching' message and ends cleanly when we stop."""
+    stream = client.watch()
+    first = await anext(stream)
+    assert first["type"] == "watching"
+    assert set(first["domains"]) == {"gpu-node", "gaming-1", "gaming-2"}
+    await stream.aclose()
+    assert (await client.version())["ok"] is True
+
+
+async def test_tower_going_away_under_a_connection(sshd: Sshd) -> None:
+    """A request on a connection whose tower died reconnects, and reports it gone."""
+    tower = TowerClient(credentials(sshd))
+    await tower.version()
+    sshd.stop()
+    with pytest.raises(TowerConnectionError):
+        await tower.version()
+    assert not tower.connected
+    await tower.close()
+
+
+async def test_sessions_refused(tmp_path: Path, socket_enabled: None) -> None:
+    """A tower that accepts the login but no session is a connection error,
+    for requests and for the watch stream, after one reconnect."""
+    server = _forcing(tmp_path, "exit 0", "MaxSessions 0")
+    tower = TowerClient(credentials(server))
+    try:
+        with pytest.raises(TowerConnectionError):
+            await tower.version()
+        with pytest.raises(TowerConnectionError):
+            await anext(tower.watch())
+    finally:
+        await tower.close()
+        server.stop()
+
+
+async def test_request_timeout(tmp_path: Path, socket_enabled: None) -> None:
+    """An agent that does not answer in time is reported, not waited for."""
+    server = _forcing(tmp_path, "exec sleep 30")
+    tower = TowerClient(credentials(server))
+    try:
+        with pytest.raises(TowerConnectionError, match="did not answer"):
+            await tower.call("version", timeout=0.5)
+    finally:
+        await tower.close()
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("script", "error"),
+    [
+        ("echo; echo 'not json'", AgentMissingError),
+        ('echo \'{"protocol": 99, "type": "watching"}\'', AgentVersionError),
+        ("echo '[]'", AgentVersionError),
+        (
+            'echo \'{"protocol": 1, "type": "error", "error": {"code": "libvirt_unreachable", "message": "down"}}\'',
+            AgentCommandError,
+        ),
+    ],
+)
+async def test_watch_reports_a_broken_stream(
+    tmp_path: Path, socket_enabled: None, script: str, error: type[Exception]
+) -> None:
+    """A watch stream that is not the agent's, or that reports an error, raises.
+
+    The forced command is a shell script standing in for a broken agent.
+    """
+    server = _forcing(tmp_path, script)
+    tower = TowerClient(credentials(server))
+    try:
+        with pytest.raises(error):
+            await anext(tower.watch())
+    finally:
+        await tower.close()
+        server.stop()
