@@ -19,6 +19,8 @@ COMMON_KEYS = {
     "common::config_flow::data::port": "Port",
     "common::config_flow::data::username": "Username",
     "common::config_flow::abort::already_configured_device": "Device is already configured",
+    "common::config_flow::abort::reauth_successful": "Re-authentication was successful",
+    "common::config_flow::abort::reconfigure_successful": "Re-configuration was successful",
 }
 
 

@@ -3,17 +3,49 @@ cluster while nobody plays, and hands each player their card back on demand."""
 
 from __future__ import annotations
 
-from homeassistant.config_entries import ConfigEntry
+from homeassistant.const import Platform
 from homeassistant.core import HomeAssistant
+from homeassistant.helpers import device_registry as dr
 
-type GpuHandoffConfigEntry = ConfigEntry[None]
+from .const import DOMAIN
+from .coordinator import GpuHandoffConfigEntry, GpuHandoffCoordinator
+
+PLATFORMS = [Platform.BINARY_SENSOR, Platform.SENSOR]
 
 
 async def async_setup_entry(hass: HomeAssistant, entry: GpuHandoffConfigEntry) -> bool:
     """Set up a tower from a config entry."""
+    coordinator = await GpuHandoffCoordinator.create(hass, entry)
+    entry.async_on_unload(coordinator.async_shutdown)
+    await coordinator.async_config_entry_first_refresh()
+    entry.runtime_data = coordinator
+    coordinator.tower_device_id = (
+        dr.async_get(hass)
+        .async_get_or_create(
+            config_entry_id=entry.entry_id,
+            identifiers={(DOMAIN, entry.entry_id)},
+            name=entry.title,
+            manufacturer="GPU Handoff",
+            model="libvirt tower",
+        )
+        .id
+    )
+    entry.async_create_background_task(
+        hass, coordinator.async_watch(), f"{entry.title} tower events"
+    )
+    entry.async_on_unload(entry.add_update_listener(_async_reload_if_changed))
+    await hass.config_entries.async_forward_entry_setups(entry, PLATFORMS)
     return True
 
 
 async def async_unload_entry(hass: HomeAssistant, entry: GpuHandoffConfigEntry) -> bool:
     """Unload a config entry."""
-    return True
+    return await hass.config_entries.async_unload_platforms(entry, PLATFORMS)
+
+
+async def _async_reload_if_changed(
+    hass: HomeAssistant, entry: GpuHandoffConfigEntry
+) -> None:
+    """Reload when options changed or a gaming VM was added or removed."""
+    if entry.runtime_data.setup_signature != entry.runtime_data.signature_of(entry):
+        hass.config_entries.async_schedule_reload(entry.entry_id)

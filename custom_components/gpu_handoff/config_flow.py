@@ -1,33 +1,195 @@
-"""Config flow for GPU Handoff: one entry per tower."""
+"""Config flow for GPU Handoff: one entry per tower, one subentry per gaming VM.
+
+The user names the tower, confirms its host key fingerprint (pinned from then
+on), gives Home Assistant an SSH key (generated here, or pasted), picks the
+gaming VMs from what the tower's agent reports, and pastes a kubeconfig whose
+node list offers the GPU node's Kubernetes node. Every step is checked against
+the real tower and cluster before anything is stored.
+"""
 
 from __future__ import annotations
 
 from typing import Any, override
 
-from homeassistant.config_entries import ConfigFlow, ConfigFlowResult
+from homeassistant.config_entries import (
+    SOURCE_REAUTH,
+    ConfigEntry,
+    ConfigFlow,
+    ConfigFlowResult,
+    ConfigSubentryData,
+    ConfigSubentryFlow,
+    OptionsFlow,
+    SubentryFlowResult,
+)
 from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
+from homeassistant.core import callback
 from homeassistant.helpers import selector
 import probatio
 
-from .const import DEFAULT_SSH_PORT, DOMAIN
+from .cluster_client import ClusterClient, ClusterError
+from .const import (
+    CONF_AUTO_RETURN,
+    CONF_DOMAIN_NAME,
+    CONF_DRAIN_TIMEOUT,
+    CONF_GAMING_VMS,
+    CONF_GPU_NODE,
+    CONF_HOST_KEY,
+    CONF_K8S_NODE,
+    CONF_KUBECONFIG,
+    CONF_PASSPHRASE,
+    CONF_PRIVATE_KEY,
+    CONF_SCAN_INTERVAL,
+    DEFAULT_AGENT_COMMAND,
+    DEFAULT_AUTO_RETURN,
+    DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_SCAN_INTERVAL,
+    DEFAULT_SSH_PORT,
+    DOMAIN,
+    SUBENTRY_GAMING_VM,
+)
+from .errors import cluster_error_key, tower_error_key
+from .tower_client import (
+    TowerAuthError,
+    TowerClient,
+    TowerCredentials,
+    TowerError,
+    authorized_keys_line,
+    fetch_host_key,
+    fingerprint,
+    generate_key_pair,
+    public_key_of,
+)
 
-STEP_USER_SCHEMA = probatio.Schema(
-    {
-        probatio.Required(CONF_HOST): selector.TextSelector(),
-        probatio.Required(CONF_PORT, default=DEFAULT_SSH_PORT): selector.NumberSelector(
-            selector.NumberSelectorConfig(
-                min=1, max=65535, mode=selector.NumberSelectorMode.BOX
-            )
-        ),
-        probatio.Required(CONF_USERNAME): selector.TextSelector(),
-    }
+TEXT = selector.TextSelector()
+MULTILINE = selector.TextSelector(selector.TextSelectorConfig(multiline=True))
+PASSWORD = selector.TextSelector(
+    selector.TextSelectorConfig(type=selector.TextSelectorType.PASSWORD)
+)
+PORT = selector.NumberSelector(
+    selector.NumberSelectorConfig(
+        min=1, max=65535, mode=selector.NumberSelectorMode.BOX
+    )
 )
 
 
+def _tower_schema() -> probatio.Schema:
+    return probatio.Schema(
+        {
+            probatio.Required(CONF_HOST): TEXT,
+            probatio.Required(CONF_PORT, default=DEFAULT_SSH_PORT): PORT,
+            probatio.Required(CONF_USERNAME): TEXT,
+        }
+    )
+
+
+def _clean_tower_input(
+    user_input: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Trimmed host, port and user, or the field errors."""
+    host = str(user_input[CONF_HOST]).strip()
+    username = str(user_input[CONF_USERNAME]).strip()
+    if not host or any(char.isspace() for char in host):
+        return {}, {CONF_HOST: "invalid_host"}
+    if not username or any(char.isspace() for char in username):
+        return {}, {CONF_USERNAME: "invalid_username"}
+    return {
+        CONF_HOST: host,
+        CONF_PORT: int(user_input[CONF_PORT]),
+        CONF_USERNAME: username,
+    }, {}
+
+
+def _domain_label(domain: dict[str, Any]) -> str:
+    """``Gaming station 1 (gaming-1): 0000:02:00.0, 0000:02:00.1``."""
+    name = str(domain["name"])
+    title = domain.get("title")
+    label = f"{title} ({name})" if title and title != name else name
+    cards = ", ".join(str(dev["address"]) for dev in domain.get("hostdevs", []))
+    return f"{label}: {cards}" if cards else label
+
+
+def _gaming_domains(status: dict[str, Any]) -> list[dict[str, Any]]:
+    gaming = set(status.get("gaming", []))
+    return [domain for domain in status.get("domains", []) if domain["name"] in gaming]
+
+
+def _vm_subentry(domain: dict[str, Any]) -> ConfigSubentryData:
+    name = str(domain["name"])
+    return ConfigSubentryData(
+        data={CONF_DOMAIN_NAME: name},
+        subentry_type=SUBENTRY_GAMING_VM,
+        title=str(domain.get("title") or name),
+        unique_id=name,
+    )
+
+
+async def _check_tower(
+    data: dict[str, Any],
+) -> tuple[dict[str, Any] | None, str | None]:
+    """(the agent's status, None) or (None, error key): a real round trip."""
+    client = TowerClient(
+        TowerCredentials(
+            host=data[CONF_HOST],
+            port=data[CONF_PORT],
+            username=data[CONF_USERNAME],
+            private_key=data[CONF_PRIVATE_KEY],
+            passphrase=data.get(CONF_PASSPHRASE) or None,
+            host_key=data[CONF_HOST_KEY],
+        )
+    )
+    try:
+        await client.version()
+        return await client.status(), None
+    except TowerError as err:
+        return None, tower_error_key(err)
+    finally:
+        await client.close()
+
+
+async def _cluster_nodes(kubeconfig: str) -> tuple[list[str], str | None]:
+    """(node names, None) or ([], error key)."""
+    try:
+        client = await ClusterClient.create(kubeconfig)
+    except ClusterError as err:
+        return [], cluster_error_key(err)
+    try:
+        return await client.node_names(), None
+    except ClusterError as err:
+        return [], cluster_error_key(err)
+    finally:
+        await client.close()
+
+
 class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
-    """Handle a config flow for a tower."""
+    """Set up a tower."""
 
     VERSION = 1
+
+    def __init__(self) -> None:
+        """Start with nothing known."""
+        self._data: dict[str, Any] = {}
+        self._status: dict[str, Any] = {}
+        self._generated: tuple[str, str] | None = None
+        self._nodes: list[str] = []
+        self._vms: list[str] = []
+
+    @staticmethod
+    @callback
+    @override
+    def async_get_options_flow(config_entry: ConfigEntry) -> GpuHandoffOptionsFlow:
+        """Timeouts and behaviour."""
+        return GpuHandoffOptionsFlow()
+
+    @classmethod
+    @callback
+    @override
+    def async_get_supported_subentry_types(
+        cls, config_entry: ConfigEntry
+    ) -> dict[str, type[ConfigSubentryFlow]]:
+        """Gaming VMs can be added and removed after setup."""
+        return {SUBENTRY_GAMING_VM: GamingVmSubentryFlow}
+
+    # --- the tower -----------------------------------------------------------
 
     @override
     async def async_step_user(
@@ -36,24 +198,388 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         """Ask for the tower's SSH address and user."""
         errors: dict[str, str] = {}
         if user_input is not None:
-            host = user_input[CONF_HOST].strip()
-            username = user_input[CONF_USERNAME].strip()
-            port = int(user_input[CONF_PORT])
-            if not host or any(c.isspace() for c in host):
-                errors[CONF_HOST] = "invalid_host"
-            elif not username or any(c.isspace() for c in username):
-                errors[CONF_USERNAME] = "invalid_username"
-            else:
-                await self.async_set_unique_id(f"{host}:{port}")
+            tower, errors = _clean_tower_input(user_input)
+            if not errors:
+                await self.async_set_unique_id(f"{tower[CONF_HOST]}:{tower[CONF_PORT]}")
                 self._abort_if_unique_id_configured()
-                return self.async_create_entry(
-                    title=host,
-                    data={CONF_HOST: host, CONF_PORT: port, CONF_USERNAME: username},
-                )
+                try:
+                    host_key = await fetch_host_key(tower[CONF_HOST], tower[CONF_PORT])
+                except TowerError:
+                    errors["base"] = "cannot_connect"
+                else:
+                    self._data = tower | {CONF_HOST_KEY: host_key}
+                    return await self.async_step_host_key()
         return self.async_show_form(
             step_id="user",
             data_schema=self.add_suggested_values_to_schema(
-                STEP_USER_SCHEMA, user_input
+                _tower_schema(), user_input
             ),
             errors=errors,
+        )
+
+    async def async_step_host_key(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Show the host key's fingerprint; going on pins it."""
+        if user_input is not None:
+            return await self.async_step_credentials()
+        return self.async_show_form(
+            step_id="host_key",
+            description_placeholders={
+                "host": self._data[CONF_HOST],
+                "fingerprint": fingerprint(self._data[CONF_HOST_KEY]),
+            },
+        )
+
+    async def async_step_credentials(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Generate a key pair here, or use an existing key."""
+        return self.async_show_menu(
+            step_id="credentials", menu_options=["generate_key", "paste_key"]
+        )
+
+    async def async_step_generate_key(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Make a key pair; the user adds its public half to the tower."""
+        if self._generated is None:
+            self._generated = await self.hass.async_add_executor_job(generate_key_pair)
+        private, public = self._generated
+        errors: dict[str, str] = {}
+        if user_input is not None:
+            errors = await self._async_use_key(private, None)
+            if not errors:
+                return await self._async_after_key()
+        return self.async_show_form(
+            step_id="generate_key",
+            description_placeholders={
+                "public_key": public,
+                "authorized_keys_line": authorized_keys_line(
+                    public, DEFAULT_AGENT_COMMAND
+                ),
+            },
+            errors=errors,
+        )
+
+    async def async_step_paste_key(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Take an existing private key (and its passphrase)."""
+        errors: dict[str, str] = {}
+        if user_input is not None:
+            private = str(user_input[CONF_PRIVATE_KEY]).strip() + "\n"
+            passphrase = user_input.get(CONF_PASSPHRASE) or None
+            try:
+                public_key_of(private, passphrase)
+            except TowerAuthError:
+                errors[CONF_PRIVATE_KEY] = "invalid_key"
+            else:
+                errors = await self._async_use_key(private, passphrase)
+                if not errors:
+                    return await self._async_after_key()
+        return self.async_show_form(
+            step_id="paste_key",
+            data_schema=probatio.Schema(
+                {
+                    probatio.Required(CONF_PRIVATE_KEY): MULTILINE,
+                    probatio.Optional(CONF_PASSPHRASE): PASSWORD,
+                }
+            ),
+            errors=errors,
+        )
+
+    async def _async_use_key(
+        self, private: str, passphrase: str | None
+    ) -> dict[str, str]:
+        """Log in with the key and ask the agent for its status."""
+        data = self._data | {CONF_PRIVATE_KEY: private, CONF_PASSPHRASE: passphrase}
+        status, error = await _check_tower(data)
+        if status is None:
+            return {"base": error or "cannot_connect"}
+        self._data = data
+        self._status = status
+        return {}
+
+    async def _async_after_key(self) -> ConfigFlowResult:
+        if self.source == SOURCE_REAUTH:
+            return self.async_update_reload_and_abort(
+                self._get_reauth_entry(),
+                data_updates={
+                    CONF_PRIVATE_KEY: self._data[CONF_PRIVATE_KEY],
+                    CONF_PASSPHRASE: self._data[CONF_PASSPHRASE],
+                },
+            )
+        self._data[CONF_GPU_NODE] = self._status["gpu_node"]
+        return await self.async_step_gaming_vms()
+
+    async def async_step_gaming_vms(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Pick the gaming VMs that get a switch."""
+        domains = _gaming_domains(self._status)
+        errors: dict[str, str] = {}
+        if user_input is not None:
+            self._vms = list(user_input[CONF_GAMING_VMS])
+            if self._vms:
+                return await self.async_step_cluster()
+            errors[CONF_GAMING_VMS] = "no_gaming_vm"
+        gpu_node = next(
+            (
+                d
+                for d in self._status["domains"]
+                if d["name"] == self._status["gpu_node"]
+            ),
+            {"name": self._status["gpu_node"], "hostdevs": []},
+        )
+        return self.async_show_form(
+            step_id="gaming_vms",
+            data_schema=probatio.Schema(
+                {
+                    probatio.Required(
+                        CONF_GAMING_VMS, default=[d["name"] for d in domains]
+                    ): selector.SelectSelector(
+                        selector.SelectSelectorConfig(
+                            options=[
+                                selector.SelectOptionDict(
+                                    value=d["name"], label=_domain_label(d)
+                                )
+                                for d in domains
+                            ],
+                            multiple=True,
+                            mode=selector.SelectSelectorMode.LIST,
+                        )
+                    )
+                }
+            ),
+            description_placeholders={"gpu_node": _domain_label(gpu_node)},
+            errors=errors,
+        )
+
+    # --- the cluster ---------------------------------------------------------
+
+    async def async_step_cluster(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Take a kubeconfig and list the cluster's nodes with it."""
+        errors: dict[str, str] = {}
+        if user_input is not None:
+            kubeconfig = str(user_input[CONF_KUBECONFIG]).strip()
+            self._nodes, error = await _cluster_nodes(kubeconfig)
+            if error is None:
+                self._data[CONF_KUBECONFIG] = kubeconfig
+                return await self.async_step_node()
+            errors["base"] = error
+        return self.async_show_form(
+            step_id="cluster",
+            data_schema=probatio.Schema(
+                {probatio.Required(CONF_KUBECONFIG): MULTILINE}
+            ),
+            errors=errors,
+        )
+
+    async def async_step_node(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Pick the GPU node VM's Kubernetes node."""
+        if user_input is not None:
+            self._data[CONF_K8S_NODE] = user_input[CONF_K8S_NODE]
+            domains = {d["name"]: d for d in _gaming_domains(self._status)}
+            return self.async_create_entry(
+                title=self._data[CONF_HOST],
+                data=self._data,
+                options={
+                    CONF_SCAN_INTERVAL: DEFAULT_SCAN_INTERVAL,
+                    CONF_DRAIN_TIMEOUT: DEFAULT_DRAIN_TIMEOUT,
+                    CONF_AUTO_RETURN: DEFAULT_AUTO_RETURN,
+                },
+                subentries=[_vm_subentry(domains[name]) for name in self._vms],
+            )
+        default = (
+            self._data[CONF_GPU_NODE]
+            if self._data[CONF_GPU_NODE] in self._nodes
+            else self._nodes[0]
+            if self._nodes
+            else ""
+        )
+        return self.async_show_form(
+            step_id="node",
+            data_schema=probatio.Schema(
+                {
+                    probatio.Required(
+                        CONF_K8S_NODE, default=default
+                    ): selector.SelectSelector(
+                        selector.SelectSelectorConfig(options=self._nodes)
+                    )
+                }
+            ),
+        )
+
+    # --- reauth and reconfigure ----------------------------------------------
+
+    async def async_step_reauth(self, entry_data: dict[str, Any]) -> ConfigFlowResult:
+        """The tower refused the key: give it a new one."""
+        self._data = dict(entry_data)
+        return await self.async_step_reauth_confirm()
+
+    async def async_step_reauth_confirm(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Generate a new key pair, or use another existing key."""
+        return self.async_show_menu(
+            step_id="reauth_confirm", menu_options=["generate_key", "paste_key"]
+        )
+
+    async def async_step_reconfigure(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Change the tower's address or user, or the kubeconfig."""
+        entry = self._get_reconfigure_entry()
+        errors: dict[str, str] = {}
+        if user_input is not None:
+            tower, errors = _clean_tower_input(user_input)
+            kubeconfig = str(user_input.get(CONF_KUBECONFIG) or "").strip()
+            if not errors and kubeconfig:
+                nodes, error = await _cluster_nodes(kubeconfig)
+                if error is not None:
+                    errors["base"] = error
+                elif entry.data[CONF_K8S_NODE] not in nodes:
+                    errors["base"] = "node_not_found"
+            if not errors:
+                self._data = dict(entry.data) | tower
+                if kubeconfig:
+                    self._data[CONF_KUBECONFIG] = kubeconfig
+                if (tower[CONF_HOST], tower[CONF_PORT]) == (
+                    entry.data[CONF_HOST],
+                    entry.data[CONF_PORT],
+                ):
+                    return await self._async_finish_reconfigure()
+                try:
+                    self._data[CONF_HOST_KEY] = await fetch_host_key(
+                        tower[CONF_HOST], tower[CONF_PORT]
+                    )
+                except TowerError:
+                    errors["base"] = "cannot_connect"
+                else:
+                    return await self.async_step_reconfigure_host_key()
+        suggested = {
+            CONF_HOST: entry.data[CONF_HOST],
+            CONF_PORT: entry.data[CONF_PORT],
+            CONF_USERNAME: entry.data[CONF_USERNAME],
+        } | (user_input or {})
+        schema = _tower_schema().extend({probatio.Optional(CONF_KUBECONFIG): MULTILINE})
+        return self.async_show_form(
+            step_id="reconfigure",
+            data_schema=self.add_suggested_values_to_schema(
+                schema, {k: v for k, v in suggested.items() if k != CONF_KUBECONFIG}
+            ),
+            errors=errors,
+        )
+
+    async def async_step_reconfigure_host_key(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Confirm the host key of the tower's new address."""
+        if user_input is not None:
+            return await self._async_finish_reconfigure()
+        return self.async_show_form(
+            step_id="reconfigure_host_key",
+            description_placeholders={
+                "host": self._data[CONF_HOST],
+                "fingerprint": fingerprint(self._data[CONF_HOST_KEY]),
+            },
+        )
+
+    async def _async_finish_reconfigure(self) -> ConfigFlowResult:
+        entry = self._get_reconfigure_entry()
+        status, error = await _check_tower(self._data)
+        if status is None:
+            return self.async_abort(reason=error or "cannot_connect")
+        if status["gpu_node"] != entry.data[CONF_GPU_NODE]:
+            return self.async_abort(reason="different_tower")
+        unique_id = f"{self._data[CONF_HOST]}:{self._data[CONF_PORT]}"
+        if unique_id != entry.unique_id:
+            await self.async_set_unique_id(unique_id)
+            self._abort_if_unique_id_configured()
+        return self.async_update_reload_and_abort(
+            entry, unique_id=unique_id, data=self._data
+        )
+
+
+class GpuHandoffOptionsFlow(OptionsFlow):
+    """Update interval, drain timeout, whether cards return by themselves."""
+
+    async def async_step_init(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """One form for all options."""
+        if user_input is not None:
+            return self.async_create_entry(
+                data={
+                    CONF_SCAN_INTERVAL: int(user_input[CONF_SCAN_INTERVAL]),
+                    CONF_DRAIN_TIMEOUT: int(user_input[CONF_DRAIN_TIMEOUT]),
+                    CONF_AUTO_RETURN: bool(user_input[CONF_AUTO_RETURN]),
+                }
+            )
+        seconds = selector.NumberSelector(
+            selector.NumberSelectorConfig(
+                min=5,
+                max=3600,
+                unit_of_measurement="s",
+                mode=selector.NumberSelectorMode.BOX,
+            )
+        )
+        schema = probatio.Schema(
+            {
+                probatio.Required(CONF_SCAN_INTERVAL): seconds,
+                probatio.Required(CONF_DRAIN_TIMEOUT): seconds,
+                probatio.Required(CONF_AUTO_RETURN): selector.BooleanSelector(),
+            }
+        )
+        return self.async_show_form(
+            step_id="init",
+            data_schema=self.add_suggested_values_to_schema(
+                schema, self.config_entry.options
+            ),
+        )
+
+
+class GamingVmSubentryFlow(ConfigSubentryFlow):
+    """Add one more gaming VM of the tower."""
+
+    async def async_step_user(
+        self, user_input: dict[str, Any] | None = None
+    ) -> SubentryFlowResult:
+        """Pick a gaming VM the tower's agent manages and that has no switch yet."""
+        entry = self._get_entry()
+        status, error = await _check_tower(dict(entry.data))
+        if status is None:
+            return self.async_abort(reason=error or "cannot_connect")
+        taken = {sub.unique_id for sub in entry.subentries.values()}
+        domains = {
+            d["name"]: d for d in _gaming_domains(status) if d["name"] not in taken
+        }
+        if not domains:
+            return self.async_abort(reason="no_more_gaming_vms")
+        if user_input is not None and user_input[CONF_DOMAIN_NAME] in domains:
+            vm = _vm_subentry(domains[user_input[CONF_DOMAIN_NAME]])
+            return self.async_create_entry(
+                title=vm["title"], data=dict(vm["data"]), unique_id=vm["unique_id"]
+            )
+        return self.async_show_form(
+            step_id="user",
+            data_schema=probatio.Schema(
+                {
+                    probatio.Required(CONF_DOMAIN_NAME): selector.SelectSelector(
+                        selector.SelectSelectorConfig(
+                            options=[
+                                selector.SelectOptionDict(
+                                    value=name, label=_domain_label(d)
+                                )
+                                for name, d in domains.items()
+                            ]
+                        )
+                    )
+                }
+            ),
         )

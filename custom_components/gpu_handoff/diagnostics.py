@@ -1,0 +1,60 @@
+"""Diagnostics: the entry and the last snapshot, with secrets redacted."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Final
+
+from homeassistant.components.diagnostics import async_redact_data
+from homeassistant.const import CONF_HOST, CONF_USERNAME
+from homeassistant.core import HomeAssistant
+from homeassistant.helpers import device_registry as dr
+
+from .const import CONF_HOST_KEY, CONF_KUBECONFIG, CONF_PASSPHRASE, CONF_PRIVATE_KEY
+from .coordinator import GpuHandoffConfigEntry
+
+TO_REDACT: Final = {
+    CONF_HOST,
+    CONF_USERNAME,
+    CONF_PRIVATE_KEY,
+    CONF_PASSPHRASE,
+    CONF_HOST_KEY,
+    CONF_KUBECONFIG,
+    "unique_id",
+    "title",
+}
+
+
+async def async_get_config_entry_diagnostics(
+    hass: HomeAssistant, entry: GpuHandoffConfigEntry
+) -> dict[str, Any]:
+    """The entry (redacted), its gaming VMs and the last snapshot."""
+    coordinator = entry.runtime_data
+    return {
+        "entry": async_redact_data(entry.as_dict(), TO_REDACT),
+        "watch_connected": coordinator.watch_connected,
+        "last_update_success": coordinator.last_update_success,
+        "snapshot": asdict(coordinator.data),
+    }
+
+
+async def async_get_device_diagnostics(
+    hass: HomeAssistant, entry: GpuHandoffConfigEntry, device: dr.DeviceEntry
+) -> dict[str, Any]:
+    """The device and what the snapshot says about its VM."""
+    coordinator = entry.runtime_data
+    names = {identifier[1] for identifier in device.identifiers}
+    domains = {
+        name: asdict(state)
+        for name, state in coordinator.data.tower.domains.items()
+        if f"{entry.entry_id}_{name}" in names
+    }
+    return {
+        "device": {"name": device.name, "model": device.model},
+        "domains": domains,
+        "cards": [
+            asdict(card)
+            for card in coordinator.data.tower.cards
+            if card.held_by in domains or set(card.claimed_by) & set(domains)
+        ],
+    }

@@ -1,0 +1,218 @@
+"""Sensors: the GPU node's handoff state, VM states, GPUs lent to the cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from homeassistant.components.sensor import (
+    SensorDeviceClass,
+    SensorEntity,
+    SensorEntityDescription,
+    SensorStateClass,
+)
+from homeassistant.const import EntityCategory, UnitOfTime
+from homeassistant.core import HomeAssistant
+from homeassistant.helpers.entity_platform import AddConfigEntryEntitiesCallback
+
+from .const import CONF_GPU_NODE
+from .coordinator import GpuHandoffConfigEntry
+from .entity import ClusterBacked, GpuHandoffEntity, gaming_vms
+from .models import RUNNING, Snapshot
+
+PARALLEL_UPDATES = 0
+
+GPU_NODE_STATES: Final = [
+    "serving",
+    "cordoned",
+    "draining",
+    "stopping",
+    "off",
+    "starting",
+    "joining",
+    "unreachable",
+]
+VM_STATES: Final = [
+    "running",
+    "blocked",
+    "paused",
+    "in_shutdown",
+    "shut_off",
+    "crashed",
+    "pmsuspended",
+    "no_state",
+    "missing",
+]
+STOPPING_JOBS: Final = frozenset({"stop", "handoff"})
+STARTING_JOBS: Final = frozenset({"start", "release"})
+
+
+def gpu_node_state(snapshot: Snapshot, draining: bool = False) -> str:
+    """The GPU node's place in the handoff cycle."""
+    tower = snapshot.tower
+    vm = tower.domains.get(tower.gpu_node)
+    job = tower.job_for(tower.gpu_node)
+    node = snapshot.node
+    if vm is None or vm.state != RUNNING:
+        return "starting" if job is not None and job.kind in STARTING_JOBS else "off"
+    if job is not None and job.kind in STOPPING_JOBS and job.state == "running":
+        return "stopping"
+    if node is None:
+        return "unreachable"
+    if draining:
+        return "draining"
+    if not node.ready:
+        return "starting" if vm.agent_ready is False else "joining"
+    return "cordoned" if node.unschedulable else "serving"
+
+
+def gpu_node_attributes(snapshot: Snapshot) -> dict[str, Any]:
+    """Drain progress, guest-agent readiness, card ownership, node health."""
+    tower = snapshot.tower
+    vm = tower.domains.get(tower.gpu_node)
+    node = snapshot.node
+    job = tower.job_for(tower.gpu_node)
+    return {
+        "vm_state": vm.state if vm is not None else None,
+        "guest_agent_ready": vm.agent_ready if vm is not None else None,
+        "cordoned": node.unschedulable if node is not None else None,
+        "pods_left": node.evictable_pods if node is not None else None,
+        "node_ready": node.ready if node is not None else None,
+        "lease_age": round(node.lease_age, 1)
+        if node is not None and node.lease_age is not None
+        else None,
+        "gpus_allocatable": node.gpu_allocatable if node is not None else None,
+        "gpus_in_use": node.gpu_requested if node is not None else None,
+        "job": {"kind": job.kind, "state": job.state, "step": job.step}
+        if job is not None
+        else None,
+        "cluster_error": snapshot.cluster_error,
+        "cards": [
+            {
+                "address": card.address,
+                "held_by": card.held_by,
+                "claimed_by": list(card.claimed_by),
+            }
+            for card in tower.cards
+        ],
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuHandoffSensorDescription(SensorEntityDescription, ClusterBacked):
+    """A sensor and how it reads the snapshot of its domain."""
+
+    value_fn: Callable[[Snapshot, str | None], str | int | float | None]
+    attributes_fn: Callable[[Snapshot], Mapping[str, Any]] | None = None
+
+
+GPU_NODE_SENSOR = GpuHandoffSensorDescription(
+    key="handoff_state",
+    translation_key="handoff_state",
+    device_class=SensorDeviceClass.ENUM,
+    options=GPU_NODE_STATES,
+    value_fn=lambda snapshot, _domain: gpu_node_state(snapshot),
+    attributes_fn=gpu_node_attributes,
+)
+
+VM_STATE_SENSOR = GpuHandoffSensorDescription(
+    key="vm_state",
+    translation_key="vm_state",
+    device_class=SensorDeviceClass.ENUM,
+    options=VM_STATES,
+    value_fn=lambda snapshot, domain: (
+        vm.state
+        if (vm := snapshot.tower.domains.get(domain or "")) is not None and vm.exists
+        else "missing"
+    ),
+)
+
+TOWER_SENSORS: Final = (
+    GpuHandoffSensorDescription(
+        key="gpus_lent",
+        translation_key="gpus_lent",
+        state_class=SensorStateClass.MEASUREMENT,
+        value_fn=lambda snapshot, _domain: snapshot.tower.gpus_held_by(
+            snapshot.tower.gpu_node
+        ),
+    ),
+)
+
+NODE_SENSORS: Final = (
+    GpuHandoffSensorDescription(
+        key="gpus_in_use",
+        translation_key="gpus_in_use",
+        needs_cluster=True,
+        state_class=SensorStateClass.MEASUREMENT,
+        value_fn=lambda snapshot, _domain: (
+            snapshot.node.gpu_requested if snapshot.node is not None else None
+        ),
+    ),
+    GpuHandoffSensorDescription(
+        key="pods_left",
+        translation_key="pods_left",
+        needs_cluster=True,
+        state_class=SensorStateClass.MEASUREMENT,
+        value_fn=lambda snapshot, _domain: (
+            snapshot.node.evictable_pods if snapshot.node is not None else None
+        ),
+    ),
+    GpuHandoffSensorDescription(
+        key="lease_age",
+        translation_key="lease_age",
+        needs_cluster=True,
+        device_class=SensorDeviceClass.DURATION,
+        native_unit_of_measurement=UnitOfTime.SECONDS,
+        entity_category=EntityCategory.DIAGNOSTIC,
+        entity_registry_enabled_default=False,
+        value_fn=lambda snapshot, _domain: (
+            round(snapshot.node.lease_age, 1)
+            if snapshot.node is not None and snapshot.node.lease_age is not None
+            else None
+        ),
+    ),
+)
+
+
+async def async_setup_entry(
+    hass: HomeAssistant,
+    entry: GpuHandoffConfigEntry,
+    async_add_entities: AddConfigEntryEntitiesCallback,
+) -> None:
+    """Sensors of the tower, of the GPU node and of each gaming VM."""
+    coordinator = entry.runtime_data
+    gpu_node = entry.data[CONF_GPU_NODE]
+    async_add_entities(
+        [
+            *(GpuHandoffSensor(coordinator, d) for d in TOWER_SENSORS),
+            GpuHandoffSensor(coordinator, GPU_NODE_SENSOR, gpu_node),
+            GpuHandoffSensor(coordinator, VM_STATE_SENSOR, gpu_node),
+            *(GpuHandoffSensor(coordinator, d, gpu_node) for d in NODE_SENSORS),
+        ]
+    )
+    for subentry_id, domain in gaming_vms(entry):
+        async_add_entities(
+            [GpuHandoffSensor(coordinator, VM_STATE_SENSOR, domain)],
+            config_subentry_id=subentry_id,
+        )
+
+
+class GpuHandoffSensor(GpuHandoffEntity, SensorEntity):
+    """A sensor read from the snapshot."""
+
+    entity_description: GpuHandoffSensorDescription
+    # Card ownership is shown live; the recorder need not keep every copy.
+    _unrecorded_attributes = frozenset({"cards", "job", "lease_age"})
+
+    @property
+    def native_value(self) -> str | int | float | None:
+        """The value."""
+        return self.entity_description.value_fn(self.coordinator.data, self.domain)
+
+    @property
+    def extra_state_attributes(self) -> Mapping[str, Any] | None:
+        """The GPU node sensor's report."""
+        if self.entity_description.attributes_fn is None:
+            return None
+        return self.entity_description.attributes_fn(self.coordinator.data)
