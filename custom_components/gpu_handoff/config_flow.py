@@ -271,7 +271,9 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
             private = str(user_input[CONF_PRIVATE_KEY]).strip() + "\n"
             passphrase = user_input.get(CONF_PASSPHRASE) or None
             try:
-                public_key_of(private, passphrase)
+                await self.hass.async_add_executor_job(
+                    public_key_of, private, passphrase
+                )
             except TowerAuthError:
                 errors[CONF_PRIVATE_KEY] = "invalid_key"
             else:

@@ -101,12 +101,20 @@ def generate_key_pair() -> tuple[str, str]:
     return private, public
 
 
-def public_key_of(private_key: str, passphrase: str | None = None) -> str:
-    """The public key line of a private key; raises ``TowerAuthError`` if unreadable."""
+def load_private_key(
+    private_key: str, passphrase: str | None = None
+) -> asyncssh.SSHKey:
+    """Parse a private key; ``TowerAuthError`` if unreadable or the passphrase is
+    wrong. CPU-heavy for encrypted keys (bcrypt KDF): run it in an executor."""
     try:
-        key = asyncssh.import_private_key(private_key, passphrase)
+        return asyncssh.import_private_key(private_key, passphrase)
     except (asyncssh.KeyImportError, ValueError, TypeError) as err:
         raise TowerAuthError(f"cannot read the private key: {err}") from err
+
+
+def public_key_of(private_key: str, passphrase: str | None = None) -> str:
+    """The public key line of a private key (see ``load_private_key``)."""
+    key = load_private_key(private_key, passphrase)
     return key.export_public_key("openssh").decode().strip()
 
 
@@ -161,6 +169,7 @@ class TowerClient:
         """Prepare the client; ``connect`` or the first request opens the connection."""
         self._credentials = credentials
         self._conn: asyncssh.SSHClientConnection | None = None
+        self._key: asyncssh.SSHKey | None = None
         self._lock = asyncio.Lock()
 
     @property
@@ -174,10 +183,11 @@ class TowerClient:
 
     async def _open(self) -> asyncssh.SSHClientConnection:
         creds = self._credentials
-        try:
-            key = asyncssh.import_private_key(creds.private_key, creds.passphrase)
-        except (asyncssh.KeyImportError, ValueError, TypeError) as err:
-            raise TowerAuthError(f"cannot read the private key: {err}") from err
+        if self._key is None:
+            self._key = await asyncio.get_running_loop().run_in_executor(
+                None, load_private_key, creds.private_key, creds.passphrase
+            )
+        key = self._key
         try:
             pinned = asyncssh.import_public_key(creds.host_key)
         except (asyncssh.KeyImportError, ValueError) as err:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.simtower import write_agent_config
 from tests.towersim import Tower, realistic_tower
 from tests.towersim.helpers import sim
 
@@ -32,31 +33,7 @@ class Agent:
     def __init__(self, tower: Tower, directory: Path, **timeouts: float) -> None:
         self.tower = tower
         self.state_dir = directory / "agent-state"
-        self.config = directory / "agent.json"
-        self.config.write_text(
-            json.dumps(
-                {
-                    "libvirt_uri": tower.uri,
-                    "gpu_node": "gpu-node",
-                    "gaming": ["gaming-1", "gaming-2"],
-                    "timeouts": {
-                        "agent": 20.0,
-                        "shutdown": 20.0,
-                        "start": 30.0,
-                        **timeouts,
-                    },
-                    "shutdown_modes": ["agent"],
-                    "state_dir": str(self.state_dir),
-                    "commands": {
-                        "virsh": str(tower.virsh),
-                        "systemd_run": str(tower.systemd_run),
-                    },
-                    "detach": "systemd",
-                    "poll_interval": 0.02,
-                }
-            ),
-            encoding="utf-8",
-        )
+        self.config = write_agent_config(tower, directory, **timeouts)
 
     def run(self, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
         return subprocess.run(

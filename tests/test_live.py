@@ -1,0 +1,137 @@
+"""Live updates: changes on the tower reach Home Assistant through the agent's
+``watch`` stream, without waiting for the poll.
+
+Real parts: sshd on 127.0.0.1 forcing the real agent, which drives the tower
+simulator (the stand-in for GPUs and VFIO, pinned to real virsh by its
+conformance tests); the Kubernetes API emulator over HTTPS. The poll interval
+is 30 s here, so an update seen within a few seconds came through the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+import shutil
+
+from homeassistant.config_entries import ConfigEntryState, ConfigSubentryData
+from homeassistant.core import HomeAssistant
+import pytest
+from pytest_homeassistant_custom_component.common import MockConfigEntry
+
+from custom_components.gpu_handoff.const import (
+    CONF_AUTO_RETURN,
+    CONF_DOMAIN_NAME,
+    CONF_DRAIN_TIMEOUT,
+    CONF_KUBECONFIG,
+    CONF_SCAN_INTERVAL,
+    DOMAIN,
+    SUBENTRY_GAMING_VM,
+)
+from tests.conftest import kubeconfig_text, tower_entry_data
+from tests.k8semu import K8sEmulator
+from tests.support.simtower import write_agent_config
+from tests.support.sshd import Sshd, sshd_available
+from tests.support.testdriver import agent_command
+from tests.towersim import Tower, realistic_tower
+
+HANDOFF = "sensor.gpu_node_handoff_state"
+# Bound for a pushed update (the poll would take 30 s).
+PUSH_BOUND = 10.0
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> Iterator[Tower]:
+    """The realistic simulated tower, with 100x faster guests."""
+    tower = realistic_tower(tmp_path / "sim", time_scale=0.01)
+    yield tower
+    tower.close()
+
+
+@pytest.fixture
+def sim_sshd(sim: Tower, tmp_path: Path, socket_enabled: None) -> Iterator[Sshd]:
+    """sshd forcing the real agent, configured for the simulated tower."""
+    if not sshd_available() or shutil.which("ssh-keygen") is None:
+        pytest.skip("needs OpenSSH's sshd")
+    config = write_agent_config(sim, tmp_path / "agent")
+    server = Sshd(tmp_path / "sshd", agent_command(config)).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def entry(hass: HomeAssistant, sim_sshd: Sshd, cluster: K8sEmulator) -> MockConfigEntry:
+    """An entry for the simulated tower, gaming-1 added, 30 s poll."""
+    entry = MockConfigEntry(
+        domain=DOMAIN,
+        title="tower",
+        unique_id=f"127.0.0.1:{sim_sshd.port}",
+        data=tower_entry_data(sim_sshd) | {CONF_KUBECONFIG: kubeconfig_text(cluster)},
+        options={
+            CONF_SCAN_INTERVAL: 30,
+            CONF_DRAIN_TIMEOUT: 300,
+            CONF_AUTO_RETURN: True,
+        },
+        subentries_data=[
+            ConfigSubentryData(
+                data={CONF_DOMAIN_NAME: "gaming-1"},
+                subentry_type=SUBENTRY_GAMING_VM,
+                title="Gaming station 1",
+                unique_id="gaming-1",
+            )
+        ],
+    )
+    entry.add_to_hass(hass)
+    return entry
+
+
+async def _until(what: Callable[[], bool]) -> None:
+    """Wait, bounded by PUSH_BOUND, until ``what`` holds."""
+    async with asyncio.timeout(PUSH_BOUND):
+        while not what():  # noqa: ASYNC110 - polls state the test cannot await
+            await asyncio.sleep(0.05)
+
+
+async def _state_becomes(hass: HomeAssistant, entity_id: str, wanted: str) -> None:
+    """Wait for a state that only a pushed update can bring this soon."""
+
+    def reached() -> bool:
+        state = hass.states.get(entity_id)
+        return state is not None and state.state == wanted
+
+    await _until(reached)
+
+
+async def test_tower_changes_are_pushed(
+    hass: HomeAssistant, entry: MockConfigEntry, sim: Tower
+) -> None:
+    """The GPU node powering off, then starting again, shows without a poll."""
+    assert await hass.config_entries.async_setup(entry.entry_id)
+    await hass.async_block_till_done()
+    assert entry.state is ConfigEntryState.LOADED
+    await _state_becomes(hass, HANDOFF, "serving")
+    assert hass.states.get("sensor.tower_gpus_lent_to_the_cluster").state == "3"
+    await _until(lambda: entry.runtime_data.watch_connected)
+
+    sim.guest_shutdown("gpu-node")
+    await _state_becomes(hass, HANDOFF, "off")
+    cards = hass.states.get(HANDOFF).attributes["cards"]
+    assert {card["held_by"] for card in cards} == {None}
+    assert hass.states.get("sensor.tower_gpus_lent_to_the_cluster").state == "0"
+
+
+async def test_event_stream_comes_back(
+    hass: HomeAssistant, entry: MockConfigEntry, sim: Tower, sim_sshd: Sshd
+) -> None:
+    """When the tower drops the stream, the coordinator reconnects it and
+    pushed updates flow again."""
+    assert await hass.config_entries.async_setup(entry.entry_id)
+    await hass.async_block_till_done()
+    coordinator = entry.runtime_data
+    await _until(lambda: coordinator.watch_connected)
+    sim_sshd.stop()  # ends every session, the stream's too
+    await _until(lambda: not coordinator.watch_connected)
+    sim_sshd.start_again()
+    await _until(lambda: coordinator.watch_connected)
+    sim.guest_shutdown("gpu-node")
+    await _state_becomes(hass, HANDOFF, "off")
