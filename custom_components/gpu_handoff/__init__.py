@@ -5,12 +5,22 @@ from __future__ import annotations
 
 from homeassistant.const import Platform
 from homeassistant.core import HomeAssistant
-from homeassistant.helpers import device_registry as dr
+from homeassistant.helpers import config_validation as cv, device_registry as dr
+from homeassistant.helpers.typing import ConfigType
 
 from .const import DOMAIN
+from .controller import HandoffController
 from .coordinator import GpuHandoffConfigEntry, GpuHandoffCoordinator
+from .services import async_setup_services
 
-PLATFORMS = [Platform.BINARY_SENSOR, Platform.SENSOR]
+PLATFORMS = [Platform.BINARY_SENSOR, Platform.SENSOR, Platform.SWITCH]
+CONFIG_SCHEMA = cv.config_entry_only_config_schema(DOMAIN)
+
+
+async def async_setup(hass: HomeAssistant, config: ConfigType) -> bool:
+    """Register the actions."""
+    async_setup_services(hass)
+    return True
 
 
 async def async_setup_entry(hass: HomeAssistant, entry: GpuHandoffConfigEntry) -> bool:
@@ -34,7 +44,9 @@ async def async_setup_entry(hass: HomeAssistant, entry: GpuHandoffConfigEntry) -
         hass, coordinator.async_watch(), f"{entry.title} tower events"
     )
     entry.async_on_unload(entry.add_update_listener(_async_reload_if_changed))
+    coordinator.controller = HandoffController(hass, coordinator)
     await hass.config_entries.async_forward_entry_setups(entry, PLATFORMS)
+    await coordinator.controller.async_start()
     return True
 
 

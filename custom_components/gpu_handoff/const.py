@@ -27,3 +27,15 @@ DEFAULT_DRAIN_TIMEOUT: Final = 300
 DEFAULT_AUTO_RETURN: Final = True
 
 SUBENTRY_GAMING_VM: Final = "gaming_vm"
+
+EVENT_HANDOFF_STARTED: Final = "gpu_handoff_handoff_started"
+EVENT_HANDOFF_STEP: Final = "gpu_handoff_handoff_step"
+EVENT_HANDOFF_SUCCEEDED: Final = "gpu_handoff_handoff_succeeded"
+EVENT_HANDOFF_FAILED: Final = "gpu_handoff_handoff_failed"
+EVENT_CARDS_RETURNED: Final = "gpu_handoff_cards_returned"
+
+SERVICE_RETURN_CARDS: Final = "return_cards"
+SERVICE_START_HANDOFF: Final = "start_handoff"
+ATTR_CONFIG_ENTRY_ID: Final = "config_entry_id"
+ATTR_VM: Final = "vm"
+ATTR_WAIT: Final = "wait"

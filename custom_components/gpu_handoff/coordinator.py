@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass
 from datetime import timedelta
 import logging
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from homeassistant.config_entries import ConfigEntry
 from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
@@ -43,6 +43,9 @@ from .tower_client import (
     fetch_host_key,
     fingerprint,
 )
+
+if TYPE_CHECKING:
+    from .controller import HandoffController
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -105,6 +108,7 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
         self.watch_connected = False
         self._finding_issues: set[str] = set()
         self.tower_device_id = ""  # set by setup once the device exists
+        self.controller: HandoffController  # set by setup after the first update
         self._cluster_health = _Health()
         self.setup_signature = self.signature_of(entry)
 

@@ -16,6 +16,7 @@ from homeassistant.const import EntityCategory, UnitOfTime
 from homeassistant.core import HomeAssistant
 from homeassistant.helpers.entity_platform import AddConfigEntryEntitiesCallback
 
+from .cluster_client import DrainProgress
 from .const import CONF_GPU_NODE
 from .coordinator import GpuHandoffConfigEntry
 from .entity import ClusterBacked, GpuHandoffEntity, gaming_vms
@@ -67,7 +68,9 @@ def gpu_node_state(snapshot: Snapshot, draining: bool = False) -> str:
     return "cordoned" if node.unschedulable else "serving"
 
 
-def gpu_node_attributes(snapshot: Snapshot) -> dict[str, Any]:
+def gpu_node_attributes(
+    snapshot: Snapshot, drain: DrainProgress | None = None
+) -> dict[str, Any]:
     """Drain progress, guest-agent readiness, card ownership, node health."""
     tower = snapshot.tower
     vm = tower.domains.get(tower.gpu_node)
@@ -77,7 +80,12 @@ def gpu_node_attributes(snapshot: Snapshot) -> dict[str, Any]:
         "vm_state": vm.state if vm is not None else None,
         "guest_agent_ready": vm.agent_ready if vm is not None else None,
         "cordoned": node.unschedulable if node is not None else None,
-        "pods_left": node.evictable_pods if node is not None else None,
+        "pods_left": drain.pods_left
+        if drain is not None
+        else node.evictable_pods
+        if node is not None
+        else None,
+        "evictions_refused": drain.evictions_refused if drain is not None else None,
         "node_ready": node.ready if node is not None else None,
         "lease_age": round(node.lease_age, 1)
         if node is not None and node.lease_age is not None
@@ -186,7 +194,7 @@ async def async_setup_entry(
     async_add_entities(
         [
             *(GpuHandoffSensor(coordinator, d) for d in TOWER_SENSORS),
-            GpuHandoffSensor(coordinator, GPU_NODE_SENSOR, gpu_node),
+            GpuNodeStateSensor(coordinator, GPU_NODE_SENSOR, gpu_node),
             GpuHandoffSensor(coordinator, VM_STATE_SENSOR, gpu_node),
             *(GpuHandoffSensor(coordinator, d, gpu_node) for d in NODE_SENSORS),
         ]
@@ -216,3 +224,24 @@ class GpuHandoffSensor(GpuHandoffEntity, SensorEntity):
         if self.entity_description.attributes_fn is None:
             return None
         return self.entity_description.attributes_fn(self.coordinator.data)
+
+
+class GpuNodeStateSensor(GpuHandoffSensor):
+    """The handoff state also shows what the controller is doing: a drain in
+    progress and its evictions refused by a PodDisruptionBudget."""
+
+    @property
+    def native_value(self) -> str:
+        """The GPU node's place in the handoff cycle."""
+        operation = self.coordinator.controller.operation
+        return gpu_node_state(
+            self.coordinator.data,
+            draining=operation is not None and operation.step == "draining",
+        )
+
+    @property
+    def extra_state_attributes(self) -> Mapping[str, Any]:
+        """Drain progress (live during a drain), agent, cards, node health."""
+        return gpu_node_attributes(
+            self.coordinator.data, self.coordinator.controller.drain
+        )

@@ -1,0 +1,70 @@
+"""One switch per gaming VM: on means this VM plays and holds its cards."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from homeassistant.components.switch import SwitchEntity, SwitchEntityDescription
+from homeassistant.core import HomeAssistant
+from homeassistant.helpers.entity_platform import AddConfigEntryEntitiesCallback
+
+from .coordinator import GpuHandoffConfigEntry
+from .entity import GpuHandoffEntity, gaming_vms
+from .models import RUNNING
+
+# Requests go to the controller, which serialises them per tower.
+PARALLEL_UPDATES = 0
+
+GAMING_VM = SwitchEntityDescription(key="gaming_vm", translation_key="gaming_vm")
+
+
+async def async_setup_entry(
+    hass: HomeAssistant,
+    entry: GpuHandoffConfigEntry,
+    async_add_entities: AddConfigEntryEntitiesCallback,
+) -> None:
+    """A switch for each gaming VM, on its device."""
+    for subentry_id, domain in gaming_vms(entry):
+        async_add_entities(
+            [GamingVmSwitch(entry.runtime_data, GAMING_VM, domain)],
+            config_subentry_id=subentry_id,
+        )
+
+
+class GamingVmSwitch(GpuHandoffEntity, SwitchEntity):
+    """The device's main feature: it takes the VM's name, which voice
+    assistants match ("turn on gaming station one")."""
+
+    _attr_name = None
+
+    @property
+    def is_on(self) -> bool:
+        """The requested state while an operation runs, else the VM's."""
+        operation = self.coordinator.controller.operation
+        if operation is not None and operation.vm == self.domain:
+            return operation.kind == "handoff"
+        vm = self.vm
+        return vm is not None and vm.state == RUNNING
+
+    @property
+    def extra_state_attributes(self) -> Mapping[str, Any]:
+        """The current step of an operation on this VM, and the last error."""
+        controller = self.coordinator.controller
+        operation = controller.operation
+        return {
+            "step": operation.step
+            if operation is not None and operation.vm == self.domain
+            else None,
+            "last_error": controller.last_error.get(self.domain or ""),
+        }
+
+    async def async_turn_on(self, **kwargs: Any) -> None:
+        """Hand the cards to this VM; returns once the handoff is accepted."""
+        await self.coordinator.controller.async_turn_on(self.domain or "")
+        self.async_write_ha_state()
+
+    async def async_turn_off(self, **kwargs: Any) -> None:
+        """Shut this VM down gracefully; its cards then return to the cluster."""
+        await self.coordinator.controller.async_turn_off(self.domain or "")
+        self.async_write_ha_state()
