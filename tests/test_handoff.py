@@ -447,3 +447,55 @@ async def test_a_second_request_for_the_same_vm(
     assert err.value.translation_key == "already_in_progress"
     await _until(lambda: _idle(entry))
     assert sim.is_running("gaming-1")
+
+
+async def test_a_leftover_cordon_is_lifted(
+    hass: HomeAssistant, entry: MockConfigEntry, cluster: K8sEmulator
+) -> None:
+    """A cordon no handoff accounts for (say, from an interrupted drain) is
+    lifted as soon as the GPU node serves and nothing is pending."""
+    returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
+    await _setup(hass, entry)
+    cluster.modify(
+        "Node",
+        GPU_NODE,
+        "",
+        mutate=lambda node: node["spec"].update(unschedulable=True),
+    )
+    await entry.runtime_data.async_refresh()
+    await _until(lambda: not _cordoned(cluster))
+    await _until(lambda: _idle(entry))
+    assert len(returned) == 1
+
+
+async def test_cards_return_on_demand_only(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """With automatic return off, the GPU node stays off after the game until
+    the return_cards action."""
+    hass.config_entries.async_update_entry(
+        entry, options=entry.options | {CONF_AUTO_RETURN: False}
+    )
+    await _setup(hass, entry)
+    await _switch(hass, "turn_on", SWITCH_1)
+    await _until(lambda: sim.is_running("gaming-1"))
+    await _until(lambda: _idle(entry))
+    await _switch(hass, "turn_off", SWITCH_1)
+    await _until(lambda: not sim.is_running("gaming-1"))
+    await _until(lambda: _idle(entry))
+    await entry.runtime_data.async_refresh()
+    await hass.async_block_till_done()
+    assert not sim.is_running("gpu-node")
+    assert hass.states.get(HANDOFF).state == "off"
+
+    returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
+    await hass.services.async_call(
+        DOMAIN, "return_cards", {"config_entry_id": entry.entry_id}, blocking=True
+    )
+    await _until(lambda: bool(returned))
+    assert sim.is_running("gpu-node")
+    assert not _cordoned(cluster)
