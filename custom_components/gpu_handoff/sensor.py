@@ -112,16 +112,13 @@ class GpuHandoffSensorDescription(SensorEntityDescription, ClusterBacked):
     """A sensor and how it reads the snapshot of its domain."""
 
     value_fn: Callable[[Snapshot, str | None], str | int | float | None]
-    attributes_fn: Callable[[Snapshot], Mapping[str, Any]] | None = None
 
 
-GPU_NODE_SENSOR = GpuHandoffSensorDescription(
+GPU_NODE_SENSOR = SensorEntityDescription(
     key="handoff_state",
     translation_key="handoff_state",
     device_class=SensorDeviceClass.ENUM,
     options=GPU_NODE_STATES,
-    value_fn=lambda snapshot, _domain: gpu_node_state(snapshot),
-    attributes_fn=gpu_node_attributes,
 )
 
 VM_STATE_SENSOR = GpuHandoffSensorDescription(
@@ -210,25 +207,19 @@ class GpuHandoffSensor(GpuHandoffEntity, SensorEntity):
     """A sensor read from the snapshot."""
 
     entity_description: GpuHandoffSensorDescription
-    # Card ownership is shown live; the recorder need not keep every copy.
-    _unrecorded_attributes = frozenset({"cards", "job", "lease_age"})
 
     @property
     def native_value(self) -> str | int | float | None:
         """The value."""
         return self.entity_description.value_fn(self.coordinator.data, self.domain)
 
-    @property
-    def extra_state_attributes(self) -> Mapping[str, Any] | None:
-        """The GPU node sensor's report."""
-        if self.entity_description.attributes_fn is None:
-            return None
-        return self.entity_description.attributes_fn(self.coordinator.data)
 
+class GpuNodeStateSensor(GpuHandoffEntity, SensorEntity):
+    """The GPU node's place in the handoff cycle, from the tower, the cluster
+    and the controller (a drain in progress, evictions a PDB refuses)."""
 
-class GpuNodeStateSensor(GpuHandoffSensor):
-    """The handoff state also shows what the controller is doing: a drain in
-    progress and its evictions refused by a PodDisruptionBudget."""
+    # Card ownership is shown live; the recorder need not keep every copy.
+    _unrecorded_attributes = frozenset({"cards", "job", "lease_age"})
 
     @property
     def native_value(self) -> str:
