@@ -146,7 +146,9 @@ gh_root_exec() {
         extra+=("GPU_HANDOFF_OLD_PYTHON=/opt/oldpython/bin/$GH_OLDPY" "GPU_HANDOFF_OLD_PYTHON_LIB=/opt/oldpython/lib")
       fi
       while IFS= read -r -d $'"'"'\v'"'"' kv; do extra+=("$kv"); done <<<"$GH_PASS_ENV"
-      exec 3<&0  # a background job would otherwise read /dev/null
+      # A background job would read /dev/null instead of our stdin; keep the
+      # stdin we have (CI may start us with none at all).
+      { exec 3<&0; } 2>/dev/null || exec 3</dev/null
       # This shell stays PID 1 of the namespace: it reaps orphaned processes
       # (libvirtd hangs on zombie QEMU probes otherwise) and passes signals on.
       chroot "$r" /usr/bin/env -i PATH=/opt/venv/bin:/usr/sbin:/usr/bin:/sbin:/bin \
