@@ -8,12 +8,14 @@ from pathlib import Path
 import shutil
 from typing import Any
 
+from homeassistant.config_entries import ConfigSubentryData
 from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
 import pytest
 from pytest_homeassistant_custom_component.common import MockConfigEntry
 import yaml
 
 from custom_components.gpu_handoff.const import (
+    CONF_DOMAIN_NAME,
     CONF_GPU_NODE,
     CONF_HOST_KEY,
     CONF_K8S_NODE,
@@ -21,6 +23,7 @@ from custom_components.gpu_handoff.const import (
     CONF_PASSPHRASE,
     CONF_PRIVATE_KEY,
     DOMAIN,
+    SUBENTRY_GAMING_VM,
 )
 from tests.k8semu import K8sEmulator
 from tests.support.sshd import Sshd, sshd_available
@@ -71,6 +74,19 @@ def tower(tower_dir: Path, socket_enabled: None) -> Iterator[Sshd]:
     server = Sshd(tower_dir / "sshd", agent_command(write_tower(tower_dir))).start()
     yield server
     server.stop()
+
+
+def gaming_subentries(*numbers: int) -> list[ConfigSubentryData]:
+    """Subentries for gaming-N ("Gaming station N")."""
+    return [
+        ConfigSubentryData(
+            data={CONF_DOMAIN_NAME: f"gaming-{n}"},
+            subentry_type=SUBENTRY_GAMING_VM,
+            title=f"Gaming station {n}",
+            unique_id=f"gaming-{n}",
+        )
+        for n in numbers
+    ]
 
 
 def tower_entry_data(server: Sshd) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from typing import Any
 
 from homeassistant.config_entries import (
     SOURCE_USER,
-    ConfigSubentryData,
 )
 from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
 from homeassistant.core import HomeAssistant
@@ -36,7 +35,7 @@ from custom_components.gpu_handoff.const import (
     SUBENTRY_GAMING_VM,
 )
 from custom_components.gpu_handoff.tower_client import generate_key_pair
-from tests.conftest import kubeconfig_text, tower_entry_data
+from tests.conftest import gaming_subentries, kubeconfig_text, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.sshd import Sshd, generate_key
 
@@ -327,14 +326,7 @@ def tower_entry(hass: HomeAssistant, tower: Sshd) -> MockConfigEntry:
             CONF_DRAIN_TIMEOUT: 300,
             CONF_AUTO_RETURN: True,
         },
-        subentries_data=[
-            ConfigSubentryData(
-                data={CONF_DOMAIN_NAME: "gaming-1"},
-                subentry_type=SUBENTRY_GAMING_VM,
-                title="gaming-1",
-                unique_id="gaming-1",
-            )
-        ],
+        subentries_data=gaming_subentries(1),
     )
     entry.add_to_hass(hass)
     return entry

@@ -16,7 +16,7 @@ from pathlib import Path
 import subprocess
 import sys
 
-from homeassistant.config_entries import ConfigEntryState, ConfigSubentryData
+from homeassistant.config_entries import ConfigEntryState
 from homeassistant.core import HomeAssistant
 from homeassistant.exceptions import HomeAssistantError, ServiceValidationError
 from homeassistant.helpers import issue_registry as ir
@@ -28,7 +28,6 @@ from pytest_homeassistant_custom_component.common import (
 
 from custom_components.gpu_handoff.const import (
     CONF_AUTO_RETURN,
-    CONF_DOMAIN_NAME,
     CONF_DRAIN_TIMEOUT,
     CONF_KUBECONFIG,
     CONF_SCAN_INTERVAL,
@@ -39,7 +38,7 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
 )
-from tests.conftest import kubeconfig_text, tower_entry_data
+from tests.conftest import gaming_subentries, kubeconfig_text, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.simtower import write_agent_config
 from tests.support.sshd import Sshd
@@ -113,21 +112,10 @@ def entry(
         unique_id=f"127.0.0.1:{sim_sshd.port}",
         data=tower_entry_data(sim_sshd) | {CONF_KUBECONFIG: kubeconfig_text(cluster)},
         options={CONF_SCAN_INTERVAL: 30, CONF_DRAIN_TIMEOUT: 2, CONF_AUTO_RETURN: True},
-        subentries_data=[
-            ConfigSubentryData(
-                data={CONF_DOMAIN_NAME: f"gaming-{n}"},
-                subentry_type=SUBENTRY,
-                title=f"Gaming station {n}",
-                unique_id=f"gaming-{n}",
-            )
-            for n in (1, 2)
-        ],
+        subentries_data=gaming_subentries(1, 2),
     )
     entry.add_to_hass(hass)
     return entry
-
-
-SUBENTRY = "gaming_vm"
 
 
 async def _setup(hass: HomeAssistant, entry: MockConfigEntry) -> None:
@@ -155,6 +143,26 @@ async def _switch(hass: HomeAssistant, service: str, entity_id: str) -> None:
     await hass.services.async_call(
         "switch", service, {"entity_id": entity_id}, blocking=True
     )
+
+
+async def _play(
+    hass: HomeAssistant, entry: MockConfigEntry, sim: Tower, n: int
+) -> None:
+    """Turn Gaming station ``n`` on and wait until it runs and all is settled."""
+    await _switch(hass, "turn_on", f"switch.gaming_station_{n}")
+    await _until(lambda: sim.is_running(f"gaming-{n}"))
+    await _until(lambda: _idle(entry))
+
+
+async def _quit(
+    hass: HomeAssistant, entry: MockConfigEntry, sim: Tower, n: int
+) -> None:
+    """Turn Gaming station ``n`` off and wait until it is off and all settled."""
+    await _switch(hass, "turn_off", f"switch.gaming_station_{n}")
+    await _until(lambda: not sim.is_running(f"gaming-{n}"))
+    await _until(lambda: _idle(entry))
+    await entry.runtime_data.async_refresh()
+    await hass.async_block_till_done()
 
 
 async def test_full_handoff_and_return(
@@ -222,15 +230,10 @@ async def test_two_players(
     returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
     await _setup(hass, entry)
     await _switch(hass, "turn_on", SWITCH_1)
-    await _switch(hass, "turn_on", SWITCH_2)
-    await _until(lambda: sim.is_running("gaming-1") and sim.is_running("gaming-2"))
-    await _until(lambda: _idle(entry))
+    await _play(hass, entry, sim, 2)
+    await _until(lambda: sim.is_running("gaming-1"))
 
-    await _switch(hass, "turn_off", SWITCH_1)
-    await _until(lambda: not sim.is_running("gaming-1"))
-    await _until(lambda: _idle(entry))
-    await entry.runtime_data.async_refresh()
-    await hass.async_block_till_done()
+    await _quit(hass, entry, sim, 1)
     assert not sim.is_running("gpu-node")
     assert returned == []
 
@@ -481,14 +484,8 @@ async def test_cards_return_on_demand_only(
         entry, options=entry.options | {CONF_AUTO_RETURN: False}
     )
     await _setup(hass, entry)
-    await _switch(hass, "turn_on", SWITCH_1)
-    await _until(lambda: sim.is_running("gaming-1"))
-    await _until(lambda: _idle(entry))
-    await _switch(hass, "turn_off", SWITCH_1)
-    await _until(lambda: not sim.is_running("gaming-1"))
-    await _until(lambda: _idle(entry))
-    await entry.runtime_data.async_refresh()
-    await hass.async_block_till_done()
+    await _play(hass, entry, sim, 1)
+    await _quit(hass, entry, sim, 1)
     assert not sim.is_running("gpu-node")
     assert hass.states.get(HANDOFF).state == "off"
 

@@ -15,7 +15,6 @@ from homeassistant.components.diagnostics import REDACTED
 from homeassistant.config_entries import (
     SOURCE_REAUTH,
     ConfigEntryState,
-    ConfigSubentryData,
 )
 from homeassistant.const import STATE_UNAVAILABLE
 from homeassistant.core import HomeAssistant
@@ -36,17 +35,15 @@ from syrupy.filters import props
 
 from custom_components.gpu_handoff.const import (
     CONF_AUTO_RETURN,
-    CONF_DOMAIN_NAME,
     CONF_DRAIN_TIMEOUT,
     CONF_HOST_KEY,
     CONF_KUBECONFIG,
     CONF_PRIVATE_KEY,
     CONF_SCAN_INTERVAL,
     DOMAIN,
-    SUBENTRY_GAMING_VM,
 )
 from custom_components.gpu_handoff.tower_client import generate_key_pair
-from tests.conftest import kubeconfig_text, tower_entry_data
+from tests.conftest import gaming_subentries, kubeconfig_text, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.sshd import Sshd, generate_key
 from tests.support.testdriver import write_tower
@@ -67,15 +64,7 @@ def entry(hass: HomeAssistant, tower: Sshd, cluster: K8sEmulator) -> MockConfigE
             CONF_DRAIN_TIMEOUT: 300,
             CONF_AUTO_RETURN: True,
         },
-        subentries_data=[
-            ConfigSubentryData(
-                data={CONF_DOMAIN_NAME: f"gaming-{n}"},
-                subentry_type=SUBENTRY_GAMING_VM,
-                title=f"Gaming station {n}",
-                unique_id=f"gaming-{n}",
-            )
-            for n in (1, 2)
-        ],
+        subentries_data=gaming_subentries(1, 2),
     )
     entry.add_to_hass(hass)
     return entry

@@ -14,21 +14,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 import shutil
 
-from homeassistant.config_entries import ConfigEntryState, ConfigSubentryData
+from homeassistant.config_entries import ConfigEntryState
 from homeassistant.core import HomeAssistant
 import pytest
 from pytest_homeassistant_custom_component.common import MockConfigEntry
 
 from custom_components.gpu_handoff.const import (
     CONF_AUTO_RETURN,
-    CONF_DOMAIN_NAME,
     CONF_DRAIN_TIMEOUT,
     CONF_KUBECONFIG,
     CONF_SCAN_INTERVAL,
     DOMAIN,
-    SUBENTRY_GAMING_VM,
 )
-from tests.conftest import kubeconfig_text, tower_entry_data
+from tests.conftest import gaming_subentries, kubeconfig_text, tower_entry_data
 from tests.k8semu import K8sEmulator
 from tests.support.simtower import write_agent_config
 from tests.support.sshd import Sshd, sshd_available
@@ -72,14 +70,7 @@ def entry(hass: HomeAssistant, sim_sshd: Sshd, cluster: K8sEmulator) -> MockConf
             CONF_DRAIN_TIMEOUT: 300,
             CONF_AUTO_RETURN: True,
         },
-        subentries_data=[
-            ConfigSubentryData(
-                data={CONF_DOMAIN_NAME: "gaming-1"},
-                subentry_type=SUBENTRY_GAMING_VM,
-                title="Gaming station 1",
-                unique_id="gaming-1",
-            )
-        ],
+        subentries_data=gaming_subentries(1),
     )
     entry.add_to_hass(hass)
     return entry

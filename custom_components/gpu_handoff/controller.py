@@ -268,17 +268,18 @@ class HandoffController:
                 succeeded = True
             self.operation = None
             self.drain = None
+            # Fresh state before anything reconciles again: a stale snapshot
+            # (say, the cordon just lifted) would start the same work twice.
+            await self.coordinator.async_refresh()
             self._returning = False
             self.pending = None
             await self._save()
-            self.coordinator.async_update_listeners()
             if not succeeded:
                 return False
             self._fire(EVENT_HANDOFF_SUCCEEDED, vm, kind=kind)
             if returned:
                 self._fire(EVENT_CARDS_RETURNED, self.coordinator.data.tower.gpu_node)
             ir.async_delete_issue(self.hass, DOMAIN, self._issue_id(vm))
-            await self.coordinator.async_request_refresh()
             return True
 
     def _step(self, step: str) -> None:
