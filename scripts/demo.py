@@ -58,6 +58,7 @@ SWITCH_1 = "switch.gaming_station_1"
 SWITCH_2 = "switch.gaming_station_2"
 HANDOFF = "sensor.gpu_node_handoff_state"
 USERNAME = "demo"
+DASHBOARD = "gpu-handoff"  # the dashboard's URL path (it must contain a hyphen)
 CARDS = {
     "01": "GeForce GTX 960 (4 GB)",
     "03": "GeForce RTX 3050 (8 GB)",
@@ -679,6 +680,10 @@ class Demo:
         log(f"Home Assistant answers after {time.monotonic() - started:.1f} s")
         await ha.onboard(self.password)
         log(f"onboarded: owner user '{USERNAME}'")
+        # Home Assistant moves the YAML http settings into storage as a trial
+        # that reverts after five minutes unless confirmed: confirm it, as the
+        # user would in the dialog the frontend shows.
+        await ha.websocket({"type": "http/config/promote"})
         self.events_task = asyncio.create_task(ha.follow_events(self.events))
         entry_id = await add_integration(ha, self.sshd, kubeconfig)
         await wait_loaded(ha, entry_id)
@@ -686,7 +691,19 @@ class Demo:
         try:
             await ha.websocket(
                 {
+                    "type": "lovelace/dashboards/create",
+                    "url_path": DASHBOARD,
+                    "title": "GPU Handoff",
+                    "icon": "mdi:expansion-card",
+                    "show_in_sidebar": True,
+                    "require_admin": False,
+                    "mode": "storage",
+                }
+            )
+            await ha.websocket(
+                {
                     "type": "lovelace/config/save",
+                    "url_path": DASHBOARD,
                     "config": dashboard(await ha.states()),
                 }
             )
@@ -812,7 +829,7 @@ async def main_async(args: argparse.Namespace) -> int:
             return await demo.scripted(ha)
         print(
             "\n"
-            f"  Home Assistant:  {ha.base}/lovelace/tower\n"
+            f"  Home Assistant:  {ha.base}/{DASHBOARD}/tower\n"
             f"  login:           {USERNAME} / {demo.password}\n"
             "  Toggle 'Gaming station 1' or '2' on the dashboard; Ctrl-C stops the demo.\n",
             flush=True,
