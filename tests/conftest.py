@@ -10,18 +10,22 @@ from typing import Any
 
 from homeassistant.config_entries import ConfigSubentryData
 from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
+from homeassistant.core import HomeAssistant
 import pytest
 from pytest_homeassistant_custom_component.common import MockConfigEntry
 import yaml
 
 from custom_components.gpu_handoff.const import (
+    CONF_AUTO_RETURN,
     CONF_DOMAIN_NAME,
+    CONF_DRAIN_TIMEOUT,
     CONF_GPU_NODE,
     CONF_HOST_KEY,
     CONF_K8S_NODE,
     CONF_KUBECONFIG,
     CONF_PASSPHRASE,
     CONF_PRIVATE_KEY,
+    CONF_SCAN_INTERVAL,
     DOMAIN,
     SUBENTRY_GAMING_VM,
 )
@@ -116,3 +120,28 @@ def cluster(k8s_emulator: K8sEmulator) -> K8sEmulator:
 def kubeconfig_text(emulator: K8sEmulator, token: str | None = None) -> str:
     """The emulator's kubeconfig as a user would paste it."""
     return yaml.safe_dump(emulator.kubeconfig(token), sort_keys=False)
+
+
+def add_tower_entry(
+    hass: HomeAssistant,
+    server: Sshd,
+    cluster: K8sEmulator,
+    vms: tuple[int, ...] = (1, 2),
+    drain_timeout: int = 300,
+) -> MockConfigEntry:
+    """Add a set-up-ready entry for the tower behind ``server`` and ``cluster``,
+    with Gaming station N for each N in ``vms``."""
+    entry = MockConfigEntry(
+        domain=DOMAIN,
+        title="tower",
+        unique_id=f"127.0.0.1:{server.port}",
+        data=tower_entry_data(server) | {CONF_KUBECONFIG: kubeconfig_text(cluster)},
+        options={
+            CONF_SCAN_INTERVAL: 30,
+            CONF_DRAIN_TIMEOUT: drain_timeout,
+            CONF_AUTO_RETURN: True,
+        },
+        subentries_data=gaming_subentries(*vms),
+    )
+    entry.add_to_hass(hass)
+    return entry

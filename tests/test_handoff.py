@@ -28,9 +28,6 @@ from pytest_homeassistant_custom_component.common import (
 
 from custom_components.gpu_handoff.const import (
     CONF_AUTO_RETURN,
-    CONF_DRAIN_TIMEOUT,
-    CONF_KUBECONFIG,
-    CONF_SCAN_INTERVAL,
     DOMAIN,
     EVENT_CARDS_RETURNED,
     EVENT_HANDOFF_FAILED,
@@ -38,7 +35,7 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
 )
-from tests.conftest import gaming_subentries, kubeconfig_text, tower_entry_data
+from tests.conftest import add_tower_entry
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.simtower import write_agent_config
 from tests.support.sshd import Sshd
@@ -106,16 +103,7 @@ def entry(
     hass: HomeAssistant, sim_sshd: Sshd, cluster: K8sEmulator, kubelet: None
 ) -> MockConfigEntry:
     """A tower with both gaming VMs; a short drain timeout."""
-    entry = MockConfigEntry(
-        domain=DOMAIN,
-        title="tower",
-        unique_id=f"127.0.0.1:{sim_sshd.port}",
-        data=tower_entry_data(sim_sshd) | {CONF_KUBECONFIG: kubeconfig_text(cluster)},
-        options={CONF_SCAN_INTERVAL: 30, CONF_DRAIN_TIMEOUT: 2, CONF_AUTO_RETURN: True},
-        subentries_data=gaming_subentries(1, 2),
-    )
-    entry.add_to_hass(hass)
-    return entry
+    return add_tower_entry(hass, sim_sshd, cluster, vms=(1, 2), drain_timeout=2)
 
 
 async def _setup(hass: HomeAssistant, entry: MockConfigEntry) -> None:

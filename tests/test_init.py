@@ -34,16 +34,13 @@ from syrupy.assertion import SnapshotAssertion
 from syrupy.filters import props
 
 from custom_components.gpu_handoff.const import (
-    CONF_AUTO_RETURN,
-    CONF_DRAIN_TIMEOUT,
     CONF_HOST_KEY,
     CONF_KUBECONFIG,
     CONF_PRIVATE_KEY,
-    CONF_SCAN_INTERVAL,
     DOMAIN,
 )
 from custom_components.gpu_handoff.tower_client import generate_key_pair
-from tests.conftest import gaming_subentries, kubeconfig_text, tower_entry_data
+from tests.conftest import add_tower_entry
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.sshd import Sshd, generate_key
 from tests.support.testdriver import write_tower
@@ -54,20 +51,7 @@ HANDOFF = "sensor.gpu_node_handoff_state"
 @pytest.fixture
 def entry(hass: HomeAssistant, tower: Sshd, cluster: K8sEmulator) -> MockConfigEntry:
     """A tower entry with both gaming VMs."""
-    entry = MockConfigEntry(
-        domain=DOMAIN,
-        title="tower",
-        unique_id=f"127.0.0.1:{tower.port}",
-        data=tower_entry_data(tower) | {CONF_KUBECONFIG: kubeconfig_text(cluster)},
-        options={
-            CONF_SCAN_INTERVAL: 30,
-            CONF_DRAIN_TIMEOUT: 300,
-            CONF_AUTO_RETURN: True,
-        },
-        subentries_data=gaming_subentries(1, 2),
-    )
-    entry.add_to_hass(hass)
-    return entry
+    return add_tower_entry(hass, tower, cluster, vms=(1, 2))
 
 
 async def _setup(hass: HomeAssistant, entry: MockConfigEntry) -> None:

@@ -19,14 +19,7 @@ from homeassistant.core import HomeAssistant
 import pytest
 from pytest_homeassistant_custom_component.common import MockConfigEntry
 
-from custom_components.gpu_handoff.const import (
-    CONF_AUTO_RETURN,
-    CONF_DRAIN_TIMEOUT,
-    CONF_KUBECONFIG,
-    CONF_SCAN_INTERVAL,
-    DOMAIN,
-)
-from tests.conftest import gaming_subentries, kubeconfig_text, tower_entry_data
+from tests.conftest import add_tower_entry
 from tests.k8semu import K8sEmulator
 from tests.support.simtower import write_agent_config
 from tests.support.sshd import Sshd, sshd_available
@@ -60,20 +53,7 @@ def sim_sshd(sim: Tower, tmp_path: Path, socket_enabled: None) -> Iterator[Sshd]
 @pytest.fixture
 def entry(hass: HomeAssistant, sim_sshd: Sshd, cluster: K8sEmulator) -> MockConfigEntry:
     """An entry for the simulated tower, gaming-1 added, 30 s poll."""
-    entry = MockConfigEntry(
-        domain=DOMAIN,
-        title="tower",
-        unique_id=f"127.0.0.1:{sim_sshd.port}",
-        data=tower_entry_data(sim_sshd) | {CONF_KUBECONFIG: kubeconfig_text(cluster)},
-        options={
-            CONF_SCAN_INTERVAL: 30,
-            CONF_DRAIN_TIMEOUT: 300,
-            CONF_AUTO_RETURN: True,
-        },
-        subentries_data=gaming_subentries(1),
-    )
-    entry.add_to_hass(hass)
-    return entry
+    return add_tower_entry(hass, sim_sshd, cluster, vms=(1,))
 
 
 async def _until(what: Callable[[], bool]) -> None:
