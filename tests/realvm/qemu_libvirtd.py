@@ -303,6 +303,15 @@ def domain_xml(
 """
 
 
+PROBE_DOMAIN = "gh-event-probe"
+PROBE_XML = """<domain type='qemu'>
+  <name>{name}</name>
+  <memory unit='MiB'>64</memory>
+  <os><type arch='x86_64'>hvm</type></os>
+</domain>
+"""
+
+
 class EventLog:
     """``virsh event --loop --all --timestamp`` running into a file."""
 
@@ -323,11 +332,28 @@ class EventLog:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
+        self._wait_subscribed(daemon)
+
+    def _wait_subscribed(self, daemon: QemuLibvirtd) -> None:
+        """Return once the listener receives events: virsh prints nothing when
+        it has subscribed, so define a probe domain until its event shows (a
+        busy machine otherwise loses the first real domain's events)."""
+        probe = PROBE_XML.format(name=PROBE_DOMAIN)
+        xml = daemon.data_dir / f"{PROBE_DOMAIN}.xml"
+        xml.write_text(probe, encoding="utf-8")
+
+        def seen() -> bool:
+            daemon.virsh("define", str(xml))
+            daemon.virsh("undefine", PROBE_DOMAIN)
+            return PROBE_DOMAIN in self.path.read_text(errors="replace")
+
+        wait_until(seen, timeout=60, interval=0.2, what="the event listener")
 
     def lines(self) -> list[str]:
         text = self.path.read_text(errors="replace")
-        # Only whole lines: the last one may still be being written.
-        return text.split("\n")[:-1]
+        # Only whole lines (the last one may still be being written), and not
+        # the probe's.
+        return [line for line in text.split("\n")[:-1] if PROBE_DOMAIN not in line]
 
     def wait_for(self, needle: str, *, timeout: float) -> str:
         return wait_until(
