@@ -9,10 +9,13 @@ from collections.abc import Callable
 import contextlib
 import copy
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 import json
 import math
 from pathlib import Path
-from typing import Any, Self
+import ssl
+from typing import Any, Literal, Self
+import uuid
 
 from aiohttp import ClientConnectionResetError, web
 import yaml
@@ -21,6 +24,7 @@ from . import objects
 from .auth import ALL_RULES, PRODUCT_RULES, Rule, User, forbidden_message
 from .patch import PatchError, json_merge_patch, json_patch, strategic_merge_patch
 from .resources import (
+    RESOURCES,
     SUBRESOURCES,
     ResourceType,
     api_group,
@@ -56,6 +60,35 @@ PATCH_TYPES = (
 EVICTION_PDB_MESSAGE = (
     "Cannot evict pod as it would violate the pod's disruption budget."
 )
+# eviction.go createTooManyRequestsError: the budget's status is older than its
+# spec (or a delete raced with it); clients are asked to come back in 10 s.
+PDB_PROCESSING_RETRY_SECONDS = 10
+# eviction.go MaxDisruptedPodSize.
+MAX_DISRUPTED_POD_SIZE = 2000
+# filters/maxinflight.go tooManyRequests (used by priority-and-fairness.go):
+# http.Error writes this line as text/plain, not a Status.
+APF_MESSAGE = "Too many requests, please try again later."
+# handlers/finisher/finisher.go: the request's deadline passed.
+TIMEOUT_MESSAGE = (
+    "Timeout: request did not complete within requested timeout - "
+    "context deadline exceeded"
+)
+# pkg/registry/core/namespace/storage/storage.go Delete, second call.
+NAMESPACE_PURGE_WHY = (
+    "The system is ensuring all content is removed from this namespace.  Upon "
+    "completion, this namespace will automatically be purged by the system."
+)
+# The NamespaceLifecycle admission plugin's immortal namespaces.
+IMMORTAL_NAMESPACES = frozenset({"default", "kube-system", "kube-public"})
+TERMINAL_PHASES = ("Succeeded", "Failed")
+# A budget before the disruption controller's first sync (the int32 fields of
+# PodDisruptionBudgetStatus are not omitempty).
+EMPTY_PDB_STATUS: dict[str, int] = {
+    "disruptionsAllowed": 0,
+    "currentHealthy": 0,
+    "desiredHealthy": 0,
+    "expectedPods": 0,
+}
 MULTIPLE_PDB_MESSAGE = "This pod has more than one PodDisruptionBudget, which the eviction subresource does not support."
 EXPIRED_CONTINUE_MESSAGE = (
     "The provided continue parameter is too old to display a consistent list result. "
@@ -125,6 +158,47 @@ def _details(rt: ResourceType, name: str | None) -> JsonObj:
     return details
 
 
+def _time_text(moment: datetime) -> str:
+    """A metav1.Time (seconds precision, Z suffix)."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse_time(text: str) -> datetime:
+    return datetime.fromisoformat(text)
+
+
+def _kind_conflict(rt: ResourceType, name: str, why: str) -> ApiError:
+    """409 as BeforeDelete and the eviction's getLatestPod build it: the
+    resource in the message is the Kind (``Pod``), not the plural."""
+    resource = f"{rt.kind}.{rt.group}" if rt.group else rt.kind
+    details: JsonObj = {"name": name}
+    if rt.group:
+        details["group"] = rt.group
+    details["kind"] = rt.kind
+    return ApiError(
+        409,
+        f'Operation cannot be fulfilled on {resource} "{name}": {why}',
+        details=details,
+    )
+
+
+def pdb_still_processing(name: str) -> ApiError:
+    """eviction.go createTooManyRequestsError."""
+    return ApiError(
+        429,
+        EVICTION_PDB_MESSAGE,
+        details={
+            "causes": [
+                {
+                    "reason": "DisruptionBudget",
+                    "message": f"The disruption budget {name} is still being processed by the server.",
+                }
+            ],
+            "retryAfterSeconds": PDB_PROCESSING_RETRY_SECONDS,
+        },
+    )
+
+
 def not_found(rt: ResourceType, name: str) -> ApiError:
     """404 for a missing object."""
     return ApiError(
@@ -168,6 +242,16 @@ class _Fault:
     message: str
     verb: str | None
     resource: str | None
+    # "status": a Status body where the handler would run (fail_next);
+    # "apf": API Priority and Fairness rejecting the request before
+    # authorization; "timeout": the request deadline passing in the handler.
+    style: Literal["status", "apf", "timeout"] = "status"
+    retry_after: int = 0
+    applied: bool = False  # a timed-out request still took effect
+
+
+class _SyncFailedError(Exception):
+    """The disruption controller could not compute a budget's status."""
 
 
 @dataclass
@@ -236,6 +320,86 @@ def _scaled(value: int | str, total: int, *, round_up: bool) -> int:
     return math.ceil(fraction) if round_up else math.floor(fraction)
 
 
+def _set_condition(
+    conditions: list[JsonObj],
+    ctype: str,
+    *,
+    status: str,
+    reason: str,
+    message: str,
+    observed_generation: int,
+) -> list[JsonObj]:
+    """apimeta.SetStatusCondition: lastTransitionTime moves only when the
+    status does."""
+    previous = next((c for c in conditions if c.get("type") == ctype), None)
+    condition: JsonObj = {"type": ctype, "status": status}
+    if observed_generation:
+        condition["observedGeneration"] = observed_generation
+    condition["lastTransitionTime"] = (
+        previous["lastTransitionTime"]
+        if previous is not None and previous.get("status") == status
+        else now_rfc3339()
+    )
+    condition["reason"] = reason
+    condition["message"] = message
+    return [
+        *(c for c in conditions if c.get("type") != ctype),
+        condition,
+    ]
+
+
+def _disruption_allowed_conditions(
+    conditions: list[JsonObj], allowed: int, observed_generation: int
+) -> list[JsonObj]:
+    """poddisruptionbudget.UpdateDisruptionAllowedCondition."""
+    if allowed > 0:
+        return _set_condition(
+            conditions,
+            "DisruptionAllowed",
+            status="True",
+            reason="SufficientPods",
+            message="",
+            observed_generation=observed_generation,
+        )
+    return _set_condition(
+        conditions,
+        "DisruptionAllowed",
+        status="False",
+        reason="InsufficientPods",
+        message="",
+        observed_generation=observed_generation,
+    )
+
+
+def _terminated_status(status: JsonObj, killed: bool) -> JsonObj:
+    """What the kubelet reports once a deleted pod's containers stopped: a
+    terminal phase (Failed when it had to kill them at the end of the grace
+    period), terminated containers, Ready false with reason PodCompleted."""
+    status = copy.deepcopy(status)
+    now = now_rfc3339()
+    status["phase"] = "Failed" if killed else "Succeeded"
+    for condition in status.get("conditions") or []:
+        if condition.get("type") in ("Ready", "ContainersReady"):
+            if condition.get("status") != "False":
+                condition["lastTransitionTime"] = now
+            condition["status"] = "False"
+            condition["reason"] = "PodCompleted"
+    for container in status.get("containerStatuses") or []:
+        state = container.get("state") or {}
+        started = (state.get("running") or {}).get("startedAt", now)
+        container["state"] = {
+            "terminated": {
+                "exitCode": 137 if killed else 0,
+                "reason": "Error" if killed else "Completed",
+                "startedAt": started,
+                "finishedAt": now,
+            }
+        }
+        container["ready"] = False
+        container["started"] = False
+    return status
+
+
 class K8sEmulator:
     """A Kubernetes API server emulator (HTTPS on 127.0.0.1 by default).
 
@@ -253,30 +417,53 @@ class K8sEmulator:
         user: str = DEFAULT_USER,
         rules: tuple[Rule, ...] = PRODUCT_RULES,
         deletion_grace: float = 0.0,
+        pdb_sync_delay: float = 0.0,
         lease_interval: float = 10.0,
         lease_duration: int = 40,
         history_limit: int = 10_000,
         server_hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+        legacy_ca: bool = False,
     ) -> None:
         self.host = host
         self.port = port
         self.tls = tls
+        self.legacy_ca = legacy_ca
         self.default_token = token
+        # Seconds a pod's containers take to stop after a graceful delete
+        # (the kubelet's part), capped at the pod's grace period; then the
+        # pod turns Succeeded (Failed if killed at the end of the grace
+        # period) and is removed. 0: at once. Per pod: ``stop_seconds``.
         self.deletion_grace = deletion_grace
+        # Seconds the disruption controller lags behind changes of budgets,
+        # pods and their controllers. 0: it has caught up before anyone
+        # looks; more: budgets answer evictions from their stored status,
+        # and an edited spec is "still being processed" until it catches up.
+        self.pdb_sync_delay = pdb_sync_delay
+        # disruption.go DeletionTimeout: how long an eviction's entry in
+        # status.disruptedPods keeps a pod out of currentHealthy.
+        self.pdb_deletion_timeout = 120.0
         self.lease_interval = lease_interval
         self.lease_duration = lease_duration
         self.store = Store(history_limit)
+        self.store.listeners.append(self._on_store_event)
         self.requests: list[RecordedRequest] = []
         self._server_hosts = server_hosts
         self._tokens: dict[str, User] = {token: User(user, rules)}
         self._faults: list[_Fault] = []
         self._down: set[str] = set()
         self._refusing: set[str] = set()  # pod uids that never finish terminating
-        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._stop_seconds: dict[str, float] = {}  # pod uid -> container stop time
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # kubelet, by pod uid
+        self._pdb_timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self._pdb_rechecks: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self._pdb_writing = False  # the disruption controller is writing
+        self._ns_sweeping: set[str] = set()  # namespace controller running
         self._watches_hung = False
         self._runner: web.AppRunner | None = None
         self._lease_task: asyncio.Task[None] | None = None
         self._tls: TlsMaterial | None = None
+        self._server_ssl: ssl.SSLContext | None = None
+        self._handler: tuple[asyncio.AbstractEventLoop, Any, Any] | None = None
         for ns in (
             "default",
             "kube-system",
@@ -290,24 +477,36 @@ class K8sEmulator:
     async def start(self) -> None:
         """Serve; the bound port is in ``port`` afterwards."""
         if self.tls:
-            self._tls = make_tls([*self._server_hosts, self.host])
+            self._tls = make_tls(
+                [*self._server_hosts, self.host], legacy_ca=self.legacy_ca
+            )
         app = web.Application(client_max_size=4 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(
             app, access_log=None, handle_signals=False, shutdown_timeout=2.0
         )
         await self._runner.setup()
+        self._server_ssl = self._tls.server_context() if self._tls else None
         site = web.TCPSite(
-            self._runner,
-            self.host,
-            self.port,
-            ssl_context=self._tls.server_context() if self._tls else None,
+            self._runner, self.host, self.port, ssl_context=self._server_ssl
         )
         await site.start()
+        self._absorb_handshake_errors(asyncio.get_running_loop())
         self.port = int(self._runner.addresses[0][1])
         self._lease_task = asyncio.get_running_loop().create_task(
             self._lease_loop(), name="k8semu-leases"
         )
+        # Work that waited for an event loop: pods deleted before start and
+        # budgets a lagging controller has not seen yet.
+        for pod in self.store.list_objects(resource_for_kind("Pod")):
+            if pod["metadata"].get("deletionTimestamp"):
+                self._kubelet_schedule(pod)
+        if self.pdb_sync_delay > 0:
+            for pdb in self.store.list_objects(
+                resource_for_kind("PodDisruptionBudget")
+            ):
+                meta = pdb["metadata"]
+                self._pdb_enqueue(meta["namespace"], meta["name"])
 
     async def stop(self) -> None:
         """Stop serving: end watches, timers and lease renewals."""
@@ -316,13 +515,46 @@ class K8sEmulator:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._lease_task
             self._lease_task = None
-        for timer in self._timers.values():
-            timer.cancel()
-        self._timers.clear()
+        for timers in (self._timers, self._pdb_timers, self._pdb_rechecks):
+            for timer in timers.values():
+                timer.cancel()
+            timers.clear()
         self.store.close_watchers()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._handler is not None:
+            loop, previous, ours = self._handler
+            if loop.get_exception_handler() is ours:
+                loop.set_exception_handler(previous)
+            self._handler = None
+
+    def _absorb_handshake_errors(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A client refusing the server's certificate resets the connection;
+        a real apiserver logs "TLS handshake error" and serves on. asyncio
+        (in debug mode, as test harnesses run it) reports it to the loop's
+        exception handler instead, which some harnesses turn into a failed
+        test: drop those reports for this server's connections only."""
+        if self._server_ssl is None:
+            return
+        previous = loop.get_exception_handler()
+
+        def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+            transport = context.get("transport")
+            if (
+                context.get("message")
+                == "Error on transport creation for incoming connection"
+                and transport is not None
+                and transport.get_extra_info("sslcontext") is self._server_ssl
+            ):
+                return
+            if previous is not None:
+                previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+
+        loop.set_exception_handler(handler)
+        self._handler = (loop, previous, handler)
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -400,17 +632,20 @@ class K8sEmulator:
         meta = obj.setdefault("metadata", {})
         if rt.namespaced:
             meta.setdefault("namespace", "default")
+            # Objects live in namespaces that exist (the API refuses creates
+            # elsewhere): make the namespace as kubectl create ns would.
+            ns_rt = resource_for_kind("Namespace")
+            if self.store.get(ns_rt, "", meta["namespace"]) is None:
+                self.store.create(ns_rt, objects.make_namespace(meta["namespace"]))
         if self.store.get(rt, meta.get("namespace", ""), meta["name"]) is not None:
             raise ValueError(f"{rt.plural} {meta['name']} already exists")
+        if rt.kind == "PodDisruptionBudget":
+            obj.setdefault("status", dict(EMPTY_PDB_STATUS))
         return self.store.create(rt, obj)
 
     def get(self, kind: str, name: str, namespace: str = "default") -> JsonObj | None:
         """The current object (a copy), or None."""
-        rt = resource_for_kind(kind)
-        obj = self.store.get(rt, namespace, name)
-        if obj is not None and rt.kind == "PodDisruptionBudget":
-            obj["status"] = self._pdb_status(obj)
-        return obj
+        return self.store.get(resource_for_kind(kind), namespace, name)
 
     def list_objects(self, kind: str, namespace: str | None = None) -> list[JsonObj]:
         """Every object of a kind (copies)."""
@@ -507,10 +742,14 @@ class K8sEmulator:
             self._down.add(name)
         if was_up != up:
             # Down: the node lifecycle controller marks its pods not Ready.
-            # Up: the kubelet reports its running pods Ready again.
+            # Up: the kubelet reports its running pods Ready again, and
+            # finishes the pods deleted while it was away.
             for pod in self.store.list_objects(resource_for_kind("Pod")):
                 if (pod.get("spec") or {}).get("nodeName") == name:
                     meta = pod["metadata"]
+                    if up and meta.get("deletionTimestamp"):
+                        self._kubelet_schedule(pod)
+                        continue
                     phase = (pod.get("status") or {}).get("phase")
                     if up and phase != "Running":
                         continue
@@ -575,12 +814,24 @@ class K8sEmulator:
         namespace: str = "default",
         *,
         refuse_termination: bool = False,
+        stop_seconds: float | None = None,
+        termination_grace: int | None = None,
         **kwargs: Any,
     ) -> JsonObj:
-        """A pod (see ``objects.make_pod`` for options)."""
-        pod = self.create(objects.make_pod(name, namespace, **kwargs))
+        """A pod (see ``objects.make_pod`` for options).
+
+        ``stop_seconds``: how long its containers take to exit once deleted
+        (default: ``deletion_grace``); ``termination_grace``: its
+        spec.terminationGracePeriodSeconds (default 30).
+        """
+        manifest = objects.make_pod(name, namespace, **kwargs)
+        if termination_grace is not None:
+            manifest["spec"]["terminationGracePeriodSeconds"] = termination_grace
+        pod = self.create(manifest)
         if refuse_termination:
             self._refusing.add(pod["metadata"]["uid"])
+        if stop_seconds is not None:
+            self._stop_seconds[pod["metadata"]["uid"]] = stop_seconds
         return pod
 
     def remove_pod(self, name: str, namespace: str = "default") -> None:
@@ -590,7 +841,9 @@ class K8sEmulator:
     def set_pod_refuse_termination(
         self, name: str, namespace: str = "default", refuse: bool = True
     ) -> None:
-        """A refusing pod stays Terminating (deletionTimestamp set) after eviction."""
+        """A refusing pod stays Terminating (deletionTimestamp set) after
+        eviction or deletion, even a forced one (as with a finalizer nobody
+        removes), until released."""
         pod = self.get("Pod", name, namespace)
         if pod is None:
             raise KeyError(f"pod {namespace}/{name}")
@@ -600,7 +853,48 @@ class K8sEmulator:
         else:
             self._refusing.discard(uid)
             if pod["metadata"].get("deletionTimestamp"):
-                self._schedule_removal(pod)
+                self._kubelet_schedule(pod)
+
+    def set_pod_stop_seconds(
+        self, name: str, namespace: str = "default", seconds: float | None = None
+    ) -> None:
+        """How long this pod's containers take to exit after a graceful
+        delete (None: ``deletion_grace``). Capped at the pod's grace period:
+        a pod still running then is killed (phase Failed, exit code 137)."""
+        pod = self.get("Pod", name, namespace)
+        if pod is None:
+            raise KeyError(f"pod {namespace}/{name}")
+        uid = pod["metadata"]["uid"]
+        if seconds is None:
+            self._stop_seconds.pop(uid, None)
+        else:
+            self._stop_seconds[uid] = seconds
+
+    # ------------------------------------------------------ control: namespaces
+
+    def terminate_namespace(self, name: str) -> JsonObj:
+        """Delete a namespace as the API does: it turns Terminating (with a
+        deletionTimestamp), creates in it are refused with 403
+        NamespaceTerminating, the namespace controller removes its content
+        (pods gracefully, each with its own grace period), and the namespace
+        disappears once no pod is left. Returns it as marked."""
+        rt = resource_for_kind("Namespace")
+        namespace = self.store.get(rt, "", name)
+        if namespace is None:
+            raise KeyError(f"namespace {name}")
+        if not namespace["metadata"].get("deletionTimestamp"):
+            namespace["metadata"]["deletionTimestamp"] = now_rfc3339()
+            namespace.setdefault("status", {})["phase"] = "Terminating"
+            namespace = self.store.update(rt, namespace)
+        self._namespace_sweep(name)
+        return namespace
+
+    def namespace_phase(self, name: str) -> str | None:
+        """Active, Terminating, or None when the namespace does not exist."""
+        namespace = self.store.get(resource_for_kind("Namespace"), "", name)
+        if namespace is None:
+            return None
+        return str((namespace.get("status") or {}).get("phase", "Active"))
 
     def owner_ref(self, obj: JsonObj) -> JsonObj:
         """A controller ownerReference to a stored object."""
@@ -646,11 +940,59 @@ class K8sEmulator:
         verb: str | None = None,
         resource: str | None = None,
         message: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         """The next ``n`` resource requests (optionally only this verb and/or
-        resource, e.g. ``"pods/eviction"``) fail with ``status``."""
+        resource, e.g. ``"pods/eviction"``) fail with ``status``: a Status
+        after authorization, where the handler would run. ``retry_after``
+        adds details.retryAfterSeconds and the Retry-After header, as the
+        apiserver does for any Status carrying it (e.g. 429 "storage is
+        (re)initializing" from the watch cache)."""
         self._faults.append(
-            _Fault(n, status, message or f"injected failure ({status})", verb, resource)
+            _Fault(
+                n,
+                status,
+                message or f"injected failure ({status})",
+                verb,
+                resource,
+                retry_after=retry_after or 0,
+            )
+        )
+
+    def throttle(
+        self,
+        n: int = 1,
+        *,
+        verb: str | None = None,
+        resource: str | None = None,
+        status: int = 429,
+        retry_after: int = 1,
+        applied: bool = False,
+    ) -> None:
+        """The next ``n`` matching resource requests (any verb; a watch too
+        for 429) are turned away as a loaded kube-apiserver does.
+
+        429: API Priority and Fairness rejects them after authentication and
+        before authorization: a text/plain body ``Too many requests, please
+        try again later.``, a ``Retry-After: retry_after`` header, no Status
+        and so no DisruptionBudget cause. 504: the request's deadline passes
+        in the handler (a Status with reason Timeout); with ``applied`` the
+        change was still made, as the handler keeps running after the
+        timeout. Watches have no deadline and are never answered 504.
+        """
+        if status not in (429, 504):
+            raise ValueError("throttle answers 429 (APF) or 504 (timeout)")
+        self._faults.append(
+            _Fault(
+                n,
+                status,
+                APF_MESSAGE if status == 429 else TIMEOUT_MESSAGE,
+                verb,
+                resource,
+                style="apf" if status == 429 else "timeout",
+                retry_after=retry_after,
+                applied=applied,
+            )
         )
 
     def requests_for(
@@ -675,9 +1017,141 @@ class K8sEmulator:
         """Forget the recorded requests."""
         self.requests.clear()
 
-    # ------------------------------------------------------------- PDB logic
+    # ---------------------------------------------------- reacting to writes
+
+    def _on_store_event(self, event: StoredEvent) -> None:
+        """Controllers watching the store: the disruption controller resyncs
+        the budgets of a namespace whose pods or workload controllers
+        changed; the namespace controller finishes a Terminating namespace
+        once its last pod is gone."""
+        obj = event.new if event.new is not None else event.old
+        assert obj is not None
+        meta = obj["metadata"]
+        namespace = meta.get("namespace") or ""
+        kind = event.resource.kind
+        if kind == "PodDisruptionBudget":
+            if event.new is None:
+                for timers in (self._pdb_timers, self._pdb_rechecks):
+                    timer = timers.pop((namespace, meta["name"]), None)
+                    if timer is not None:
+                        timer.cancel()
+            elif not self._pdb_writing:
+                # Any other write (spec edit, an eviction's status update)
+                # wakes the controller, as its informer's update event does.
+                self._pdb_enqueue(namespace, meta["name"])
+        elif kind in ("Pod", "ReplicaSet", "StatefulSet", "Deployment"):
+            for pdb in self.store.list_objects(
+                resource_for_kind("PodDisruptionBudget"), namespace
+            ):
+                self._pdb_enqueue(namespace, pdb["metadata"]["name"])
+            if kind == "Pod" and event.new is None:
+                self._namespace_sweep(namespace)
+
+    # ------------------------------------------------------ namespace controller
+
+    def _namespace_sweep(self, name: str) -> None:
+        """pkg/controller/namespace/deletion: delete all content of a
+        Terminating namespace (pods gracefully), report what remains, and
+        remove the namespace once nothing does."""
+        ns_rt = resource_for_kind("Namespace")
+        namespace = self.store.get(ns_rt, "", name)
+        if (
+            namespace is None
+            or not namespace["metadata"].get("deletionTimestamp")
+            or name in self._ns_sweeping
+        ):
+            return
+        self._ns_sweeping.add(name)
+        try:
+            pod_rt = resource_for_kind("Pod")
+            for rt in RESOURCES:
+                if not rt.namespaced or rt == pod_rt:
+                    continue
+                for obj in self.store.list_objects(rt, name):
+                    self.store.delete(rt, name, obj["metadata"]["name"])
+            for pod in self.store.list_objects(pod_rt, name):
+                if not pod["metadata"].get("deletionTimestamp"):
+                    # The kubelet may finish an earlier pod synchronously:
+                    # delete what is stored now, not the listing's copy.
+                    current = self.store.get(pod_rt, name, pod["metadata"]["name"])
+                    if current is not None and not current["metadata"].get(
+                        "deletionTimestamp"
+                    ):
+                        self._delete_pod(current, {})
+            remaining = len(self.store.list_objects(pod_rt, name))
+        finally:
+            self._ns_sweeping.discard(name)
+        namespace = self.store.get(ns_rt, "", name)
+        if namespace is None:
+            return
+        if remaining == 0:
+            # The "kubernetes" finalizer is removed, then the namespace goes.
+            self.store.delete(ns_rt, "", name)
+            return
+        status = namespace.setdefault("status", {})
+        conditions = [
+            c
+            for c in status.get("conditions") or []
+            if c.get("type") != "NamespaceContentRemaining"
+        ]
+        previous = next(
+            (
+                c
+                for c in status.get("conditions") or []
+                if c.get("type") == "NamespaceContentRemaining"
+            ),
+            None,
+        )
+        message = (
+            f"Some resources are remaining: pods. has {remaining} resource instances"
+        )
+        conditions.append(
+            {
+                "type": "NamespaceContentRemaining",
+                "status": "True",
+                "lastTransitionTime": (previous or {}).get(
+                    "lastTransitionTime", now_rfc3339()
+                ),
+                "reason": "SomeResourcesRemain",
+                "message": message,
+            }
+        )
+        status["conditions"] = conditions
+        self.store.update(ns_rt, namespace)
+
+    def _admit_create(self, target: _Target, name: str) -> None:
+        """The NamespaceLifecycle admission plugin for creates (subresources
+        such as pods/eviction included): 404 when the namespace does not
+        exist, 403 NamespaceTerminating while it is being deleted."""
+        if not target.rt.namespaced or target.namespace is None:
+            return
+        ns_rt = resource_for_kind("Namespace")
+        namespace = self.store.get(ns_rt, "", target.namespace)
+        if namespace is None:
+            raise not_found(ns_rt, target.namespace)
+        if (namespace.get("status") or {}).get("phase") != "Terminating":
+            return
+        raise ApiError(
+            403,
+            f'{target.rt.group_resource} "{name}" is forbidden: unable to create new '
+            f"content in namespace {target.namespace} because it is being terminated",
+            details={
+                **_details(target.rt, name),
+                "causes": [
+                    {
+                        "reason": "NamespaceTerminating",
+                        "message": f"namespace {target.namespace} is being terminated",
+                        "field": "metadata.namespace",
+                    }
+                ],
+            },
+        )
+
+    # ---------------------------------------------------- disruption controller
 
     def _matching_pdbs(self, pod: JsonObj) -> list[JsonObj]:
+        """eviction.go getPodDisruptionBudgets (policy/v1: an empty selector
+        matches every pod of the namespace)."""
         rt = resource_for_kind("PodDisruptionBudget")
         labels = pod["metadata"].get("labels") or {}
         return [
@@ -688,66 +1162,173 @@ class K8sEmulator:
             )
         ]
 
-    def _pdb_status(self, pdb: JsonObj) -> JsonObj:
-        """What the disruption controller would have written, computed now."""
+    def sync_pdbs(self, namespace: str | None = None) -> None:
+        """Let the disruption controller catch up now (every budget, or this
+        namespace's), whatever ``pdb_sync_delay`` says."""
+        for pdb in self.store.list_objects(
+            resource_for_kind("PodDisruptionBudget"), namespace
+        ):
+            meta = pdb["metadata"]
+            timer = self._pdb_timers.pop((meta["namespace"], meta["name"]), None)
+            if timer is not None:
+                timer.cancel()
+            self._sync_pdb(meta["namespace"], meta["name"])
+
+    def _pdb_enqueue(self, namespace: str, name: str) -> None:
+        if self.pdb_sync_delay <= 0:
+            self._sync_pdb(namespace, name)
+            return
+        key = (namespace, name)
+        if key in self._pdb_timers:
+            return  # the work queue holds a key once
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # start() enqueues every budget
+        self._pdb_timers[key] = loop.call_later(
+            self.pdb_sync_delay, self._pdb_timer_fired, key
+        )
+
+    def _pdb_timer_fired(self, key: tuple[str, str]) -> None:
+        self._pdb_timers.pop(key, None)
+        self._sync_pdb(*key)
+
+    def _sync_pdb(self, namespace: str, name: str) -> None:
+        """disruption.go sync/trySync: recompute and store a budget's status;
+        on failure, failSafe (disruptionsAllowed 0, condition SyncFailed,
+        observedGeneration left as it was)."""
+        rt = resource_for_kind("PodDisruptionBudget")
+        pdb = self.store.get(rt, namespace, name)
+        if pdb is None:
+            return
+        old: JsonObj = pdb.get("status") or dict(EMPTY_PDB_STATUS)
         spec = pdb.get("spec") or {}
-        ns = pdb["metadata"]["namespace"]
         pods = [
             p
-            for p in self.store.list_objects(resource_for_kind("Pod"), ns)
+            for p in self.store.list_objects(resource_for_kind("Pod"), namespace)
             if label_selector_object_matches(
                 spec.get("selector"), p["metadata"].get("labels")
             )
-            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
         ]
-        healthy = sum(
-            1
-            for p in pods
-            if not p["metadata"].get("deletionTimestamp") and pod_is_ready(p)
-        )
-        min_available = spec.get("minAvailable")
-        max_unavailable = spec.get("maxUnavailable")
-        if isinstance(min_available, int):
-            expected, desired = len(pods), min_available
+        now = datetime.now(UTC)
+        status: JsonObj
+        try:
+            expected, desired = self._expected_pod_count(spec, pods)
+        except _SyncFailedError as err:
+            status = copy.deepcopy(old)
+            status["disruptionsAllowed"] = 0
+            status["conditions"] = _set_condition(
+                status.get("conditions") or [],
+                "DisruptionAllowed",
+                status="False",
+                reason="SyncFailed",
+                message=str(err),
+                observed_generation=status.get("observedGeneration", 0),
+            )
         else:
+            disrupted, recheck = self._live_disruptions(
+                pods, old.get("disruptedPods") or {}, now
+            )
+            healthy = sum(
+                1
+                for p in pods
+                if not p["metadata"].get("deletionTimestamp")
+                and p["metadata"]["name"] not in disrupted
+                and pod_is_ready(p)
+            )
+            allowed = healthy - desired
+            if expected <= 0 or allowed <= 0:
+                # Budgets matching nothing yet stay safe (updatePdbStatus).
+                allowed = 0
+            generation = pdb["metadata"].get("generation", 1)
+            status = {
+                "observedGeneration": generation,
+                "disruptionsAllowed": allowed,
+                "currentHealthy": healthy,
+                "desiredHealthy": desired,
+                "expectedPods": expected,
+            }
+            if disrupted:
+                status["disruptedPods"] = disrupted
+            status["conditions"] = _disruption_allowed_conditions(
+                old.get("conditions") or [], allowed, generation
+            )
+            if recheck is not None:
+                self._pdb_recheck(namespace, name, recheck - now)
+        if status == old:
+            return
+        pdb["status"] = status
+        self._pdb_writing = True
+        try:
+            self.store.update(rt, pdb)
+        finally:
+            self._pdb_writing = False
+
+    def _pdb_recheck(self, namespace: str, name: str, after: timedelta) -> None:
+        """The recheck queue: an entry of disruptedPods expires."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # any later sync sees the expiry
+        key = (namespace, name)
+        existing = self._pdb_rechecks.pop(key, None)
+        if existing is not None:
+            existing.cancel()
+
+        def fired() -> None:
+            self._pdb_rechecks.pop(key, None)
+            self._pdb_enqueue(*key)
+
+        self._pdb_rechecks[key] = loop.call_later(
+            max(after.total_seconds(), 0.0) + 0.01, fired
+        )
+
+    def _live_disruptions(
+        self, pods: list[JsonObj], recorded: dict[str, str], now: datetime
+    ) -> tuple[dict[str, str], datetime | None]:
+        """disruption.go buildDisruptedPodMap: evictions the controller has
+        not seen carried out yet, minus expired ones and pods now deleting."""
+        result: dict[str, str] = {}
+        recheck: datetime | None = None
+        timeout = timedelta(seconds=self.pdb_deletion_timeout)
+        for pod in pods:
+            meta = pod["metadata"]
+            if meta.get("deletionTimestamp") or meta["name"] not in recorded:
+                continue
+            expires = _parse_time(recorded[meta["name"]]) + timeout
+            if expires < now:
+                continue  # "Pod was expected by PDB ... to be deleted but it wasn't"
+            result[meta["name"]] = recorded[meta["name"]]
+            if recheck is None or expires < recheck:
+                recheck = expires
+        return result, recheck
+
+    def _expected_pod_count(
+        self, spec: JsonObj, pods: list[JsonObj]
+    ) -> tuple[int, int]:
+        """disruption.go getExpectedPodCount: (expectedPods, desiredHealthy)."""
+        max_unavailable = spec.get("maxUnavailable")
+        min_available = spec.get("minAvailable")
+        if max_unavailable is not None:
             expected = self._expected_scale(pods)
-            if min_available is not None:
-                desired = _scaled(min_available, expected, round_up=True)
-            elif max_unavailable is not None:
-                desired = max(
-                    0, expected - _scaled(max_unavailable, expected, round_up=True)
-                )
-            else:
-                desired = expected
-        allowed = max(0, healthy - desired)
-        generation = pdb["metadata"].get("generation", 1)
-        return {
-            "observedGeneration": generation,
-            "currentHealthy": healthy,
-            "desiredHealthy": desired,
-            "expectedPods": expected,
-            "disruptionsAllowed": allowed,
-            "conditions": [
-                {
-                    "type": "DisruptionAllowed",
-                    "status": "True" if allowed > 0 else "False",
-                    "reason": "SufficientPods" if allowed > 0 else "InsufficientPods",
-                    "message": "",
-                    "observedGeneration": generation,
-                    "lastTransitionTime": pdb["metadata"].get(
-                        "creationTimestamp", now_rfc3339()
-                    ),
-                }
-            ],
-        }
+            unavailable = _scaled(max_unavailable, expected, round_up=True)
+            return expected, max(0, expected - unavailable)
+        if isinstance(min_available, int):
+            # An integer needs no controller: every selected pod counts.
+            return len(pods), min_available
+        if min_available is not None:
+            expected = self._expected_scale(pods)
+            return expected, _scaled(min_available, expected, round_up=True)
+        return 0, 0
 
     def _expected_scale(self, pods: list[JsonObj]) -> int:
-        """Sum of the owning controllers' replicas (a pod without a stored
-        controller counts as one)."""
-        total = 0
-        seen: set[str] = set()
+        """disruption.go getExpectedScale: the sum of the scales of the pods'
+        controllers. Pods without a controllerRef are unmanaged and left out
+        (the controller only warns); a controllerRef that resolves to no
+        scalable controller fails the sync."""
+        scales: dict[str, int] = {}
         for pod in pods:
-            owner = next(
+            ref = next(
                 (
                     o
                     for o in pod["metadata"].get("ownerReferences") or []
@@ -755,19 +1336,65 @@ class K8sEmulator:
                 ),
                 None,
             )
-            controller = None
-            if owner and owner["kind"] in ("ReplicaSet", "StatefulSet"):
-                controller = self.store.get(
-                    resource_for_kind(owner["kind"]),
-                    pod["metadata"]["namespace"],
-                    owner["name"],
+            if ref is None or ref.get("uid") in scales:
+                continue
+            found = self._controller_scale(ref, pod["metadata"]["namespace"])
+            if found is None:
+                raise _SyncFailedError(
+                    f'found no controllers for pod "{pod["metadata"]["name"]}"'
                 )
-            if controller is None:
-                total += 1
-            elif controller["metadata"]["uid"] not in seen:
-                seen.add(controller["metadata"]["uid"])
-                total += int(controller["spec"].get("replicas", 1))
-        return total
+            scales[found[0]] = found[1]
+        return sum(scales.values())
+
+    def _controller_scale(self, ref: JsonObj, namespace: str) -> tuple[str, int] | None:
+        """The finders of disruption.go (Deployment through its ReplicaSet,
+        ReplicaSet, StatefulSet, then any /scale): (uid, replicas) or None."""
+        kind = ref.get("kind", "")
+        group = str(ref.get("apiVersion", "")).rpartition("/")[0]
+
+        def lookup(kind: str, name: str) -> JsonObj | None:
+            return self.store.get(resource_for_kind(kind), namespace, name)
+
+        if kind in ("ReplicaSet", "StatefulSet", "Deployment"):
+            owner = lookup(kind, ref["name"])
+            if owner is None or owner["metadata"]["uid"] != ref.get("uid"):
+                return None
+            if kind == "ReplicaSet":
+                parent = next(
+                    (
+                        o
+                        for o in owner["metadata"].get("ownerReferences") or []
+                        if o.get("controller") and o.get("kind") == "Deployment"
+                    ),
+                    None,
+                )
+                deployment = lookup("Deployment", parent["name"]) if parent else None
+                if (
+                    deployment is not None
+                    and parent is not None
+                    and deployment["metadata"]["uid"] == parent.get("uid")
+                ):
+                    owner = deployment
+            replicas = (owner.get("spec") or {}).get("replicas", 1)
+            return owner["metadata"]["uid"], int(replicas)
+        if kind == "ReplicationController":
+            return None  # scalable, but the emulator stores none
+        without_scale = {
+            "DaemonSet": "daemonsets.apps",
+            "Job": "jobs.batch",
+            "CronJob": "cronjobs.batch",
+            "Node": "nodes",
+            "Pod": "pods",
+        }
+        if kind in without_scale:
+            raise _SyncFailedError(
+                f"{without_scale[kind]} does not implement the scale subresource"
+            )
+        raise _SyncFailedError(
+            f'no matches for kind "{kind}" in version "{ref.get("apiVersion", "")}"'
+            if group
+            else f'no matches for kind "{kind}" in group ""'
+        )
 
     # ------------------------------------------------------- pod termination
 
@@ -776,56 +1403,131 @@ class K8sEmulator:
         if timer is not None:
             timer.cancel()
 
-    def _schedule_removal(self, pod: JsonObj) -> None:
-        uid = pod["metadata"]["uid"]
-        if uid in self._refusing or uid in self._timers:
-            return
-        ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+    def _kubelet_alive(self, node: str | None) -> bool:
+        """Whether a kubelet runs for the node: it exists and is up."""
+        return (
+            bool(node)
+            and node not in self._down
+            and self.store.get(resource_for_kind("Node"), "", str(node)) is not None
+        )
 
-        def finish() -> None:
-            self._timers.pop(uid, None)
-            current = self.store.get(resource_for_kind("Pod"), ns, name)
-            if (
-                current is not None
-                and current["metadata"]["uid"] == uid
-                and uid not in self._refusing
-            ):
-                self.store.delete(resource_for_kind("Pod"), ns, name)
-
-        if self.deletion_grace <= 0:
-            finish()
-        else:
-            self._timers[uid] = asyncio.get_running_loop().call_later(
-                self.deletion_grace, finish
-            )
-
-    def _delete_pod(self, pod: JsonObj, grace: int | None) -> JsonObj:
-        """Delete as the apiserver + kubelet would; returns the object to send."""
-        rt = resource_for_kind("Pod")
+    def _kubelet_schedule(self, pod: JsonObj) -> None:
+        """The kubelet sees a pod with a deletionTimestamp: it stops the
+        containers (taking the pod's stop time, at most its grace period),
+        reports the terminal phase, then deletes the pod for good. Nothing
+        happens on a node that is down: the pod stays Terminating there."""
         meta = pod["metadata"]
         uid = meta["uid"]
-        phase = (pod.get("status") or {}).get("phase")
-        unscheduled = not (pod.get("spec") or {}).get("nodeName")
-        immediate = (
-            phase in ("Succeeded", "Failed")
-            or unscheduled
-            or grace == 0
-            or self.deletion_grace <= 0
-        )
-        if immediate and uid not in self._refusing:
-            self._cancel_timer(uid)
-            return self.store.delete(rt, meta["namespace"], meta["name"]) or pod
-        if not meta.get("deletionTimestamp"):
-            seconds = (
-                grace
-                if grace is not None
-                else pod["spec"].get("terminationGracePeriodSeconds", 30)
+        if uid in self._refusing or uid in self._timers:
+            return
+        if not self._kubelet_alive((pod.get("spec") or {}).get("nodeName")):
+            return
+        grace = float(meta.get("deletionGracePeriodSeconds") or 0)
+        stop = self._stop_seconds.get(uid, self.deletion_grace)
+        killed = stop > grace
+        delay = min(stop, grace)
+        args = (uid, meta["namespace"], meta["name"], killed)
+        if delay <= 0:
+            self._kubelet_finish(*args)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # start() schedules the pods deleted before it
+        self._timers[uid] = loop.call_later(delay, self._kubelet_finish, *args)
+
+    def _kubelet_finish(
+        self, uid: str, namespace: str, name: str, killed: bool
+    ) -> None:
+        self._timers.pop(uid, None)
+        rt = resource_for_kind("Pod")
+        pod = self.store.get(rt, namespace, name)
+        if pod is None or pod["metadata"]["uid"] != uid or uid in self._refusing:
+            return
+        if not self._kubelet_alive((pod.get("spec") or {}).get("nodeName")):
+            return  # the node went down meanwhile; it resumes when back up
+        if pod["metadata"].get("deletionGracePeriodSeconds"):
+            pod["status"] = _terminated_status(pod.get("status") or {}, killed)
+            self.store.update(rt, pod)
+        # The kubelet's own delete, with grace period 0.
+        self.store.delete(rt, namespace, name)
+
+    def _remove_pod_now(self, pod: JsonObj) -> JsonObj:
+        """Grace period 0: gone from storage at once (no kubelet involved);
+        a refusing pod keeps a deletionTimestamp as if held by a finalizer."""
+        rt = resource_for_kind("Pod")
+        meta = pod["metadata"]
+        if meta["uid"] in self._refusing:
+            if not meta.get("deletionTimestamp"):
+                meta["deletionTimestamp"] = now_rfc3339()
+                meta["deletionGracePeriodSeconds"] = 0
+                return self.store.update(rt, pod)
+            return pod
+        self._cancel_timer(meta["uid"])
+        return self.store.delete(rt, meta["namespace"], meta["name"]) or pod
+
+    def _delete_pod(self, pod: JsonObj, options: JsonObj) -> JsonObj:
+        """A pod DELETE as the apiserver does it (rest/delete.go BeforeDelete
+        with the pod strategy's CheckGracefulDelete); returns the object to
+        send back."""
+        rt = resource_for_kind("Pod")
+        self._check_preconditions(rt, pod, options)
+        meta = pod["metadata"]
+        requested = options.get("gracePeriodSeconds")
+        if requested is not None:
+            # Negative values count as 1 s on the delete path.
+            requested = int(requested) if int(requested) >= 0 else 1
+        if meta.get("deletionTimestamp"):
+            current = meta.get("deletionGracePeriodSeconds")
+            if not current:
+                return self._remove_pod_now(pod)
+            if requested is None or requested >= current:
+                # Graceful deletion pending: nothing changes (the kubelet
+                # is on it, or takes it up if it has not seen it yet).
+                self._kubelet_schedule(pod)
+                return pod
+            # Only a shorter grace period may be asked for.
+            now = datetime.now(UTC).replace(microsecond=0)
+            moment = (
+                _parse_time(meta["deletionTimestamp"])
+                - timedelta(seconds=current)
+                + timedelta(seconds=requested)
             )
-            meta["deletionTimestamp"] = now_rfc3339()
-            meta["deletionGracePeriodSeconds"] = seconds
-            pod = self.store.update(rt, pod)
-        self._schedule_removal(pod)
-        return pod
+            period = requested
+            if moment < now:
+                moment = now
+                period = 1 if requested else 0
+            if period == 0:
+                return self._remove_pod_now(pod)
+            meta["deletionTimestamp"] = _time_text(moment)
+            meta["deletionGracePeriodSeconds"] = period
+            self._cancel_timer(meta["uid"])
+            updated = self.store.update(rt, pod)
+            self._kubelet_schedule(updated)
+            return updated
+        spec = pod.get("spec") or {}
+        period = (
+            requested
+            if requested is not None
+            # Defaulting gives every pod 30 s when the manifest has none.
+            else int(spec.get("terminationGracePeriodSeconds", 30))
+        )
+        if (
+            not spec.get("nodeName")
+            or (pod.get("status") or {}).get("phase") in TERMINAL_PHASES
+        ):
+            period = 0  # unscheduled or finished: nothing to stop
+        if period == 0:
+            return self._remove_pod_now(pod)
+        meta["deletionTimestamp"] = _time_text(
+            datetime.now(UTC) + timedelta(seconds=period)
+        )
+        meta["deletionGracePeriodSeconds"] = period
+        if meta.get("generation"):
+            meta["generation"] += 1
+        updated = self.store.update(rt, pod)
+        self._kubelet_schedule(updated)
+        return updated
 
     # ================================================================== HTTP
 
@@ -843,6 +1545,10 @@ class K8sEmulator:
             response = await self._dispatch(request, info)
         except ApiError as err:
             response = web.json_response(err.status(), status=err.code)
+            retry_after = (err.details or {}).get("retryAfterSeconds")
+            if retry_after:
+                # responsewriters.ErrorNegotiated turns it into the header.
+                response.headers["Retry-After"] = str(retry_after)
         if not info.pop("recorded", False):
             self._record(request, info, response.status)
         return response
@@ -893,6 +1599,11 @@ class K8sEmulator:
             name=target.name,
         )
         assert user is not None
+        # API Priority and Fairness sits between authentication and
+        # authorization: a throttled request never learns it was forbidden.
+        apf = self._take_fault("apf", verb, target.resource)
+        if apf is not None:
+            return self._apf_rejection(apf)
         if not user.can(verb, target.rt.group, target.resource, target.name):
             raise ApiError(
                 403,
@@ -918,7 +1629,38 @@ class K8sEmulator:
                 except ValueError as err:
                     raise ApiError(400, f"error decoding request body: {err}") from err
             info["body"] = body
-        self._inject_fault(verb, target.resource)
+        fault = self._take_fault("status", verb, target.resource)
+        if fault is not None:
+            raise ApiError(
+                fault.status,
+                fault.message,
+                details={"retryAfterSeconds": fault.retry_after}
+                if fault.retry_after
+                else {},
+            )
+        # Long-running requests (watches) have no deadline.
+        timeout = (
+            None
+            if verb == "watch"
+            else self._take_fault("timeout", verb, target.resource)
+        )
+        if timeout is not None:
+            if timeout.applied:
+                # The handler runs on after the deadline and may still
+                # store its result (finisher.go); the client never sees it.
+                with contextlib.suppress(ApiError):
+                    await self._serve(request, target, verb, body, info)
+            raise ApiError(504, TIMEOUT_MESSAGE, reason="Timeout", details={})
+        return await self._serve(request, target, verb, body, info)
+
+    async def _serve(
+        self,
+        request: web.Request,
+        target: _Target,
+        verb: str,
+        body: Any,
+        info: dict[str, Any],
+    ) -> web.StreamResponse:
         match verb:
             case "get":
                 return web.json_response(self._api_get(target))
@@ -947,17 +1689,41 @@ class K8sEmulator:
             f"the server does not allow this method on the requested resource ({verb})",
         )
 
-    def _inject_fault(self, verb: str, resource: str) -> None:
+    def _take_fault(self, style: str, verb: str, resource: str) -> _Fault | None:
+        """The first pending fault of this style matching the request (used up)."""
         for fault in self._faults:
             if (
-                fault.remaining > 0
+                fault.style == style
+                and fault.remaining > 0
                 and fault.verb in (None, verb)
                 and fault.resource in (None, resource)
             ):
                 fault.remaining -= 1
                 if fault.remaining == 0:
                     self._faults.remove(fault)
-                raise ApiError(fault.status, fault.message, details={})
+                return fault
+        return None
+
+    @staticmethod
+    def _apf_rejection(fault: _Fault) -> web.Response:
+        """priority-and-fairness.go: setResponseHeaders, then tooManyRequests
+        (Go's http.Error: text/plain, nosniff, the message and a newline)."""
+        return web.Response(
+            status=429,
+            text=APF_MESSAGE + "\n",
+            content_type="text/plain",
+            charset="utf-8",
+            headers={
+                "Retry-After": str(fault.retry_after),
+                "X-Content-Type-Options": "nosniff",
+                "X-Kubernetes-Pf-Flowschema-Uid": str(
+                    uuid.uuid5(uuid.NAMESPACE_URL, "flowschema/service-accounts")
+                ),
+                "X-Kubernetes-Pf-Prioritylevel-Uid": str(
+                    uuid.uuid5(uuid.NAMESPACE_URL, "prioritylevel/workload-low")
+                ),
+            },
+        )
 
     def _discovery(self, path: str) -> JsonObj | None:
         match path:
@@ -1059,9 +1825,20 @@ class K8sEmulator:
             raise not_found(target.rt, target.name)
         return obj
 
-    def _present(self, rt: ResourceType, obj: JsonObj) -> JsonObj:
-        if rt.kind == "PodDisruptionBudget":
-            obj["status"] = self._pdb_status(obj)
+    @staticmethod
+    def _present(rt: ResourceType, obj: JsonObj) -> JsonObj:
+        del rt  # objects are served as stored (controllers write status)
+        return obj
+
+    def _present_written(self, rt: ResourceType, obj: JsonObj) -> JsonObj:
+        """The answer to a write. With an instant disruption controller
+        (``pdb_sync_delay`` 0) a budget is answered as synced, the way it
+        reads right after; with a lagging one, as written (status stale)."""
+        if rt.kind == "PodDisruptionBudget" and self.pdb_sync_delay <= 0:
+            meta = obj["metadata"]
+            current = self.store.get(rt, meta["namespace"], meta["name"])
+            if current is not None and current["metadata"]["uid"] == meta["uid"]:
+                return current
         return obj
 
     def _api_get(self, target: _Target) -> JsonObj:
@@ -1286,6 +2063,10 @@ class K8sEmulator:
 
     def _api_create(self, target: _Target, body: Any) -> JsonObj:
         if target.sub == "eviction":
+            if not isinstance(body, dict):
+                raise ApiError(400, "the body of the request is not an Eviction object")
+            assert target.name is not None
+            self._admit_create(target, target.name)
             return self._evict(target, body)
         if target.name is not None or target.sub is not None:
             raise ApiError(
@@ -1293,6 +2074,9 @@ class K8sEmulator:
             )
         obj = self._check_body(target, body)
         meta = obj["metadata"]
+        self._admit_create(
+            target, meta.get("name") or meta.get("generateName") or "Unknown"
+        )
         if not meta.get("name"):
             raise ApiError(
                 422,
@@ -1324,8 +2108,14 @@ class K8sEmulator:
                 details=_details(target.rt, meta["name"]),
             )
         if target.rt.kind == "PodDisruptionBudget":
-            obj.pop("status", None)
-        return self._present(target.rt, self.store.create(target.rt, obj))
+            obj["status"] = dict(EMPTY_PDB_STATUS)  # PrepareForCreate
+        if target.rt.kind == "Namespace":
+            # The namespace strategy's PrepareForCreate and defaulting.
+            obj["spec"] = {"finalizers": ["kubernetes"]}
+            obj["status"] = {"phase": "Active"}
+            meta.setdefault("labels", {})["kubernetes.io/metadata.name"] = meta["name"]
+        created = self.store.create(target.rt, obj)
+        return self._present_written(target.rt, created)
 
     def _merge_update(self, target: _Target, old: JsonObj, new: JsonObj) -> JsonObj:
         """Apply main-resource vs status-subresource rules and preconditions."""
@@ -1421,7 +2211,7 @@ class K8sEmulator:
         old = self._load(target)
         new = self._check_body(target, body)
         result = self._merge_update(target, old, new)
-        return self._present(target.rt, self.store.update(target.rt, result))
+        return self._present_written(target.rt, self.store.update(target.rt, result))
 
     def _api_patch(self, target: _Target, content_type: str, body: Any) -> JsonObj:
         if target.name is None or target.sub == "eviction":
@@ -1457,18 +2247,30 @@ class K8sEmulator:
         else:
             meta["resourceVersion"] = old["metadata"]["resourceVersion"]
         result = self._merge_update(target, old, patched)
-        return self._present(target.rt, self.store.update(target.rt, result))
+        return self._present_written(target.rt, self.store.update(target.rt, result))
 
     def _api_delete(self, target: _Target, body: Any) -> JsonObj:
         if target.name is None or target.sub is not None:
             raise ApiError(
                 405, "the server does not allow this method on the requested resource"
             )
+        if target.rt.kind == "Namespace" and target.name in IMMORTAL_NAMESPACES:
+            # NamespaceLifecycle admission, before the object is even read.
+            raise ApiError(
+                403,
+                f'namespaces "{target.name}" is forbidden: this namespace may not be deleted',
+                details=_details(target.rt, target.name),
+            )
         obj = self._load(target)
         options = body if isinstance(body, dict) else {}
-        self._check_preconditions(target, obj, options)
         if target.rt.kind == "Pod":
-            return self._delete_pod(obj, options.get("gracePeriodSeconds"))
+            return self._delete_pod(obj, options)
+        self._check_preconditions(target.rt, obj, options)
+        if target.rt.kind == "Namespace":
+            if obj["metadata"].get("deletionTimestamp"):
+                raise conflict(target.rt, target.name, NAMESPACE_PURGE_WHY)
+            # The namespace is answered as marked; its controller follows.
+            return self.terminate_namespace(target.name)
         self.store.delete(target.rt, target.namespace or "", target.name)
         return {
             "kind": "Status",
@@ -1482,19 +2284,28 @@ class K8sEmulator:
         }
 
     def _api_delete_collection(self, target: _Target, query: Any) -> JsonObj:
+        if target.rt.kind == "Namespace":
+            raise ApiError(
+                405, "the server does not allow this method on the requested resource"
+            )
         labels, fields = self._selectors(target, query)
         deleted = []
         for obj in self.store.list_objects(target.rt):
             if self._matches(target, labels, fields, obj):
                 meta = obj["metadata"]
+                current = self.store.get(
+                    target.rt, meta.get("namespace", ""), meta["name"]
+                )
+                if current is None:
+                    continue  # gone while the collection was being deleted
                 if target.rt.kind == "Pod":
-                    deleted.append(self._delete_pod(obj, None))
+                    deleted.append(self._delete_pod(current, {}))
                 else:
                     deleted.append(
                         self.store.delete(
                             target.rt, meta.get("namespace", ""), meta["name"]
                         )
-                        or obj
+                        or current
                     )
         return {
             "kind": f"{target.rt.kind}List",
@@ -1504,38 +2315,45 @@ class K8sEmulator:
         }
 
     @staticmethod
-    def _check_preconditions(target: _Target, obj: JsonObj, options: JsonObj) -> None:
+    def _check_preconditions(rt: ResourceType, obj: JsonObj, options: JsonObj) -> None:
+        """rest/delete.go BeforeDelete: preconditions fail early, with the
+        object's Kind in the message."""
         pre = options.get("preconditions") or {}
         meta = obj["metadata"]
         if pre.get("uid") and pre["uid"] != meta["uid"]:
-            raise conflict(
-                target.rt,
+            raise _kind_conflict(
+                rt,
                 meta["name"],
-                f"Precondition failed: UID in precondition: {pre['uid']}, UID in object meta: {meta['uid']}",
+                f"the UID in the precondition ({pre['uid']}) does not match the UID in "
+                f"record ({meta['uid']}). The object might have been deleted and then recreated",
             )
         if (
             pre.get("resourceVersion")
             and pre["resourceVersion"] != meta["resourceVersion"]
         ):
-            raise conflict(
-                target.rt,
+            raise _kind_conflict(
+                rt,
                 meta["name"],
-                f"Precondition failed: ResourceVersion in precondition: {pre['resourceVersion']}, "
-                f"ResourceVersion in object meta: {meta['resourceVersion']}",
+                f"the ResourceVersion in the precondition ({pre['resourceVersion']}) does "
+                f"not match the ResourceVersion in record ({meta['resourceVersion']}). "
+                "The object might have been modified",
             )
 
-    def _evict(self, target: _Target, body: Any) -> JsonObj:
-        """The pods/eviction subresource, as pkg/registry/core/pod/storage/eviction.go."""
+    # ---------------------------------------------------------------- eviction
+
+    def _evict(self, target: _Target, body: JsonObj) -> JsonObj:
+        """The pods/eviction subresource, as pkg/registry/core/pod/storage/
+        eviction.go Create: pods that can ignore budgets are deleted at once;
+        otherwise the budget is checked and decremented (checkAndDecrement)
+        and only then is the pod deleted, so the caller's UID or
+        resourceVersion precondition fails (409) after the budget was spent."""
         assert target.name is not None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body of the request is not an Eviction object")
         if (body.get("metadata") or {}).get("name") not in (None, target.name):
             raise ApiError(400, "name in URL does not match name in Eviction object")
         pod_target = _Target(target.rt, target.namespace, target.name, None)
         pod = self._load(pod_target)
-        options = body.get("deleteOptions") or {}
-        self._check_preconditions(pod_target, pod, options)
-        grace = options.get("gracePeriodSeconds")
+        options: JsonObj = body.get("deleteOptions") or {}
+        client_rv = (options.get("preconditions") or {}).get("resourceVersion")
         success: JsonObj = {
             "kind": "Status",
             "apiVersion": "v1",
@@ -1544,44 +2362,137 @@ class K8sEmulator:
             "code": 201,
         }
         phase = (pod.get("status") or {}).get("phase")
-        if phase in ("Succeeded", "Failed", "Pending") or pod["metadata"].get(
-            "deletionTimestamp"
-        ):
-            self._delete_pod(pod, grace)
+        deleting = bool(pod["metadata"].get("deletionTimestamp"))
+        if phase in (*TERMINAL_PHASES, "Pending") or deleting:
+            # canIgnorePDB; shouldEnforceResourceVersion guards a Pending pod
+            # against turning Running meanwhile.
+            if phase == "Pending" and not deleting and not client_rv:
+                options = _with_rv_precondition(options, pod)
+            self._add_condition_and_delete(pod_target, options)
             return success
         pdbs = self._matching_pdbs(pod)
         if len(pdbs) > 1:
             raise ApiError(500, MULTIPLE_PDB_MESSAGE, reason=None)
+        unhealthy_may_go = False
+        pdb_name = ""
         if pdbs:
             pdb = pdbs[0]
-            status = self._pdb_status(pdb)
-            policy = (pdb.get("spec") or {}).get(
-                "unhealthyPodEvictionPolicy"
-            ) or "IfHealthyBudget"
-            unhealthy = not pod_is_ready(pod)
-            budget_healthy = (
-                status["currentHealthy"] >= status["desiredHealthy"]
-                and status["desiredHealthy"] > 0
-            )
-            if (
-                not (unhealthy and (policy == "AlwaysAllow" or budget_healthy))
-                and status["disruptionsAllowed"] <= 0
-            ):
+            pdb_name = pdb["metadata"]["name"]
+            status = pdb.get("status") or {}
+            if not pod_is_ready(pod):
+                policy = (pdb.get("spec") or {}).get("unhealthyPodEvictionPolicy")
+                # An unready pod does not count towards currentHealthy: it
+                # may go without spending the budget, if the policy allows
+                # (AlwaysAllow) or the guarded application is healthy.
+                unhealthy_may_go = policy == "AlwaysAllow" or (
+                    status.get("currentHealthy", 0) >= status.get("desiredHealthy", 0)
+                    and status.get("desiredHealthy", 0) > 0
+                )
+            if not unhealthy_may_go:
+                self._check_and_decrement(pod, pdb)
+        if unhealthy_may_go:
+            # The pod must not have turned ready since the budget was read.
+            options = _with_rv_precondition(options, pod)
+        try:
+            self._add_condition_and_delete(pod_target, options)
+        except ApiError as err:
+            if err.code == 409 and unhealthy_may_go and not client_rv:
+                raise pdb_still_processing(pdb_name) from err
+            raise
+        return success
+
+    def _check_and_decrement(self, pod: JsonObj, pdb: JsonObj) -> None:
+        """eviction.go checkAndDecrement, on the budget as stored."""
+        status: JsonObj = copy.deepcopy(pdb.get("status") or {})
+        name = pdb["metadata"]["name"]
+        if status.get("observedGeneration", 0) < pdb["metadata"].get("generation", 1):
+            raise pdb_still_processing(name)
+        allowed = int(status.get("disruptionsAllowed", 0))
+        disrupted: dict[str, str] = status.get("disruptedPods") or {}
+        for why, refused in (
+            ("pdb disruptions allowed is negative", allowed < 0),
+            (
+                "DisruptedPods map too big - too many evictions not confirmed by PDB controller",
+                len(disrupted) > MAX_DISRUPTED_POD_SIZE,
+            ),
+        ):
+            if refused:
                 raise ApiError(
-                    429,
-                    EVICTION_PDB_MESSAGE,
+                    403,
+                    f'poddisruptionbudget.policy "{name}" is forbidden: {why}',
                     details={
-                        "causes": [
-                            {
-                                "reason": "DisruptionBudget",
-                                "message": (
-                                    f"The disruption budget {pdb['metadata']['name']} needs "
-                                    f"{status['desiredHealthy']} healthy pods and has "
-                                    f"{status['currentHealthy']} currently"
-                                ),
-                            }
-                        ]
+                        "name": name,
+                        "group": "policy",
+                        "kind": "poddisruptionbudget",
                     },
                 )
-        self._delete_pod(pod, grace)
-        return success
+        if allowed == 0:
+            raise ApiError(
+                429,
+                EVICTION_PDB_MESSAGE,
+                details={
+                    "causes": [
+                        {
+                            "reason": "DisruptionBudget",
+                            "message": (
+                                f"The disruption budget {name} needs "
+                                f"{status.get('desiredHealthy', 0)} healthy pods and has "
+                                f"{status.get('currentHealthy', 0)} currently"
+                            ),
+                        }
+                    ]
+                },
+            )
+        status["disruptionsAllowed"] = allowed - 1
+        if allowed - 1 == 0:
+            status["conditions"] = _disruption_allowed_conditions(
+                status.get("conditions") or [], 0, status.get("observedGeneration", 0)
+            )
+        # Tell the controller the pod is about to go, so that it does not
+        # count it healthy before its deletion shows (disruptedPods).
+        status["disruptedPods"] = {**disrupted, pod["metadata"]["name"]: now_rfc3339()}
+        pdb["status"] = status
+        self.store.update(resource_for_kind("PodDisruptionBudget"), pdb)
+
+    def _add_condition_and_delete(self, target: _Target, options: JsonObj) -> None:
+        """eviction.go addConditionAndDeletePod: on the latest pod, check the
+        preconditions, add the DisruptionTarget condition, then delete."""
+        rt = target.rt
+        pod = self._load(target)
+        self._check_preconditions(rt, pod, options)
+        status = pod.setdefault("status", {})
+        conditions: list[JsonObj] = status.setdefault("conditions", [])
+        previous = next(
+            (c for c in conditions if c.get("type") == "DisruptionTarget"), None
+        )
+        condition: JsonObj = {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "lastProbeTime": None,
+            "lastTransitionTime": previous["lastTransitionTime"]
+            if previous is not None and previous.get("status") == "True"
+            else now_rfc3339(),
+            "reason": "EvictionByEvictionAPI",
+            "message": "Eviction API: evicting",
+        }
+        if previous != condition:
+            status["conditions"] = [
+                *(c for c in conditions if c.get("type") != "DisruptionTarget"),
+                condition,
+            ]
+            pod = self.store.update(rt, pod)
+            if (options.get("preconditions") or {}).get("resourceVersion"):
+                # The condition's update is the eviction's own change.
+                options = _with_rv_precondition(options, pod)
+        self._delete_pod(pod, options)
+
+
+def _with_rv_precondition(options: JsonObj, pod: JsonObj) -> JsonObj:
+    """DeleteOptions with preconditions.resourceVersion set to the pod's."""
+    result = copy.deepcopy(options)
+    result.setdefault("preconditions", {})
+    result["preconditions"] = {
+        **(result["preconditions"] or {}),
+        "resourceVersion": pod["metadata"]["resourceVersion"],
+    }
+    return result

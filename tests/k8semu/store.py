@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 import copy
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -89,6 +90,10 @@ class Store:
         self._history: deque[StoredEvent] = deque()
         self._history_limit = history_limit
         self._watchers: set[Watcher] = set()
+        # Called after every write, once the write is complete: the
+        # emulator's controllers (kubelet, namespace, disruption) react
+        # there, as real controllers react to watch events.
+        self.listeners: list[Callable[[StoredEvent], None]] = []
 
     # -- reads ---------------------------------------------------------------
 
@@ -135,7 +140,7 @@ class Store:
 
     def _commit(
         self, rt: ResourceType, etype: str, old: JsonObj | None, new: JsonObj | None
-    ) -> None:
+    ) -> StoredEvent:
         self.revision += 1
         if new is not None:
             new["metadata"]["resourceVersion"] = str(self.revision)
@@ -147,6 +152,11 @@ class Store:
             self.compacted = self._history.popleft().revision
         for watcher in self._watchers:
             watcher.queue.put_nowait(event)
+        return event
+
+    def _notify(self, event: StoredEvent) -> None:
+        for listener in list(self.listeners):
+            listener(event)
 
     def create(self, rt: ResourceType, obj: JsonObj) -> JsonObj:
         """Store a new object (the caller checked it does not exist)."""
@@ -161,8 +171,10 @@ class Store:
         obj["apiVersion"] = rt.api_version
         obj["kind"] = rt.kind
         self._objects.setdefault(rt, {})[object_key(obj)] = obj
-        self._commit(rt, "ADDED", None, obj)
-        return copy.deepcopy(obj)
+        event = self._commit(rt, "ADDED", None, obj)
+        result = copy.deepcopy(obj)
+        self._notify(event)
+        return result
 
     def update(self, rt: ResourceType, obj: JsonObj) -> JsonObj:
         """Replace a stored object (bumps resourceVersion; generation on spec change)."""
@@ -178,8 +190,10 @@ class Store:
         obj["apiVersion"] = rt.api_version
         obj["kind"] = rt.kind
         self._objects[rt][key] = obj
-        self._commit(rt, "MODIFIED", old, obj)
-        return copy.deepcopy(obj)
+        event = self._commit(rt, "MODIFIED", old, obj)
+        result = copy.deepcopy(obj)
+        self._notify(event)
+        return result
 
     def delete(self, rt: ResourceType, namespace: str, name: str) -> JsonObj | None:
         """Remove an object; returns its last state."""
@@ -188,9 +202,9 @@ class Store:
         )
         if old is None:
             return None
-        self._commit(rt, "DELETED", old, None)
-        final = copy.deepcopy(old)
-        final["metadata"]["resourceVersion"] = str(self.revision)
+        event = self._commit(rt, "DELETED", old, None)
+        final = event.object
+        self._notify(event)
         return final
 
     def compact(self) -> None:

@@ -141,10 +141,19 @@ async def test_pdb_status_and_max_unavailable(
 async def test_pdb_percent_and_unhealthy_pods(
     emulator: K8sEmulator, api: client.ApiClient
 ) -> None:
-    """minAvailable 50% of 2 ready pods; an unready pod may go while the budget is healthy."""
+    """minAvailable 50% of a 3-replica ReplicaSet with 2 ready pods; an unready
+    pod may go while the budget is healthy (eviction.go, IfHealthyBudget)."""
+    rs = emulator.add_replicaset(
+        "db-7f8d", "db", labels={"app": "db"}, image="postgres:18", replicas=3
+    )
+    owner = emulator.owner_ref(rs)
     for i in range(2):
-        emulator.add_pod(f"db-{i}", "db", node=GPU_NODE, labels={"app": "db"})
-    emulator.add_pod("db-sick", "db", node=GPU_NODE, labels={"app": "db"}, ready=False)
+        emulator.add_pod(
+            f"db-{i}", "db", node=GPU_NODE, labels={"app": "db"}, owner=owner
+        )
+    emulator.add_pod(
+        "db-sick", "db", node=GPU_NODE, labels={"app": "db"}, ready=False, owner=owner
+    )
     emulator.add_pdb("db", "db", match_labels={"app": "db"}, min_available="50%")
     pdb = emulator.get("PodDisruptionBudget", "db", "db")
     assert pdb is not None

@@ -35,8 +35,16 @@ class TlsMaterial:
         return context
 
 
-def make_tls(hosts: list[str]) -> TlsMaterial:
-    """A CA (like k3s's server-ca) and a serving cert for the hosts (IPs or names)."""
+def make_tls(hosts: list[str], *, legacy_ca: bool = False) -> TlsMaterial:
+    """A CA (like k3s's server-ca) and a serving cert for the hosts (IPs or names).
+
+    ``legacy_ca`` issues a CA the way some older or hand-made cluster CAs are:
+    basicConstraints only, without keyUsage and without subject/authority key
+    identifiers, so the serving certificate has no authorityKeyIdentifier
+    either. Go's crypto/x509 (kubectl) accepts such a chain; OpenSSL's
+    X509_V_FLAG_X509_STRICT, which Python 3.13+ sets in
+    ``ssl.create_default_context()``, refuses it.
+    """
     now = datetime.now(UTC) - timedelta(minutes=5)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name(
@@ -47,7 +55,7 @@ def make_tls(hosts: list[str]) -> TlsMaterial:
         ]
     )
     ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
-    ca_cert = (
+    ca_builder = (
         x509.CertificateBuilder()
         .subject_name(ca_name)
         .issuer_name(ca_name)
@@ -56,7 +64,9 @@ def make_tls(hosts: list[str]) -> TlsMaterial:
         .not_valid_before(now)
         .not_valid_after(now + timedelta(days=3650))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
+    )
+    if not legacy_ca:
+        ca_builder = ca_builder.add_extension(
             x509.KeyUsage(
                 digital_signature=True,
                 content_commitment=False,
@@ -69,10 +79,8 @@ def make_tls(hosts: list[str]) -> TlsMaterial:
                 decipher_only=False,
             ),
             critical=True,
-        )
-        .add_extension(ca_ski, critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
+        ).add_extension(ca_ski, critical=False)
+    ca_cert = ca_builder.sign(ca_key, hashes.SHA256())
     key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = []
     for host in hosts:
@@ -80,7 +88,7 @@ def make_tls(hosts: list[str]) -> TlsMaterial:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             names.append(x509.DNSName(host))
-    cert = (
+    builder = (
         x509.CertificateBuilder()
         .subject_name(
             x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")])
@@ -109,15 +117,17 @@ def make_tls(hosts: list[str]) -> TlsMaterial:
             x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
         )
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(
+    )
+    if not legacy_ca:
+        # Go copies the issuer's subjectKeyIdentifier here; a CA without one
+        # yields a certificate without an authorityKeyIdentifier.
+        builder = builder.add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
             critical=False,
-        )
-        .add_extension(
+        ).add_extension(
             x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
         )
-        .sign(ca_key, hashes.SHA256())
-    )
+    cert = builder.sign(ca_key, hashes.SHA256())
     return TlsMaterial(
         ca_pem=ca_cert.public_bytes(serialization.Encoding.PEM),
         cert_pem=cert.public_bytes(serialization.Encoding.PEM),
