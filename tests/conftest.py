@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Generator, Iterator
 import os
 from pathlib import Path
 import shutil
@@ -29,9 +30,11 @@ from custom_components.gpu_handoff.const import (
     DOMAIN,
     SUBENTRY_GAMING_VM,
 )
-from tests.k8semu import K8sEmulator
+from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.support.simtower import write_agent_config
 from tests.support.sshd import Sshd, sshd_available
 from tests.support.testdriver import agent_command, write_tower
+from tests.towersim import Tower, realistic_tower
 
 pytest_plugins = ["tests.k8semu.fixtures"]
 
@@ -145,3 +148,64 @@ def add_tower_entry(
     )
     entry.add_to_hass(hass)
     return entry
+
+
+# --- the end-to-end stories' tower and cluster --------------------------------
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> Iterator[Tower]:
+    """The realistic simulated tower, guests 100x faster than real ones."""
+    tower = realistic_tower(tmp_path / "sim", time_scale=0.01)
+    yield tower
+    assert tower.destroy_attempts() == []
+    tower.close()
+
+
+@pytest.fixture
+def agent_config(sim: Tower, tmp_path: Path) -> Path:
+    """The agent's configuration: short guest-agent wait for the failure tests."""
+    return write_agent_config(sim, tmp_path / "agent", agent=3.0)
+
+
+@pytest.fixture
+def sim_sshd(
+    agent_config: Path, tmp_path: Path, socket_enabled: None
+) -> Iterator[Sshd]:
+    """sshd forcing the real agent on the simulated tower."""
+    server = Sshd(tmp_path / "sshd", agent_command(agent_config)).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def kubelet(sim: Tower, cluster: K8sEmulator) -> AsyncIterator[None]:
+    """The emulator's gpu-node is Ready exactly while the simulated VM runs."""
+
+    async def follow() -> None:
+        up = True
+        while True:
+            running = sim.is_running("gpu-node")
+            if running != up:
+                cluster.set_node_up(GPU_NODE, running)
+                up = running
+            await asyncio.sleep(0.05)
+
+    task = asyncio.create_task(follow())
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.fixture
+def no_pdb(cluster: K8sEmulator) -> None:
+    """Let the trainer pod be evicted (its PDB otherwise refuses forever)."""
+    cluster.delete("PodDisruptionBudget", "trainer", "ai")
+
+
+@pytest.fixture
+def entry(
+    hass: HomeAssistant, sim_sshd: Sshd, cluster: K8sEmulator, kubelet: None
+) -> MockConfigEntry:
+    """A tower with both gaming VMs; a short drain timeout."""
+    return add_tower_entry(hass, sim_sshd, cluster, vms=(1, 2), drain_timeout=2)

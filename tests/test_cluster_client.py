@@ -7,6 +7,7 @@ import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 import ssl
+from typing import Any
 
 from kubernetes_asyncio.client import (
     V1Container,
@@ -19,6 +20,9 @@ import pytest
 import yaml
 
 from custom_components.gpu_handoff.cluster_client import (
+    CORDON_ANNOTATION,
+    CORDON_OWNER_OTHER,
+    CORDON_OWNER_US,
     ClusterAuthError,
     ClusterClient,
     ClusterConnectionError,
@@ -26,12 +30,14 @@ from custom_components.gpu_handoff.cluster_client import (
     DrainProgress,
     KubeconfigError,
     NodeNotFoundError,
+    UnmanagedPodsError,
     _pod_gpu_request,
     build_ssl_context,
     parse_kubeconfig,
 )
 from tests.conftest import kubeconfig_text
 from tests.k8semu import CONTROL_PLANE_NODE, GPU, GPU_NODE, K8sEmulator
+from tests.k8semu.objects import make_namespace
 from tests.k8semu.tls import make_tls
 
 
@@ -224,16 +230,89 @@ def _on_node(cluster: K8sEmulator) -> set[str]:
     }
 
 
-async def test_cordon_and_uncordon_are_idempotent(
+async def test_cordon_is_marked_and_uncordon_lifts_only_our_own(
     client: ClusterClient, cluster: K8sEmulator
 ) -> None:
-    """Cordon twice, uncordon twice: the node ends schedulable again."""
-    await client.cordon(GPU_NODE)
-    await client.cordon(GPU_NODE)
+    """Our cordon carries our mark and is lifted (mark included); twice is
+    harmless. An operator's cordon (no mark) is reported as theirs, never
+    claimed and never lifted."""
+    assert await client.cordon(GPU_NODE, "handoff gaming-1") == CORDON_OWNER_US
+    assert await client.cordon(GPU_NODE, "handoff gaming-1") == CORDON_OWNER_US
+    node = cluster.get("Node", GPU_NODE, "")
+    assert node["spec"]["unschedulable"] is True
+    assert node["metadata"]["annotations"][CORDON_ANNOTATION] == "handoff gaming-1"
+    assert (await client.node_view(GPU_NODE)).cordon_owner == CORDON_OWNER_US
+    assert await client.uncordon(GPU_NODE) is True
+    assert await client.uncordon(GPU_NODE) is False
+    node = cluster.get("Node", GPU_NODE, "")
+    assert not node["spec"].get("unschedulable")
+    assert CORDON_ANNOTATION not in (node["metadata"].get("annotations") or {})
+    assert (await client.node_view(GPU_NODE)).cordon_owner is None
+
+    # kubectl cordon: a plain patch of spec.unschedulable, no mark.
+    _operator_cordon(cluster)
+    assert await client.cordon(GPU_NODE, "handoff gaming-1") == CORDON_OWNER_OTHER
+    assert await client.uncordon(GPU_NODE) is False
+    node = cluster.get("Node", GPU_NODE, "")
+    assert node["spec"]["unschedulable"] is True
+    assert CORDON_ANNOTATION not in (node["metadata"].get("annotations") or {})
+    assert (await client.node_view(GPU_NODE)).cordon_owner == CORDON_OWNER_OTHER
+
+
+def _operator_cordon(cluster: K8sEmulator, cordoned: bool = True) -> None:
+    cluster.modify(
+        "Node",
+        GPU_NODE,
+        "",
+        mutate=lambda node: node["spec"].update(unschedulable=cordoned),
+    )
+
+
+async def test_cordon_never_claims_a_cordon_placed_meanwhile(
+    client: ClusterClient, cluster: K8sEmulator
+) -> None:
+    """The operator cordons between our read and our patch: the patch carries
+    the resourceVersion we read, the API server answers 409, and the cordon
+    found on the second look is reported as theirs, without our mark."""
+    original = client._core.read_node
+
+    async def read_then_operator_cordons(*args: object, **kwargs: object) -> object:
+        node = await original(*args, **kwargs)
+        if not cluster.get("Node", GPU_NODE, "")["spec"].get("unschedulable"):
+            _operator_cordon(cluster)
+        return node
+
+    client._core.read_node = read_then_operator_cordons  # type: ignore[method-assign]
+    assert await client.cordon(GPU_NODE, "handoff gaming-1") == CORDON_OWNER_OTHER
+    node = cluster.get("Node", GPU_NODE, "")
+    assert node["spec"]["unschedulable"] is True
+    assert CORDON_ANNOTATION not in (node["metadata"].get("annotations") or {})
+    assert [r.status for r in cluster.requests_for(verb="patch")] == [409]
+
+
+async def test_uncordon_after_the_operator_uncordoned_removes_only_the_mark(
+    client: ClusterClient, cluster: K8sEmulator
+) -> None:
+    """Someone uncordoned our node by hand: lifting ours removes the stale
+    mark and leaves the node schedulable."""
+    await client.cordon(GPU_NODE, "handoff gaming-1")
+    _operator_cordon(cluster, cordoned=False)
+    assert (await client.node_view(GPU_NODE)).cordon_owner is None
+    assert await client.uncordon(GPU_NODE) is True
+    node = cluster.get("Node", GPU_NODE, "")
+    assert not node["spec"].get("unschedulable")
+    assert CORDON_ANNOTATION not in (node["metadata"].get("annotations") or {})
+
+
+async def test_a_throttled_cordon_is_retried_not_taken_for_a_budget(
+    client: ClusterClient, cluster: K8sEmulator
+) -> None:
+    """429 and 503 on the node's read and patch are transient: retried with
+    backoff until the cordon is placed."""
+    cluster.fail_next(1, 429, verb="get", resource="nodes")
+    cluster.fail_next(1, 503, verb="patch", resource="nodes")
+    assert await client.cordon(GPU_NODE, "m") == CORDON_OWNER_US
     assert cluster.get("Node", GPU_NODE, "")["spec"]["unschedulable"] is True
-    await client.uncordon(GPU_NODE)
-    await client.uncordon(GPU_NODE)
-    assert not cluster.get("Node", GPU_NODE, "")["spec"].get("unschedulable")
 
 
 async def test_drain_refused_by_a_pdb_until_the_timeout(
@@ -242,6 +321,7 @@ async def test_drain_refused_by_a_pdb_until_the_timeout(
     """The trainer's PDB refuses its eviction: the drain retries, then fails with
     the node still cordoned; DaemonSet and mirror pods were never touched."""
     seen: list[int] = []
+    await client.cordon(GPU_NODE, "m")
     with pytest.raises(DrainError) as err:
         await client.drain(
             GPU_NODE,
@@ -303,40 +383,136 @@ async def test_drain_waits_for_terminating_pods(
         await client.drain(GPU_NODE, timeout=0.5, poll_interval=0.05)
 
 
-async def test_drain_evicts_an_orphaned_daemonset_pod(
+async def test_drain_refuses_pods_that_nothing_recreates(
     client: ClusterClient, cluster: K8sEmulator
 ) -> None:
-    """A pod whose DaemonSet is gone is evicted like any other; finished pods
-    are left alone."""
+    """kubectl drain (filters.go: unreplicatedFilter, daemonSetFilter) refuses
+    a pod with no controller and a pod whose DaemonSet is gone unless --force:
+    the drain fails before any eviction, naming both pods."""
     cluster.delete("PodDisruptionBudget", "trainer", "ai")
     cluster.delete("DaemonSet", "nvidia-device-plugin-daemonset", "kube-system")
+    cluster.add_pod("debug", "default", node=GPU_NODE)
+    with pytest.raises(UnmanagedPodsError) as err:
+        await client.drain(GPU_NODE, timeout=10, poll_interval=0.05)
+    assert set(err.value.pods) == {
+        "kube-system/nvidia-device-plugin-daemonset-x7k2p",
+        "default/debug",
+    }
+    assert "default/debug" in str(err.value)
+    assert cluster.requests_for(resource="pods/eviction") == []
+    assert "debug" in _on_node(cluster)
+
+
+async def test_drain_with_force_evicts_them_and_finished_pods(
+    client: ClusterClient, cluster: K8sEmulator
+) -> None:
+    """With the option (kubectl's --force) they are evicted with the others;
+    finished pods are evicted too, as kubectl does (their eviction deletes
+    them without a budget check)."""
+    cluster.delete("PodDisruptionBudget", "trainer", "ai")
+    cluster.delete("DaemonSet", "nvidia-device-plugin-daemonset", "kube-system")
+    cluster.add_pod("debug", "default", node=GPU_NODE)
     cluster.add_pod("finished", "default", node=GPU_NODE, phase="Succeeded")
+    await client.drain(GPU_NODE, timeout=10, poll_interval=0.05, force=True)
+    assert _on_node(cluster) == {f"gpu-exporter-{GPU_NODE}"}
+
+
+async def test_a_finished_bare_pod_is_no_reason_to_refuse(
+    client: ClusterClient, cluster: K8sEmulator
+) -> None:
+    """unreplicatedFilter lets finished pods through: a completed `kubectl
+    run` pod does not block a drain without --force."""
+    cluster.delete("PodDisruptionBudget", "trainer", "ai")
+    cluster.add_pod("done", "default", node=GPU_NODE, phase="Failed")
     await client.drain(GPU_NODE, timeout=10, poll_interval=0.05)
-    assert _on_node(cluster) == {f"gpu-exporter-{GPU_NODE}", "finished"}
+    assert "done" not in _on_node(cluster)
+
+
+async def test_transient_errors_do_not_abort_the_drain(
+    client: ClusterClient, cluster: K8sEmulator
+) -> None:
+    """500 and 503 on evictions, a 503 on the listing and one on a
+    wait-for-delete read are retried with backoff: the drain completes."""
+    cluster.delete("PodDisruptionBudget", "trainer", "ai")
+    cluster.fail_next(1, 503, verb="list", resource="pods")
+    cluster.fail_next(2, 500, resource="pods/eviction")
+    cluster.fail_next(1, 503, resource="pods/eviction")
+    cluster.fail_next(1, 503, verb="get", resource="pods")
+    cluster.deletion_grace = 0.2
+    result = await client.drain(GPU_NODE, timeout=20, poll_interval=0.05)
+    assert result.pods_left == 0
+    assert result.evicted == 2
+    statuses = [r.status for r in cluster.requests_for(resource="pods/eviction")]
+    assert statuses.count(201) == 2
+    assert {500, 503} <= set(statuses)
+
+
+async def test_a_pod_stuck_terminating_on_a_dead_kubelet_counts_as_gone(
+    client: ClusterClient, cluster: K8sEmulator
+) -> None:
+    """kubectl's --skip-wait-for-delete-timeout (drain.go shouldSkipPod): a pod
+    whose deletionTimestamp is more than the bound in the past is skipped,
+    both when listed and while waiting for it."""
+    cluster.delete("PodDisruptionBudget", "trainer", "ai")
+    cluster.add_replicaset("stale", "default", labels={"app": "stale"}, image="app:1")
+    owner = cluster.owner_ref(cluster.get("ReplicaSet", "stale", "default"))
+    cluster.add_pod(
+        "stale-1", "default", node=GPU_NODE, owner=owner, refuse_termination=True
+    )
+    cluster.modify(
+        "Pod",
+        "stale-1",
+        "default",
+        mutate=lambda pod: pod["metadata"].update(
+            deletionTimestamp="2026-01-01T00:00:00Z", deletionGracePeriodSeconds=30
+        ),
+    )
+    cluster.add_pod(
+        "slow", "default", node=GPU_NODE, owner=owner, refuse_termination=True
+    )
+    # Its deletionTimestamp will be the eviction's time + its grace period.
+    cluster.modify(
+        "Pod",
+        "slow",
+        "default",
+        mutate=lambda pod: pod["spec"].update(terminationGracePeriodSeconds=1),
+    )
+    with pytest.raises(DrainError, match="default/slow"):
+        await client.drain(GPU_NODE, timeout=2.0, poll_interval=0.05, skip_after=60)
+    # Once its deletion is overdue by the bound, the waiting ends.
+    result = await client.drain(
+        GPU_NODE, timeout=10, poll_interval=0.05, skip_after=0.3
+    )
+    assert result.pods_left == 0
+    assert {"stale-1", "slow"} <= _on_node(cluster)  # still Terminating there
+    assert [r.name for r in cluster.requests_for(resource="pods/eviction")].count(
+        "stale-1"
+    ) == 0
 
 
 async def test_drain_errors(client: ClusterClient, cluster: K8sEmulator) -> None:
-    """Server errors and refused verbs during eviction are reported as such."""
+    """A refused verb (403 without a NamespaceTerminating cause) aborts at once;
+    a server that stays away fails the drain once its time is up."""
     cluster.delete("PodDisruptionBudget", "trainer", "ai")
-    cluster.fail_next(1, 500, resource="pods/eviction")
-    with pytest.raises(ClusterConnectionError, match="500"):
-        await client.drain(GPU_NODE, timeout=5)
     cluster.fail_next(1, 403, resource="pods/eviction")
     with pytest.raises(ClusterAuthError):
         await client.drain(GPU_NODE, timeout=5)
     await cluster.stop()
     with pytest.raises(ClusterConnectionError):
-        await client.drain(GPU_NODE, timeout=5)
+        await client.drain(GPU_NODE, timeout=1.5)
 
 
 async def test_drain_lists_pods_page_by_page(
     client: ClusterClient, cluster: K8sEmulator
 ) -> None:
-    """More pods than one page: all are found and evicted."""
+    """More pods than one page: all are found and evicted (bare pods, so
+    with the option to evict them; without it, the refusal names ten)."""
     cluster.delete("PodDisruptionBudget", "trainer", "ai")
     for n in range(260):
         cluster.add_pod(f"batch-{n}", "default", node=GPU_NODE)
-    result = await client.drain(GPU_NODE, timeout=30, poll_interval=0.05)
+    with pytest.raises(UnmanagedPodsError, match=r"and 250 more$"):
+        await client.drain(GPU_NODE, timeout=30, poll_interval=0.05)
+    result = await client.drain(GPU_NODE, timeout=30, poll_interval=0.05, force=True)
     assert result.evicted == 262
     pages = [
         r
@@ -362,3 +538,151 @@ async def test_drain_pod_deleted_meanwhile(
         r.name: r.status for r in cluster.requests_for(resource="pods/eviction")
     }
     assert statuses["trainer-7c6d5e4f3-m2n9v"] == 404
+
+
+# --- failures a real API server produces (see tests/k8semu for the sources) --
+
+
+async def test_a_pod_in_a_terminating_namespace_is_waited_for(
+    client: ClusterClient, cluster: K8sEmulator
+) -> None:
+    """Evictions in a namespace being deleted answer 403 with cause
+    NamespaceTerminating (NamespaceLifecycle admission). kubectl drain
+    (evictPods) waits for such a pod, which goes with its namespace, rather
+    than failing on a 403 as if it were RBAC."""
+    cluster.delete("PodDisruptionBudget", "trainer", "ai")
+    cluster.create(make_namespace("scratch-ns"))
+    cluster.add_replicaset("job", "scratch-ns", labels={"app": "job"}, image="j")
+    owner = cluster.owner_ref(cluster.get("ReplicaSet", "job", "scratch-ns"))
+    cluster.add_pod("job-1", "scratch-ns", node=GPU_NODE, owner=owner)
+    cluster.set_pod_stop_seconds("job-1", "scratch-ns", 0.5)
+    cluster.terminate_namespace("scratch-ns")
+    result = await client.drain(
+        GPU_NODE, timeout=10, retry_interval=0.1, poll_interval=0.05
+    )
+    assert result.pods_left == 0
+    assert cluster.get("Pod", "job-1", "scratch-ns") is None
+    statuses = [
+        r.status
+        for r in cluster.requests_for(resource="pods/eviction", namespace="scratch-ns")
+    ]
+    assert 403 in statuses
+
+
+async def test_a_pod_replaced_under_its_name_is_evicted_in_its_new_form(
+    client: ClusterClient, cluster: K8sEmulator
+) -> None:
+    """A StatefulSet-like controller recreates the trainer under the same name
+    between the drain's fresh read of it (after a budget refusal) and its next
+    eviction: that eviction carries the old UID as precondition and gets 409,
+    checked at delete time after the budget (eviction.go). The pod we meant is
+    gone; the drain lists the node again and evicts the new one."""
+    trainer = "trainer-7c6d5e4f3-m2n9v"
+    old = cluster.get("Pod", trainer, "ai")
+    # The 409's eviction spent the budget under the pod's name
+    # (status.disruptedPods), which keeps the new pod of that name out of
+    # currentHealthy until the entry expires: 2 minutes upstream
+    # (disruption.go DeletionTimeout), shortened here.
+    cluster.pdb_deletion_timeout = 0.5
+    original = client._core.read_namespaced_pod
+    replaced: list[str] = []
+
+    async def read_then_replace(*args: Any, **kwargs: Any) -> Any:
+        pod = await original(*args, **kwargs)
+        if args[0] == trainer and not replaced:
+            # The moment between the read and the next eviction.
+            cluster.remove_pod(trainer, "ai")
+            cluster.add_pod(
+                trainer,
+                "ai",
+                node=GPU_NODE,
+                labels=old["metadata"]["labels"],
+                owner=old["metadata"]["ownerReferences"][0],
+            )
+            replaced.append(cluster.get("Pod", trainer, "ai")["metadata"]["uid"])
+            cluster.modify(
+                "PodDisruptionBudget",
+                "trainer",
+                "ai",
+                mutate=lambda pdb: pdb["spec"].update(minAvailable=0),
+            )
+        return pod
+
+    client._core.read_namespaced_pod = read_then_replace  # type: ignore[method-assign]
+    result = await client.drain(
+        GPU_NODE, timeout=15, retry_interval=0.2, poll_interval=0.05
+    )
+    assert replaced
+    assert result.pods_left == 0
+    assert cluster.get("Pod", trainer, "ai") is None
+    answers = [
+        (r.status, r.body["deleteOptions"]["preconditions"]["uid"])
+        for r in cluster.requests_for(resource="pods/eviction", name=trainer)
+    ]
+    assert answers[0] == (429, old["metadata"]["uid"])
+    assert (409, old["metadata"]["uid"]) in answers
+    assert answers[-1] == (201, replaced[0])
+
+
+async def test_throttling_is_not_a_budget_refusal(
+    client: ClusterClient, cluster: K8sEmulator
+) -> None:
+    """API Priority and Fairness answers 429 without a DisruptionBudget cause
+    (and 504 on a deadline): on the listing, the evictions and the waits they
+    are retried as transient, never counted as refused evictions."""
+    cluster.delete("PodDisruptionBudget", "trainer", "ai")
+    cluster.throttle(1, verb="list", resource="pods", retry_after=0)
+    cluster.throttle(2, resource="pods/eviction", retry_after=0)
+    cluster.throttle(1, resource="pods/eviction", status=504)
+    refused: list[int] = []
+    result = await client.drain(
+        GPU_NODE,
+        timeout=20,
+        progress=lambda p: refused.append(p.evictions_refused),
+        poll_interval=0.05,
+    )
+    assert result.pods_left == 0
+    assert max(refused) == 0
+
+
+async def test_a_budget_still_being_processed_is_waited_for(
+    client: ClusterClient, cluster: K8sEmulator
+) -> None:
+    """A budget edited a moment ago answers 429 "still being processed" with
+    Retry-After until the disruption controller catches up; the drain waits
+    and then evicts."""
+    cluster.pdb_sync_delay = 0.5
+    cluster.modify(
+        "PodDisruptionBudget",
+        "trainer",
+        "ai",
+        mutate=lambda pdb: pdb["spec"].update(minAvailable=0),
+    )
+    result = await client.drain(
+        GPU_NODE, timeout=30, retry_interval=0.1, poll_interval=0.05
+    )
+    assert result.pods_left == 0
+
+
+async def test_a_legacy_ca_is_verified_as_kubectl_verifies_it(
+    socket_enabled: None,
+) -> None:
+    """A cluster CA without keyUsage and key identifiers works with kubectl
+    (Go's verifier); Python 3.13+'s default context refuses it
+    (VERIFY_X509_STRICT; the emulator's own tests show the refusal). The
+    client verifies chain, expiry and host name as kubectl does, without the
+    strict extras, so it connects."""
+    async with K8sEmulator(legacy_ca=True) as emulator:
+        emulator.add_node("n1")
+        text = kubeconfig_text(emulator)
+        client = await ClusterClient.create(text)
+        try:
+            assert await client.node_names() == ["n1"]
+        finally:
+            await client.close()
+        # Still verified: the chain against the pasted CA, and the host name.
+        context = build_ssl_context(parse_kubeconfig(text))
+        assert context.verify_mode is ssl.CERT_REQUIRED
+        assert context.check_hostname
+        assert not context.verify_flags & ssl.VERIFY_X509_STRICT
+        assert context.verify_flags & ssl.VERIFY_X509_PARTIAL_CHAIN

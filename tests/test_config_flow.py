@@ -23,8 +23,10 @@ from custom_components.gpu_handoff.const import (
     CONF_AUTO_RETURN,
     CONF_DOMAIN_NAME,
     CONF_DRAIN_TIMEOUT,
+    CONF_EVICT_UNMANAGED,
     CONF_GAMING_VMS,
     CONF_GPU_NODE,
+    CONF_HANDOFF_WHEN_CORDONED,
     CONF_HOST_KEY,
     CONF_K8S_NODE,
     CONF_KUBECONFIG,
@@ -456,9 +458,14 @@ async def test_reconfigure_with_refused_key_aborts(
 
 
 async def test_options_flow(hass: HomeAssistant, tower_entry: MockConfigEntry) -> None:
-    """Options are shown with their values and stored as numbers."""
+    """Options are shown with their values and stored as numbers; the two
+    safety options are off unless the user turns them on."""
     result = await hass.config_entries.options.async_init(tower_entry.entry_id)
     assert result["step_id"] == "init"
+    schema = result["data_schema"].schema
+    defaults = {str(key): key.default() for key in schema if callable(key.default)}
+    assert defaults[CONF_EVICT_UNMANAGED] is False
+    assert defaults[CONF_HANDOFF_WHEN_CORDONED] is False
     result = await hass.config_entries.options.async_configure(
         result["flow_id"],
         {CONF_SCAN_INTERVAL: 10.0, CONF_DRAIN_TIMEOUT: 120.0, CONF_AUTO_RETURN: False},
@@ -468,7 +475,23 @@ async def test_options_flow(hass: HomeAssistant, tower_entry: MockConfigEntry) -
         CONF_SCAN_INTERVAL: 10,
         CONF_DRAIN_TIMEOUT: 120,
         CONF_AUTO_RETURN: False,
+        CONF_EVICT_UNMANAGED: False,
+        CONF_HANDOFF_WHEN_CORDONED: False,
     }
+
+    result = await hass.config_entries.options.async_init(tower_entry.entry_id)
+    result = await hass.config_entries.options.async_configure(
+        result["flow_id"],
+        {
+            CONF_SCAN_INTERVAL: 10.0,
+            CONF_DRAIN_TIMEOUT: 120.0,
+            CONF_AUTO_RETURN: True,
+            CONF_EVICT_UNMANAGED: True,
+            CONF_HANDOFF_WHEN_CORDONED: True,
+        },
+    )
+    assert tower_entry.options[CONF_EVICT_UNMANAGED] is True
+    assert tower_entry.options[CONF_HANDOFF_WHEN_CORDONED] is True
 
 
 # --- gaming VM subentries ----------------------------------------------------

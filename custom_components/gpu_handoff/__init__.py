@@ -3,15 +3,25 @@ cluster while nobody plays, and hands each player their card back on demand."""
 
 from __future__ import annotations
 
+import logging
+
 from homeassistant.const import Platform
 from homeassistant.core import HomeAssistant
 from homeassistant.helpers import config_validation as cv, device_registry as dr
 from homeassistant.helpers.typing import ConfigType
 
-from .const import DOMAIN
-from .controller import HandoffController
-from .coordinator import GpuHandoffConfigEntry, GpuHandoffCoordinator
+from .cluster_client import ClusterClient, ClusterError
+from .const import CONF_K8S_NODE, CONF_KUBECONFIG, DOMAIN
+from .controller import HandoffController, handoff_store, lift_own_cordon_if_serving
+from .coordinator import (
+    GpuHandoffConfigEntry,
+    GpuHandoffCoordinator,
+    tower_credentials,
+)
 from .services import async_setup_services
+from .tower_client import TowerClient, TowerError
+
+_LOGGER = logging.getLogger(__name__)
 
 PLATFORMS = [Platform.BINARY_SENSOR, Platform.SENSOR, Platform.SWITCH]
 CONFIG_SCHEMA = cv.config_entry_only_config_schema(DOMAIN)
@@ -53,6 +63,26 @@ async def async_setup_entry(hass: HomeAssistant, entry: GpuHandoffConfigEntry) -
 async def async_unload_entry(hass: HomeAssistant, entry: GpuHandoffConfigEntry) -> bool:
     """Unload a config entry."""
     return await hass.config_entries.async_unload_platforms(entry, PLATFORMS)
+
+
+async def async_remove_entry(hass: HomeAssistant, entry: GpuHandoffConfigEntry) -> None:
+    """Forget the tower. Unloading stopped any operation at its next await;
+    if that left GPU Handoff's own cordon on a GPU node that still serves, it
+    is lifted (an operator's cordon is never touched). The stored desired
+    state and operation are deleted."""
+    await handoff_store(hass, entry.entry_id).async_remove()
+    try:
+        cluster = await ClusterClient.create(entry.data[CONF_KUBECONFIG])
+    except ClusterError:
+        return
+    tower = TowerClient(tower_credentials(entry))
+    try:
+        await lift_own_cordon_if_serving(tower, cluster, entry.data[CONF_K8S_NODE])
+    except (TowerError, ClusterError) as err:
+        _LOGGER.warning("Could not lift GPU Handoff's cordon on removal: %s", err)
+    finally:
+        await tower.close()
+        await cluster.close()
 
 
 async def _async_reload_if_changed(

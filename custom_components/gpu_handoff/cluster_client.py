@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 import datetime as dt
+import json
+import logging
 import os
 import ssl
 import tempfile
@@ -36,18 +38,39 @@ from kubernetes_asyncio.client import (
 from kubernetes_asyncio.client.exceptions import ApiException
 import yaml
 
+_LOGGER = logging.getLogger(__name__)
+
 REQUEST_TIMEOUT: Final = 15.0
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 LEASE_NAMESPACE: Final = "kube-node-lease"
 MIRROR_ANNOTATION: Final = "kubernetes.io/config.mirror"
+# The mark on a Node that says the cordon is GPU Handoff's own: only a cordon
+# carrying it is ever lifted by GPU Handoff (an operator's cordon is theirs).
+CORDON_ANNOTATION: Final = "gpu-handoff.io/cordoned-by"
+CORDON_OWNER_US: Final = "gpu_handoff"
+CORDON_OWNER_OTHER: Final = "other"
 FINISHED_PHASES: Final = frozenset({"Succeeded", "Failed"})
 HTTP_UNAUTHORIZED: Final = 401
 HTTP_FORBIDDEN: Final = 403
 HTTP_NOT_FOUND: Final = 404
+HTTP_CONFLICT: Final = 409
 HTTP_TOO_MANY_REQUESTS: Final = 429
+HTTP_SERVER_ERROR: Final = 500
+# StatusCause types (their JSON field is "reason") the drain tells apart.
+CAUSE_DISRUPTION_BUDGET: Final = "DisruptionBudget"
+CAUSE_NAMESPACE_TERMINATING: Final = "NamespaceTerminating"
 PAGE_SIZE: Final = 250
+# kubectl drain's EvictErrorRetryDelay and its wait-for-delete poll.
 EVICTION_RETRY: Final = 5.0
 GONE_POLL: Final = 1.0
+# kubectl drain's --skip-wait-for-delete-timeout, which GPU Handoff always
+# sets: a pod whose deletionTimestamp passed this long ago sits on a kubelet
+# that no longer reports (a NotReady node) and counts as gone.
+SKIP_WAIT_FOR_DELETE: Final = 60.0
+# Backoff for transient errors (5xx, 429/504 throttling, timeouts, resets).
+RETRY_START: Final = 0.5
+RETRY_MAX: Final = 5.0
+CORDON_RETRY_WINDOW: Final = 30.0
 
 
 class ClusterError(Exception):
@@ -59,7 +82,13 @@ class KubeconfigError(ClusterError):
 
 
 class ClusterConnectionError(ClusterError):
-    """The API server cannot be reached, or answered with a server error."""
+    """Transient: the API server cannot be reached, timed out, answered with a
+    server error (5xx) or asked the client to slow down (429 without a
+    disruption budget behind it). Worth retrying with backoff."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class ClusterAuthError(ClusterError):
@@ -70,8 +99,26 @@ class NodeNotFoundError(ClusterError):
     """The node (or another object asked for) does not exist."""
 
 
+class ClusterRequestError(ClusterError):
+    """The API server rejected the request itself (a 4xx not handled otherwise)."""
+
+
+class ConflictError(ClusterError):
+    """409: a precondition (UID or resourceVersion) no longer holds."""
+
+
+class NamespaceTerminatingError(ClusterError):
+    """403 with cause NamespaceTerminating: the namespace is being deleted, so
+    nothing can be created in it (evictions included); its pods go with it."""
+
+
 class EvictionRefusedError(ClusterError):
-    """429: a PodDisruptionBudget forbids the eviction now."""
+    """429 with a DisruptionBudget cause: a PodDisruptionBudget forbids the
+    eviction now (or is still being processed)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class DrainError(ClusterError):
@@ -80,6 +127,28 @@ class DrainError(ClusterError):
     def __init__(self, message: str, progress: DrainProgress) -> None:
         super().__init__(message)
         self.progress = progress
+
+
+class UnmanagedPodsError(DrainError):
+    """Pods that nothing would recreate are on the node (no controller, or an
+    orphaned DaemonSet pod): kubectl drain refuses them without --force, and so
+    does GPU Handoff without its option. Raised before any eviction."""
+
+    def __init__(
+        self, node: str, pods: tuple[str, ...], progress: DrainProgress
+    ) -> None:
+        super().__init__(
+            f"{len(pods)} pod(s) on {node} have no controller and would be lost "
+            f"if evicted: {_some(pods)}",
+            progress,
+        )
+        self.pods = pods
+
+
+def _some(names: tuple[str, ...] | list[str], most: int = 10) -> str:
+    """Names for a message: the first ``most``, then how many more."""
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +166,11 @@ class _PodRef:
     namespace: str
     name: str
     uid: str
+    deletion: dt.datetime | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.namespace}/{self.name}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +269,11 @@ def build_ssl_context(kubeconfig: Kubeconfig) -> ssl.SSLContext:
             context = ssl.create_default_context(cadata=kubeconfig.ca_data.decode())
         else:
             context = ssl.create_default_context()
+        # Python 3.13+ adds RFC 5280 strictness (a CA must carry keyUsage, an
+        # authority key id...) that Go's verifier, and so kubectl, does not
+        # apply: clusters with such CAs exist and work with kubectl. Chain,
+        # expiry and host name are still verified, as kubectl does.
+        context.verify_flags &= ~ssl.VERIFY_X509_STRICT
         if kubeconfig.insecure:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
@@ -257,6 +336,8 @@ class NodeView:
     name: str
     ready: bool | None
     unschedulable: bool
+    # Whose cordon it is: CORDON_OWNER_US, CORDON_OWNER_OTHER, or None.
+    cordon_owner: str | None
     lease_age: float | None
     gpu_capacity: int
     gpu_allocatable: int
@@ -284,32 +365,166 @@ def _pod_gpu_request(pod: Any) -> int:
     return total
 
 
-def is_evictable(pod: Any) -> bool:
-    """Whether a drain would evict this pod (kubectl's filters, first skip wins):
-    not DaemonSet-owned, not a mirror pod, not finished."""
-    if _daemonset_owner(pod) is not None:
-        return False
-    if MIRROR_ANNOTATION in (pod.metadata.annotations or {}):
-        return False
-    return pod.status is None or pod.status.phase not in FINISHED_PHASES
-
-
-def _daemonset_owner(pod: Any) -> str | None:
+def _controller_of(pod: Any) -> Any:
+    """The pod's controller ownerReference (metav1.GetControllerOf), or None."""
     for owner in pod.metadata.owner_references or []:
-        if owner.kind == "DaemonSet" and owner.controller:
-            return str(owner.name)
+        if owner.controller:
+            return owner
     return None
 
 
-async def _all[T](calls: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
-    """Run calls concurrently; on the first error cancel the rest and raise it
-    (``gather`` would leave the others running behind the caller's back)."""
+def _finished(pod: Any) -> bool:
+    return pod.status is not None and pod.status.phase in FINISHED_PHASES
+
+
+def is_evictable(pod: Any) -> bool:
+    """Whether a drain would have to evict this pod: not DaemonSet-owned, not
+    a mirror pod, not finished."""
+    owner = _controller_of(pod)
+    if owner is not None and owner.kind == "DaemonSet":
+        return False
+    if MIRROR_ANNOTATION in (pod.metadata.annotations or {}):
+        return False
+    return not _finished(pod)
+
+
+def cordon_owner(node: Any) -> str | None:
+    """Whose cordon the node carries: ours (marked), another's, or none."""
+    if not (node.spec is not None and node.spec.unschedulable):
+        return None
+    annotations = node.metadata.annotations or {}
+    return CORDON_OWNER_US if CORDON_ANNOTATION in annotations else CORDON_OWNER_OTHER
+
+
+def _should_skip(pod: _PodRef, skip_after: float) -> bool:
+    """kubectl's shouldSkipPod: the pod's deletionTimestamp is more than
+    ``skip_after`` seconds in the past, so its kubelet is not finishing it."""
+    return (
+        skip_after > 0
+        and pod.deletion is not None
+        and (dt.datetime.now(dt.UTC) - pod.deletion).total_seconds() > skip_after
+    )
+
+
+def _ref(pod: Any) -> _PodRef:
+    return _PodRef(
+        pod.metadata.namespace,
+        pod.metadata.name,
+        pod.metadata.uid,
+        pod.metadata.deletion_timestamp,
+    )
+
+
+def _status_of(err: ApiException) -> dict[str, Any]:
+    """The metav1.Status the API server sent with an error, if any."""
     try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(call) for call in calls]
-    except* ClusterError as errors:
-        raise errors.exceptions[0] from None
-    return [task.result() for task in tasks]
+        body = json.loads(err.body or "{}")
+    except TypeError, ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _causes(status: dict[str, Any]) -> set[str]:
+    details = status.get("details") or {}
+    return {
+        str(cause.get("reason"))
+        for cause in details.get("causes") or []
+        if isinstance(cause, dict)
+    }
+
+
+def _retry_after(err: ApiException, status: dict[str, Any]) -> float | None:
+    headers: Any = err.headers or {}
+    header = headers.get("Retry-After")
+    seconds = header or (status.get("details") or {}).get("retryAfterSeconds")
+    try:
+        return float(seconds) if seconds is not None else None
+    except TypeError, ValueError:
+        return None
+
+
+def _api_error(err: ApiException) -> ClusterError:
+    """The client's error for an API error, told apart as kubectl does
+    (apierrors.IsTooManyRequests, HasStatusCause, IsNotFound, IsConflict)."""
+    status = _status_of(err)
+    causes = _causes(status)
+    message = str(status.get("message") or f"{err.status} {err.reason}")
+    code = err.status or 0
+    if code == HTTP_UNAUTHORIZED:
+        return ClusterAuthError(f"{code} {message}")
+    if code == HTTP_FORBIDDEN:
+        if CAUSE_NAMESPACE_TERMINATING in causes:
+            return NamespaceTerminatingError(message)
+        return ClusterAuthError(f"{code} {message}")
+    if code == HTTP_NOT_FOUND:
+        return NodeNotFoundError(message)
+    if code == HTTP_CONFLICT:
+        return ConflictError(message)
+    if code == HTTP_TOO_MANY_REQUESTS:
+        # A budget's refusal carries its cause; API Priority and Fairness
+        # throttling does not, and is transient like a server error.
+        if CAUSE_DISRUPTION_BUDGET in causes:
+            return EvictionRefusedError(message, _retry_after(err, status))
+        return ClusterConnectionError(f"{code} {message}", _retry_after(err, status))
+    if code >= HTTP_SERVER_ERROR or code == 0:
+        return ClusterConnectionError(f"{code} {message}", _retry_after(err, status))
+    return ClusterRequestError(f"{code} {message}")
+
+
+@dataclass(frozen=True)
+class _Pace:
+    """A drain's clock: its deadline (loop time) and its intervals."""
+
+    deadline: float
+    skip_after: float
+    retry_interval: float
+    poll_interval: float
+
+
+class _DrainTimeoutError(Exception):
+    """A pod's eviction or deletion did not finish before the drain's deadline."""
+
+
+_REFUSED: Final = "refused by a PodDisruptionBudget"
+
+
+@dataclass
+class _DrainState:
+    """Each pod's place in the drain, for progress and the final message."""
+
+    waiting: dict[_PodRef, str] = field(default_factory=dict)
+    evicted: int = 0
+    report: Callable[[DrainProgress], None] | None = None
+
+    def progress(self) -> DrainProgress:
+        return DrainProgress(
+            pods_left=len(self.waiting),
+            evictions_refused=sum(
+                1 for why in self.waiting.values() if why == _REFUSED
+            ),
+            evicted=self.evicted,
+        )
+
+    def set(self, pod: _PodRef, why: str) -> None:
+        if self.waiting.get(pod) != why:
+            self.waiting[pod] = why
+            self.announce()
+
+    def gone(self, pod: _PodRef) -> None:
+        if self.waiting.pop(pod, None) is not None:
+            self.evicted += 1
+            self.announce()
+
+    def announce(self) -> None:
+        """Tell the caller how far the drain is."""
+        if self.report is not None:
+            self.report(self.progress())
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"{pod.label} ({why})"
+            for pod, why in sorted(self.waiting.items(), key=lambda i: i[0].label)
+        )
 
 
 class ClusterClient:
@@ -339,19 +554,42 @@ class ClusterClient:
         """Close the HTTP session."""
         await self._api.close()
 
-    async def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+    async def _call(
+        self, method: Any, *args: Any, timeout: float = REQUEST_TIMEOUT, **kwargs: Any
+    ) -> Any:
         try:
-            return await method(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+            return await method(*args, _request_timeout=timeout, **kwargs)
         except ApiException as err:
-            if err.status in (HTTP_UNAUTHORIZED, HTTP_FORBIDDEN):
-                raise ClusterAuthError(f"{err.status} {err.reason}") from err
-            if err.status == HTTP_NOT_FOUND:
-                raise NodeNotFoundError(str(err.reason)) from err
-            if err.status == HTTP_TOO_MANY_REQUESTS:
-                raise EvictionRefusedError(str(err.reason)) from err
-            raise ClusterConnectionError(f"{err.status} {err.reason}") from err
+            raise _api_error(err) from err
         except (aiohttp.ClientError, TimeoutError, OSError) as err:
             raise ClusterConnectionError(str(err) or type(err).__name__) from err
+
+    async def _retrying(
+        self, deadline: float, method: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """``_call``, retrying transient errors with backoff until ``deadline``
+        (loop time); the last error is raised once the deadline is near."""
+        loop = asyncio.get_running_loop()
+        delay = RETRY_START
+        while True:
+            remaining = deadline - loop.time()
+            try:
+                return await self._call(
+                    method,
+                    *args,
+                    timeout=max(1.0, min(REQUEST_TIMEOUT, remaining)),
+                    **kwargs,
+                )
+            except ClusterConnectionError as err:
+                wait = err.retry_after if err.retry_after is not None else delay
+                if loop.time() + wait >= deadline:
+                    raise
+                _LOGGER.debug("Retrying in %.1f s after: %s", wait, err)
+                await asyncio.sleep(wait)
+                delay = min(delay * 2, RETRY_MAX)
+
+    def _deadline(self, seconds: float) -> float:
+        return asyncio.get_running_loop().time() + seconds
 
     async def node_names(self) -> list[str]:
         """Every node's name, sorted."""
@@ -380,15 +618,12 @@ class ClusterClient:
             if condition.type == "Ready":
                 ready = condition.status == "True"
         status = node.status
-        running = [
-            pod
-            for pod in pods.items
-            if pod.status is None or pod.status.phase not in FINISHED_PHASES
-        ]
+        running = [pod for pod in pods.items if not _finished(pod)]
         return NodeView(
             name=name,
             ready=ready,
             unschedulable=bool(node.spec.unschedulable) if node.spec else False,
+            cordon_owner=cordon_owner(node),
             lease_age=lease_age,
             gpu_capacity=_quantity((status.capacity or {}).get(GPU_RESOURCE, 0))
             if status
@@ -401,19 +636,66 @@ class ClusterClient:
             evictable_pods=sum(1 for pod in running if is_evictable(pod)),
         )
 
-    async def cordon(self, name: str) -> None:
-        """Mark the node unschedulable (idempotent)."""
-        await self._call(self._core.patch_node, name, {"spec": {"unschedulable": True}})
+    async def cordon(self, name: str, mark: str) -> str:
+        """Cordon the node unless it already is; return whose cordon it carries.
 
-    async def uncordon(self, name: str) -> None:
-        """Let the node take pods again (idempotent)."""
-        await self._call(self._core.patch_node, name, {"spec": {"unschedulable": None}})
+        A node GPU Handoff cordons gets ``mark`` in its CORDON_ANNOTATION in the
+        same patch, guarded by the node's resourceVersion so an operator's
+        cordon placed meanwhile is never claimed as ours. A node already
+        cordoned is left exactly as it is.
+        """
 
-    async def _pods_on(self, name: str) -> list[Any]:
+        def change(node: Any) -> tuple[str, dict[str, Any] | None]:
+            owner = cordon_owner(node)
+            if owner is not None:
+                return owner, None
+            return CORDON_OWNER_US, {
+                "metadata": {"annotations": {CORDON_ANNOTATION: mark}},
+                "spec": {"unschedulable": True},
+            }
+
+        return await self._change_node(name, change)
+
+    async def uncordon(self, name: str) -> bool:
+        """Lift GPU Handoff's own cordon; never another's. True when the node
+        carried our mark (the mark is removed even if someone already
+        uncordoned it), False when there was nothing of ours to lift."""
+
+        def change(node: Any) -> tuple[bool, dict[str, Any] | None]:
+            if CORDON_ANNOTATION not in (node.metadata.annotations or {}):
+                return False, None
+            return True, {
+                "metadata": {"annotations": {CORDON_ANNOTATION: None}},
+                "spec": {"unschedulable": None},
+            }
+
+        return await self._change_node(name, change)
+
+    async def _change_node[T](
+        self, name: str, change: Callable[[Any], tuple[T, dict[str, Any] | None]]
+    ) -> T:
+        """Read the node, ask ``change`` for a result and a patch (None: leave
+        it), and apply the patch guarded by the resourceVersion read: if the
+        node changed meanwhile (409), read it again and ask again."""
+        deadline = self._deadline(CORDON_RETRY_WINDOW)
+        while True:
+            node = await self._retrying(deadline, self._core.read_node, name)
+            result, patch = change(node)
+            if patch is None:
+                return result
+            patch["metadata"]["resourceVersion"] = node.metadata.resource_version
+            try:
+                await self._retrying(deadline, self._core.patch_node, name, patch)
+            except ConflictError:
+                continue
+            return result
+
+    async def _pods_on(self, name: str, deadline: float) -> list[Any]:
         pods: list[Any] = []
         token: str | None = None
         while True:
-            page = await self._call(
+            page = await self._retrying(
+                deadline,
                 self._core.list_pod_for_all_namespaces,
                 field_selector=f"spec.nodeName={name}",
                 limit=PAGE_SIZE,
@@ -424,56 +706,44 @@ class ClusterClient:
             if not token:
                 return pods
 
-    async def _to_evict(self, pods: list[Any]) -> list[_PodRef]:
-        """kubectl's drain filters. A DaemonSet pod is skipped only while its
-        DaemonSet exists (an orphan is evicted like any other pod)."""
-        refs: list[_PodRef] = []
+    async def _to_evict(
+        self, pods: list[Any], *, force: bool, skip_after: float, deadline: float
+    ) -> tuple[list[_PodRef], list[str]]:
+        """kubectl drain's filters, in its order, first skip wins, as with
+        --ignore-daemonsets --delete-emptydir-data (and --force when ``force``):
+        pods to evict, and pods refused because nothing would recreate them."""
+        evict: list[_PodRef] = []
+        refused: list[str] = []
         for pod in pods:
-            if MIRROR_ANNOTATION in (pod.metadata.annotations or {}):
+            ref = _ref(pod)
+            if _should_skip(ref, skip_after):
                 continue
-            if pod.status is not None and pod.status.phase in FINISHED_PHASES:
-                continue
-            daemonset = _daemonset_owner(pod)
-            if daemonset is not None:
+            owner = _controller_of(pod)
+            if owner is not None and owner.kind == "DaemonSet" and not _finished(pod):
                 try:
-                    await self._call(
+                    await self._retrying(
+                        deadline,
                         self._apps.read_namespaced_daemon_set,
-                        daemonset,
-                        pod.metadata.namespace,
+                        owner.name,
+                        ref.namespace,
                     )
                 except NodeNotFoundError:
-                    pass
+                    # An orphaned DaemonSet pod: nothing recreates it.
+                    if force:
+                        evict.append(ref)
+                    else:
+                        refused.append(ref.label)
+                continue
+            if MIRROR_ANNOTATION in (pod.metadata.annotations or {}):
+                continue
+            if owner is None and not _finished(pod):
+                if force:
+                    evict.append(ref)
                 else:
-                    continue
-            refs.append(
-                _PodRef(pod.metadata.namespace, pod.metadata.name, pod.metadata.uid)
-            )
-        return refs
-
-    async def _evict(self, pod: _PodRef) -> bool:
-        """Ask to evict; False when a PodDisruptionBudget refuses it for now."""
-        body = V1Eviction(
-            metadata=V1ObjectMeta(name=pod.name, namespace=pod.namespace),
-            delete_options=V1DeleteOptions(preconditions=V1Preconditions(uid=pod.uid)),
-        )
-        try:
-            await self._call(
-                self._core.create_namespaced_pod_eviction, pod.name, pod.namespace, body
-            )
-        except EvictionRefusedError:
-            return False
-        except NodeNotFoundError:
-            pass  # the pod is gone already
-        return True
-
-    async def _is_gone(self, pod: _PodRef) -> bool:
-        try:
-            current = await self._call(
-                self._core.read_namespaced_pod, pod.name, pod.namespace
-            )
-        except NodeNotFoundError:
-            return True
-        return bool(current.metadata.uid != pod.uid)
+                    refused.append(ref.label)
+                continue
+            evict.append(ref)
+        return evict, refused
 
     async def drain(
         self,
@@ -481,59 +751,146 @@ class ClusterClient:
         timeout: float,
         progress: Callable[[DrainProgress], None] | None = None,
         *,
+        force: bool = False,
+        skip_after: float = SKIP_WAIT_FOR_DELETE,
         retry_interval: float = EVICTION_RETRY,
         poll_interval: float = GONE_POLL,
     ) -> DrainProgress:
-        """Cordon the node and evict its pods as ``kubectl drain`` does
-        (--ignore-daemonsets --delete-emptydir-data): evictions a
-        PodDisruptionBudget refuses are retried every ``retry_interval`` seconds,
-        and evicted pods are waited for until gone, all within ``timeout``.
-        On failure the node stays cordoned; the caller decides what to undo."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        await self.cordon(name)
-        pending = await self._to_evict(await self._pods_on(name))
-        evicting: list[_PodRef] = []
-        evicted = 0
-        refused = 0
+        """Evict the node's pods as ``kubectl drain --ignore-daemonsets
+        --delete-emptydir-data --skip-wait-for-delete-timeout`` does (plus
+        ``--force`` when ``force``); the caller cordons first.
 
-        def report() -> DrainProgress:
-            state = DrainProgress(
-                pods_left=len(pending) + len(evicting),
-                evictions_refused=refused,
-                evicted=evicted,
+        Pods that nothing recreates make the drain fail before any eviction
+        (UnmanagedPodsError) unless ``force``. Evictions a budget refuses are
+        retried every ``retry_interval`` s, transient errors with backoff, and
+        evicted pods are waited for until gone; all within ``timeout``. The
+        node is listed again once its pods are gone, so a pod replaced under
+        the same name meanwhile is evicted too. On failure the node stays
+        cordoned: the caller decides what to undo.
+        """
+        deadline = self._deadline(timeout)
+        pace = _Pace(deadline, skip_after, retry_interval, poll_interval)
+        state = _DrainState(report=progress)
+        while True:
+            pods = await self._pods_on(name, deadline)
+            evict, refused = await self._to_evict(
+                pods, force=force, skip_after=skip_after, deadline=deadline
             )
-            if progress is not None:
-                progress(state)
-            return state
-
-        report()
-        while pending or evicting:
-            results = await _all(self._evict(pod) for pod in pending)
-            refused_now = [
-                pod for pod, ok in zip(pending, results, strict=True) if not ok
-            ]
-            evicting += [pod for pod, ok in zip(pending, results, strict=True) if ok]
-            refused = len(refused_now)
-            pending = refused_now
-            gone = await _all(self._is_gone(pod) for pod in evicting)
-            evicted += sum(gone)
-            evicting = [
-                pod for pod, done in zip(evicting, gone, strict=True) if not done
-            ]
-            state = report()
-            if not (pending or evicting):
+            if refused:
+                raise UnmanagedPodsError(name, tuple(refused), state.progress())
+            if not evict:
                 break
-            if loop.time() >= deadline:
+            for pod in evict:
+                state.waiting[pod] = "evicting"
+            state.announce()
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for pod in evict:
+                        group.create_task(self._evict_and_wait(pod, state, pace))
+            except* _DrainTimeoutError:
                 raise DrainError(
-                    f"{state.pods_left} pod(s) still on {name} after {timeout:.0f} s"
-                    f" ({len(pending)} refused by a PodDisruptionBudget)",
-                    state,
-                )
-            await asyncio.sleep(
-                min(
-                    retry_interval if pending else poll_interval,
-                    max(0.0, deadline - loop.time()),
-                )
+                    f"{len(state.waiting)} pod(s) still on {name} after "
+                    f"{timeout:.0f} s: {state.describe()}",
+                    state.progress(),
+                ) from None
+            except* ClusterError as errors:
+                raise errors.exceptions[0] from None
+        state.announce()
+        return state.progress()
+
+    async def _evict_and_wait(
+        self, pod: _PodRef, state: _DrainState, pace: _Pace
+    ) -> None:
+        """One pod: evict it (retrying what kubectl retries), then wait until
+        it is gone, replaced, or stuck terminating past ``skip_after``."""
+        loop = asyncio.get_running_loop()
+        deadline = pace.deadline
+        delay = RETRY_START
+        while True:
+            body = V1Eviction(
+                metadata=V1ObjectMeta(name=pod.name, namespace=pod.namespace),
+                delete_options=V1DeleteOptions(
+                    preconditions=V1Preconditions(uid=pod.uid)
+                ),
             )
-        return report()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise _DrainTimeoutError
+            try:
+                await self._call(
+                    self._core.create_namespaced_pod_eviction,
+                    pod.name,
+                    pod.namespace,
+                    body,
+                    timeout=max(1.0, min(REQUEST_TIMEOUT, remaining)),
+                )
+                break
+            except NodeNotFoundError:
+                state.gone(pod)  # gone already
+                return
+            except ConflictError:
+                # The UID precondition failed: the pod we meant is gone and
+                # another has its name; the drain lists the node again.
+                state.gone(pod)
+                return
+            except EvictionRefusedError as err:
+                state.set(pod, _REFUSED)
+                wait = max(pace.retry_interval, err.retry_after or 0.0)
+            except NamespaceTerminatingError:
+                if pod.deletion is not None:
+                    break  # already going, with its namespace: wait for it
+                state.set(pod, "namespace terminating")
+                wait = pace.retry_interval
+            except ClusterConnectionError as err:
+                state.set(pod, f"retrying: {err}")
+                wait = err.retry_after if err.retry_after is not None else delay
+                delay = min(delay * 2, RETRY_MAX)
+            await asyncio.sleep(max(0.0, min(wait, deadline - loop.time())))
+            # As kubectl does after a retryable error: evict the pod as it is
+            # now (it may have started terminating meanwhile).
+            try:
+                current = await self._call(
+                    self._core.read_namespaced_pod, pod.name, pod.namespace
+                )
+            except NodeNotFoundError:
+                state.gone(pod)
+                return
+            except ClusterConnectionError:
+                continue  # one failed read is no reason to stop
+            fresh = _ref(current)
+            if fresh.uid != pod.uid:
+                state.gone(pod)
+                return
+            state.waiting[fresh] = state.waiting.pop(pod)
+            pod = fresh
+        state.set(pod, "terminating")
+        await self._wait_gone(pod, state, pace)
+
+    async def _wait_gone(self, pod: _PodRef, state: _DrainState, pace: _Pace) -> None:
+        """kubectl's waitForDelete: gone when 404 or the UID changed; a pod
+        whose deletion is ``skip_after`` seconds overdue is skipped."""
+        loop = asyncio.get_running_loop()
+        deadline = pace.deadline
+        while True:
+            try:
+                current = await self._call(
+                    self._core.read_namespaced_pod,
+                    pod.name,
+                    pod.namespace,
+                    timeout=max(1.0, min(REQUEST_TIMEOUT, deadline - loop.time())),
+                )
+            except NodeNotFoundError:
+                state.gone(pod)
+                return
+            except ClusterConnectionError:
+                current = None  # one failed read is no reason to stop
+            if current is not None:
+                fresh = _ref(current)
+                if fresh.uid != pod.uid or _should_skip(fresh, pace.skip_after):
+                    state.gone(pod)
+                    return
+            if loop.time() >= deadline:
+                raise _DrainTimeoutError
+            await asyncio.sleep(
+                max(0.0, min(pace.poll_interval, deadline - loop.time()))
+            )

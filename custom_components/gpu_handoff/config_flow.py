@@ -31,8 +31,10 @@ from .const import (
     CONF_AUTO_RETURN,
     CONF_DOMAIN_NAME,
     CONF_DRAIN_TIMEOUT,
+    CONF_EVICT_UNMANAGED,
     CONF_GAMING_VMS,
     CONF_GPU_NODE,
+    CONF_HANDOFF_WHEN_CORDONED,
     CONF_HOST_KEY,
     CONF_K8S_NODE,
     CONF_KUBECONFIG,
@@ -42,6 +44,8 @@ from .const import (
     DEFAULT_AGENT_COMMAND,
     DEFAULT_AUTO_RETURN,
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_EVICT_UNMANAGED,
+    DEFAULT_HANDOFF_WHEN_CORDONED,
     DEFAULT_SCAN_INTERVAL,
     DEFAULT_SSH_PORT,
     DOMAIN,
@@ -521,6 +525,10 @@ class GpuHandoffOptionsFlow(OptionsFlow):
                     CONF_SCAN_INTERVAL: int(user_input[CONF_SCAN_INTERVAL]),
                     CONF_DRAIN_TIMEOUT: int(user_input[CONF_DRAIN_TIMEOUT]),
                     CONF_AUTO_RETURN: bool(user_input[CONF_AUTO_RETURN]),
+                    CONF_EVICT_UNMANAGED: bool(user_input[CONF_EVICT_UNMANAGED]),
+                    CONF_HANDOFF_WHEN_CORDONED: bool(
+                        user_input[CONF_HANDOFF_WHEN_CORDONED]
+                    ),
                 }
             )
         seconds = selector.NumberSelector(
@@ -536,6 +544,12 @@ class GpuHandoffOptionsFlow(OptionsFlow):
                 probatio.Required(CONF_SCAN_INTERVAL): seconds,
                 probatio.Required(CONF_DRAIN_TIMEOUT): seconds,
                 probatio.Required(CONF_AUTO_RETURN): selector.BooleanSelector(),
+                probatio.Required(
+                    CONF_EVICT_UNMANAGED, default=DEFAULT_EVICT_UNMANAGED
+                ): selector.BooleanSelector(),
+                probatio.Required(
+                    CONF_HANDOFF_WHEN_CORDONED, default=DEFAULT_HANDOFF_WHEN_CORDONED
+                ): selector.BooleanSelector(),
             }
         )
         return self.async_show_form(

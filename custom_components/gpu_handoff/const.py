@@ -22,9 +22,16 @@ CONF_DOMAIN_NAME: Final = "domain_name"
 CONF_SCAN_INTERVAL: Final = "scan_interval"
 CONF_DRAIN_TIMEOUT: Final = "drain_timeout"
 CONF_AUTO_RETURN: Final = "auto_return"
+CONF_EVICT_UNMANAGED: Final = "evict_unmanaged"
+CONF_HANDOFF_WHEN_CORDONED: Final = "handoff_when_cordoned"
 DEFAULT_SCAN_INTERVAL: Final = 30
 DEFAULT_DRAIN_TIMEOUT: Final = 300
 DEFAULT_AUTO_RETURN: Final = True
+# kubectl drain refuses pods nothing recreates unless --force: so do we.
+DEFAULT_EVICT_UNMANAGED: Final = False
+# Someone else's cordon (an administrator's drain, an upgrade controller) is a
+# reason to wait: a handoff on top of it needs the user's explicit choice.
+DEFAULT_HANDOFF_WHEN_CORDONED: Final = False
 
 SUBENTRY_GAMING_VM: Final = "gaming_vm"
 
@@ -39,3 +46,9 @@ SERVICE_START_HANDOFF: Final = "start_handoff"
 ATTR_CONFIG_ENTRY_ID: Final = "config_entry_id"
 ATTR_VM: Final = "vm"
 ATTR_WAIT: Final = "wait"
+
+# Where the GPU node is in a running operation, for a Handoff state that only
+# moves forward: a handoff drains, then stops it; a return starts it again.
+PHASE_DRAINING: Final = "draining"
+PHASE_STOPPING: Final = "stopping"
+PHASE_RETURNING: Final = "returning"

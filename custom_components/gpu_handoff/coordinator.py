@@ -233,18 +233,31 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
         )
 
     async def async_watch(self) -> None:
-        """Follow the tower's event stream for as long as the entry is loaded."""
+        """Follow the tower's event stream for as long as the entry is loaded.
+
+        The stream never ends for good: whatever ends it (a dropped
+        connection, an unexpected error) is logged once per kind of failure
+        and followed by a reconnect with backoff; diagnostics show whether it
+        is connected now.
+        """
         backoff = WATCH_BACKOFF_START
+        logged: str | None = None
         while True:
             try:
                 async for message in self.tower.watch():
                     if message.get("type") == "watching":
                         self.watch_connected = True
                         backoff = WATCH_BACKOFF_START
+                        logged = None
                         _LOGGER.debug("Watching the tower's events")
                     await self.async_request_refresh()
             except TowerError as err:
                 _LOGGER.debug("Tower event stream ended: %s", err)
+            except Exception as err:
+                kind = type(err).__name__
+                if logged != kind:
+                    logged = kind
+                    _LOGGER.exception("The tower's event stream failed; reconnecting")
             if self.watch_connected:
                 self.watch_connected = False
                 # Catch up on what happened while the stream was down.

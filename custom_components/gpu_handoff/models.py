@@ -106,7 +106,7 @@ class TowerStatus:
                 Job(
                     id=str(j["id"]),
                     kind=str(j["kind"]),
-                    args=tuple(j.get("args", [])),
+                    args=_job_args(j.get("args")),
                     state=str(j["state"]),
                     step=j.get("step"),
                 )
@@ -133,6 +133,13 @@ class TowerStatus:
             ):
                 return job
         return None
+
+
+def _job_args(args: Any) -> tuple[str, ...]:
+    """The domains a job acts on. The agent sends ``{"domain": name}`` (name
+    None for a release with no gaming VM); a list is read as it is."""
+    values = args.values() if isinstance(args, dict) else args or []
+    return tuple(str(value) for value in values if value is not None)
 
 
 @dataclass(frozen=True, kw_only=True)

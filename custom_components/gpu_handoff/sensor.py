@@ -16,8 +16,8 @@ from homeassistant.const import EntityCategory, UnitOfTime
 from homeassistant.core import HomeAssistant
 from homeassistant.helpers.entity_platform import AddConfigEntryEntitiesCallback
 
-from .cluster_client import DrainProgress
-from .const import CONF_GPU_NODE
+from .cluster_client import CORDON_OWNER_US, DrainProgress
+from .const import CONF_GPU_NODE, PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
 from .coordinator import GpuHandoffConfigEntry
 from .entity import ClusterBacked, GpuHandoffEntity, gaming_vms
 from .models import RUNNING, Snapshot
@@ -49,23 +49,44 @@ STOPPING_JOBS: Final = frozenset({"stop", "handoff"})
 STARTING_JOBS: Final = frozenset({"start", "release"})
 
 
-def gpu_node_state(snapshot: Snapshot, draining: bool = False) -> str:
-    """The GPU node's place in the handoff cycle."""
+def gpu_node_state(snapshot: Snapshot, phase: str | None = None) -> str:
+    """The GPU node's place in the handoff cycle.
+
+    ``phase`` is where the controller's running operation has the GPU node
+    (PHASE_*): through an operation the state only moves forward, whatever
+    lags in the snapshot (a handoff: draining, stopping, off; a return:
+    starting, joining, serving).
+    """
     tower = snapshot.tower
     vm = tower.domains.get(tower.gpu_node)
     job = tower.job_for(tower.gpu_node)
     node = snapshot.node
     if vm is None or vm.state != RUNNING:
-        return "starting" if job is not None and job.kind in STARTING_JOBS else "off"
-    if job is not None and job.kind in STOPPING_JOBS and job.state == "running":
+        starting = phase == PHASE_RETURNING or (
+            job is not None and job.kind in STARTING_JOBS
+        )
+        return "starting" if starting else "off"
+    if phase == PHASE_STOPPING or (
+        job is not None and job.kind in STOPPING_JOBS and job.state == "running"
+    ):
         return "stopping"
+    if phase == PHASE_DRAINING:
+        return "draining"
     if node is None:
         return "unreachable"
-    if draining:
-        return "draining"
     if not node.ready:
         return "starting" if vm.agent_ready is False else "joining"
+    if phase == PHASE_RETURNING:
+        # Ready, and our cordon not yet lifted: still joining the cluster.
+        return "joining" if node.cordon_owner == CORDON_OWNER_US else "serving"
     return "cordoned" if node.unschedulable else "serving"
+
+
+def pods_left(snapshot: Snapshot, drain: DrainProgress | None) -> int | None:
+    """Pods a drain still has to move: live during a drain, else the node's."""
+    if drain is not None:
+        return drain.pods_left
+    return snapshot.node.evictable_pods if snapshot.node is not None else None
 
 
 def gpu_node_attributes(
@@ -80,11 +101,8 @@ def gpu_node_attributes(
         "vm_state": vm.state if vm is not None else None,
         "guest_agent_ready": vm.agent_ready if vm is not None else None,
         "cordoned": node.unschedulable if node is not None else None,
-        "pods_left": drain.pods_left
-        if drain is not None
-        else node.evictable_pods
-        if node is not None
-        else None,
+        "cordoned_by": node.cordon_owner if node is not None else None,
+        "pods_left": pods_left(snapshot, drain),
         "evictions_refused": drain.evictions_refused if drain is not None else None,
         "node_ready": node.ready if node is not None else None,
         "lease_age": round(node.lease_age, 1)
@@ -111,7 +129,9 @@ def gpu_node_attributes(
 class GpuHandoffSensorDescription(SensorEntityDescription, ClusterBacked):
     """A sensor and how it reads the snapshot of its domain."""
 
-    value_fn: Callable[[Snapshot, str | None], str | int | float | None]
+    value_fn: Callable[
+        [Snapshot, str | None, DrainProgress | None], str | int | float | None
+    ]
 
 
 GPU_NODE_SENSOR = SensorEntityDescription(
@@ -126,7 +146,7 @@ VM_STATE_SENSOR = GpuHandoffSensorDescription(
     translation_key="vm_state",
     device_class=SensorDeviceClass.ENUM,
     options=VM_STATES,
-    value_fn=lambda snapshot, domain: (
+    value_fn=lambda snapshot, domain, _drain: (
         vm.state
         if (vm := snapshot.tower.domains.get(domain or "")) is not None and vm.exists
         else "missing"
@@ -138,7 +158,7 @@ TOWER_SENSORS: Final = (
         key="gpus_lent",
         translation_key="gpus_lent",
         state_class=SensorStateClass.MEASUREMENT,
-        value_fn=lambda snapshot, _domain: snapshot.tower.gpus_held_by(
+        value_fn=lambda snapshot, _domain, _drain: snapshot.tower.gpus_held_by(
             snapshot.tower.gpu_node
         ),
     ),
@@ -150,7 +170,7 @@ NODE_SENSORS: Final = (
         translation_key="gpus_in_use",
         needs_cluster=True,
         state_class=SensorStateClass.MEASUREMENT,
-        value_fn=lambda snapshot, _domain: (
+        value_fn=lambda snapshot, _domain, _drain: (
             snapshot.node.gpu_requested if snapshot.node is not None else None
         ),
     ),
@@ -159,9 +179,7 @@ NODE_SENSORS: Final = (
         translation_key="pods_left",
         needs_cluster=True,
         state_class=SensorStateClass.MEASUREMENT,
-        value_fn=lambda snapshot, _domain: (
-            snapshot.node.evictable_pods if snapshot.node is not None else None
-        ),
+        value_fn=lambda snapshot, _domain, drain: pods_left(snapshot, drain),
     ),
     GpuHandoffSensorDescription(
         key="lease_age",
@@ -171,7 +189,7 @@ NODE_SENSORS: Final = (
         native_unit_of_measurement=UnitOfTime.SECONDS,
         entity_category=EntityCategory.DIAGNOSTIC,
         entity_registry_enabled_default=False,
-        value_fn=lambda snapshot, _domain: (
+        value_fn=lambda snapshot, _domain, _drain: (
             round(snapshot.node.lease_age, 1)
             if snapshot.node is not None and snapshot.node.lease_age is not None
             else None
@@ -211,7 +229,9 @@ class GpuHandoffSensor(GpuHandoffEntity, SensorEntity):
     @property
     def native_value(self) -> str | int | float | None:
         """The value."""
-        return self.entity_description.value_fn(self.coordinator.data, self.domain)
+        return self.entity_description.value_fn(
+            self.coordinator.data, self.domain, self.coordinator.controller.drain
+        )
 
 
 class GpuNodeStateSensor(GpuHandoffEntity, SensorEntity):
@@ -224,11 +244,7 @@ class GpuNodeStateSensor(GpuHandoffEntity, SensorEntity):
     @property
     def native_value(self) -> str:
         """The GPU node's place in the handoff cycle."""
-        operation = self.coordinator.controller.operation
-        return gpu_node_state(
-            self.coordinator.data,
-            draining=operation is not None and operation.step == "draining",
-        )
+        return gpu_node_state(self.coordinator.data, self.coordinator.controller.phase)
 
     @property
     def extra_state_attributes(self) -> Mapping[str, Any]:

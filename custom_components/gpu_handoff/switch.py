@@ -40,10 +40,11 @@ class GamingVmSwitch(GpuHandoffEntity, SwitchEntity):
 
     @property
     def is_on(self) -> bool:
-        """The requested state while an operation runs, else the VM's."""
-        operation = self.coordinator.controller.operation
-        if operation is not None and operation.vm == self.domain:
-            return operation.kind == "handoff"
+        """The requested state from the moment a request is accepted (queued
+        behind another operation too) until it ends; else the VM's."""
+        requested = self.coordinator.controller.requests.get(self.domain or "")
+        if requested is not None:
+            return requested == "handoff"
         vm = self.vm
         return vm is not None and vm.state == RUNNING
 

@@ -29,10 +29,11 @@ KEEPALIVE_COUNT_MAX: Final = 3
 EXIT_COMMAND_NOT_FOUND: Final = 127
 
 
-# What asyncssh raises when the connection died under a request.
+# What asyncssh raises when the connection died under a request: any
+# disconnect (ConnectionLost, a protocol error, ...) once the connection was up.
 _CONNECTION_LOST: Final = (
     asyncssh.ChannelOpenError,
-    asyncssh.ConnectionLost,
+    asyncssh.DisconnectError,
     BrokenPipeError,
     ConnectionError,
 )

@@ -1,0 +1,67 @@
+"""Helpers for the end-to-end stories: set up, wait, act as a user would.
+
+The fixtures these stories use (the simulated tower, sshd forcing the real
+agent, the "kubelet", the entry) live in tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from homeassistant.config_entries import ConfigEntryState
+from homeassistant.core import HomeAssistant
+from pytest_homeassistant_custom_component.common import MockConfigEntry
+
+from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.towersim import Tower
+
+SWITCH_1 = "switch.gaming_station_1"
+SWITCH_2 = "switch.gaming_station_2"
+HANDOFF = "sensor.gpu_node_handoff_state"
+BOUND = 30.0  # seconds any single wait below may take at most
+
+
+async def setup_entry(hass: HomeAssistant, entry: MockConfigEntry) -> None:
+    assert await hass.config_entries.async_setup(entry.entry_id)
+    await hass.async_block_till_done()
+    assert entry.state is ConfigEntryState.LOADED
+
+
+async def until(what: Callable[[], bool], bound: float = BOUND) -> None:
+    async with asyncio.timeout(bound):
+        while not what():  # noqa: ASYNC110 - polls state the test cannot await
+            await asyncio.sleep(0.05)
+
+
+def idle(entry: MockConfigEntry) -> bool:
+    controller = entry.runtime_data.controller
+    return controller.operation is None and controller.pending is None
+
+
+def cordoned(cluster: K8sEmulator) -> bool:
+    return bool(cluster.get("Node", GPU_NODE, "")["spec"].get("unschedulable"))
+
+
+async def switch(hass: HomeAssistant, service: str, entity_id: str) -> None:
+    await hass.services.async_call(
+        "switch", service, {"entity_id": entity_id}, blocking=True
+    )
+
+
+async def play(hass: HomeAssistant, entry: MockConfigEntry, sim: Tower, n: int) -> None:
+    """Turn Gaming station ``n`` on and wait until it runs and all is settled."""
+    await switch(hass, "turn_on", f"switch.gaming_station_{n}")
+    await until(lambda: sim.is_running(f"gaming-{n}"))
+    await until(lambda: idle(entry))
+
+
+async def quit_game(
+    hass: HomeAssistant, entry: MockConfigEntry, sim: Tower, n: int
+) -> None:
+    """Turn Gaming station ``n`` off and wait until it is off and all settled."""
+    await switch(hass, "turn_off", f"switch.gaming_station_{n}")
+    await until(lambda: not sim.is_running(f"gaming-{n}"))
+    await until(lambda: idle(entry))
+    await entry.runtime_data.async_refresh()
+    await hass.async_block_till_done()
