@@ -11,7 +11,9 @@ file, appends every invocation to a log, and refuses ``destroy``.
 State file (env FAKEVIRSH_STATE): {"domains": {NAME: {"state": "running" |
 "shut off", "reason": str, "xml": str, "agent_after": pings that fail before
 the agent answers, "shutdown_polls": domstate calls after an accepted shutdown
-before it is shut off (-1 = never), "acpi": whether ACPI is honoured}}}.
+before it is shut off (-1 = never), "acpi": whether ACPI is honoured}},
+"event_fails": `event` fails at once as when libvirt is unreachable}. `event`
+prints nothing otherwise (and never ends): the tower simulator has events.
 """
 
 from __future__ import annotations
@@ -170,6 +172,13 @@ def main(argv: list[str]) -> int:
     if args[:1] == ["event"]:
         import time
 
+        if json.loads(state_path.read_text(encoding="utf-8")).get("event_fails"):
+            sys.stderr.write(
+                "error: failed to connect to the hypervisor\n"
+                "error: Failed to connect socket to '/run/libvirt/libvirt-sock': "
+                "No such file or directory\n"
+            )
+            return 1
         while True:
             time.sleep(3600)
     with state_path.with_suffix(".lock").open("a", encoding="utf-8") as lock:

@@ -27,6 +27,14 @@ def test_defaults(tmp_path: Path) -> None:
     assert config["state_dir"] == "/x/gpu-handoff"
     assert config["detach"] == "auto"
     assert config["screenshot_max_bytes"] == 8 * 1024 * 1024
+    assert config["session_refresh"] == 5.0
+
+
+def test_session_refresh(tmp_path: Path) -> None:
+    path = write_config(tmp_path / "c.json", **GOOD, session_refresh=0.5)
+    run = run_agent(["--config", str(path), "check-config"])
+    assert run.rc == 0
+    assert run.reply["config"]["session_refresh"] == 0.5
 
 
 def test_state_dir_default_without_xdg(tmp_path: Path) -> None:
@@ -95,6 +103,15 @@ def test_path_from_env_then_default(
             "screenshot_max_bytes: must be a positive integer",
         ),
         ({**GOOD, "poll_interval": 0}, "poll_interval: must be a number in (0, 60]"),
+        ({**GOOD, "session_refresh": 0}, "session_refresh: must be a positive number"),
+        (
+            {**GOOD, "session_refresh": "5"},
+            "session_refresh: must be a positive number",
+        ),
+        (
+            {**GOOD, "session_refresh": True},
+            "session_refresh: must be a positive number",
+        ),
     ],
 )
 def test_invalid(tmp_path: Path, data: dict[str, Any], problem: str) -> None:

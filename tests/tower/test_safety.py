@@ -65,7 +65,8 @@ def test_every_path_against_recording_virsh(fake_tower: FakeTower) -> None:
 
 
 def test_protocol_constants() -> None:
-    assert agent.PROTOCOL == 1
+    assert agent.PROTOCOL == 2
+    assert agent.VERSION == "0.2.0"
     codes = {v for k, v in vars(agent).items() if k.startswith("ERR_")}
     assert codes == agent.ERROR_CODES
     assert all(re.fullmatch(r"[a-z]+(_[a-z]+)*", code) for code in codes)
@@ -73,6 +74,10 @@ def test_protocol_constants() -> None:
     assert run.rc == 0
     assert run.reply["version"] == agent.VERSION
     assert "run-job" not in run.reply["verbs"]
+    assert {"session", "request", "watch"} <= set(run.reply["verbs"])
+    assert set(agent.SESSION_VERBS) < set(agent.SERVE_VERBS)
+    assert not {"watch", "session"} & agent.SESSION_VERBS
+    assert agent.REQUEST_ID_RE.match("ha-0123456789")
 
 
 def old_python() -> tuple[str, dict[str, str]]:

@@ -5,7 +5,8 @@ One stdlib-only program (Python >= 3.9) that Home Assistant runs over SSH as a
 forced command. It reads libvirt through ``virsh`` (argv lists, never a shell),
 answers one JSON object per line, and runs long work (graceful stops, starts
 that wait for PCI functions to free up) as detached jobs whose progress is kept
-in JSON files under the state directory.
+in JSON files under the state directory. A `session` keeps one connection
+open: requests answered, and the tower's state pushed as it changes.
 
 It never destroys a domain: every stop is a graceful shutdown, and a stop that
 does not finish in time leaves the domain running and fails the job.
@@ -26,6 +27,7 @@ import secrets
 import selectors
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,13 +37,14 @@ import xml.etree.ElementTree as ET
 
 # --- protocol: the Home Assistant side imports these ---------------------------
 
-PROTOCOL = 1
-VERSION = "0.1.0"
+PROTOCOL = 2
+VERSION = "0.2.0"
 
 ERR_BAD_REQUEST = "bad_request"
 ERR_NOT_ALLOWED = "not_allowed"
 ERR_UNKNOWN_DOMAIN = "unknown_domain"
 ERR_UNKNOWN_JOB = "unknown_job"
+ERR_UNKNOWN_REQUEST = "unknown_request"
 ERR_CONFIG_INVALID = "config_invalid"
 ERR_VIRSH_MISSING = "virsh_missing"
 ERR_LIBVIRT_UNREACHABLE = "libvirt_unreachable"
@@ -66,6 +69,7 @@ ERROR_CODES = frozenset(
         ERR_NOT_ALLOWED,
         ERR_UNKNOWN_DOMAIN,
         ERR_UNKNOWN_JOB,
+        ERR_UNKNOWN_REQUEST,
         ERR_CONFIG_INVALID,
         ERR_VIRSH_MISSING,
         ERR_LIBVIRT_UNREACHABLE,
@@ -96,12 +100,46 @@ SERVE_VERBS: Dict[str, Tuple[int, int]] = {
     "release": (0, 1),
     "job": (1, 1),
     "jobs": (0, 0),
+    "request": (1, 1),
     "watch": (0, 0),
+    "session": (0, 0),
     "screenshot": (1, 1),
 }
 SERVE_MAX_LENGTH = 512
+# Verbs a `session` answers (argument counts as in SERVE_VERBS); the streaming
+# verbs are not among them: the session itself streams.
+SESSION_VERBS = frozenset(
+    {
+        "version",
+        "status",
+        "stop",
+        "start",
+        "handoff",
+        "release",
+        "job",
+        "jobs",
+        "request",
+        "screenshot",
+    }
+)
+# Verbs that submit a job, and so take a request id.
+JOB_VERBS = ("stop", "start", "handoff", "release")
+# A session's request line, and the request's "id" (echoed in its reply).
+SESSION_MAX_LINE = 4096
+SESSION_MAX_ID = 64
+SESSION_KEYS = ("id", "verb", "args", "request_id")
+# A burst of libvirt events (a start is four of them) is one recompute.
+SESSION_COALESCE_SECONDS = 0.1
+EVENT_RESTART_SECONDS = 5.0
+# Status fields left out when deciding whether the status changed.
+VOLATILE_STATUS_KEYS = ("virsh_calls",)
 
 JOB_ID_RE = re.compile(r"^[a-z0-9-]{1,64}$")
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{7,63}$")
+REQUEST_OPTION = "--request="
+# Home Assistant may ask for a request's job after a reconnect: a record that
+# carries a request id is kept at least this long, whatever MAX_JOBS says.
+REQUEST_KEEP_SECONDS = 3600.0
 JOB_STATES = ("queued", "running", "succeeded", "failed")
 JOB_KINDS = ("stop", "start", "handoff", "release")
 MAX_JOBS = 50
@@ -126,7 +164,11 @@ STATUS_PING_TIMEOUT = 2
 VIRSH_TIMEOUT = 120.0
 SHUTDOWN_MODES = ("agent", "acpi")
 DETACH_MODES = ("auto", "systemd", "process")
+POLL_INTERVAL_DEFAULT = 0.25
 TIMEOUT_DEFAULTS = {"agent": 180.0, "shutdown": 180.0, "start": 300.0}
+# A session recomputes the status at least this often, for what no libvirt
+# event tells: guest-agent readiness, PCI ownership after a define.
+SESSION_REFRESH_DEFAULT = 5.0
 # The only virsh commands this program runs (see tests/towersim/CONTRACT.md).
 VIRSH_COMMANDS = frozenset(
     {
@@ -147,6 +189,7 @@ JsonObj = Dict[str, Any]
 # tower's and would rewrite `except (A, B):` into a form Python 3.9 rejects.
 _READ_ERRORS = (OSError, ValueError)
 _SELECT_ERRORS = (ValueError, OSError, AttributeError)
+_NUMBER_ERRORS = (TypeError, ValueError)
 
 
 class AgentError(Exception):
@@ -208,7 +251,13 @@ class Config:
         self.cmd_systemd_run: Optional[str] = commands.get("systemd_run")
         self.detach: str = data.get("detach", "auto")
         self.screenshot_max_bytes = int(data.get("screenshot_max_bytes", 8 << 20))
-        self.poll_interval = float(data.get("poll_interval", 1.0))
+        # How often a job looks again (a shutdown finished, cards freed): a
+        # virsh call costs ~30 ms, and every poll period is added to a
+        # handoff's or a return's time.
+        self.poll_interval = float(data.get("poll_interval", POLL_INTERVAL_DEFAULT))
+        self.session_refresh = float(
+            data.get("session_refresh", SESSION_REFRESH_DEFAULT)
+        )
         self.env = env
 
     @property
@@ -232,6 +281,7 @@ class Config:
             "detach": self.detach,
             "screenshot_max_bytes": self.screenshot_max_bytes,
             "poll_interval": self.poll_interval,
+            "session_refresh": self.session_refresh,
         }
 
 
@@ -276,6 +326,7 @@ def validate_config(data: Any) -> List[str]:
         "detach",
         "screenshot_max_bytes",
         "poll_interval",
+        "session_refresh",
     }
     problems.extend(f"{key}: unknown key" for key in sorted(data) if key not in known)
     uri = data.get("libvirt_uri", "qemu:///system")
@@ -358,6 +409,10 @@ def validate_config(data: Any) -> List[str]:
         interval = data["poll_interval"]
         if not _is_number(interval) or not 0 < interval <= 60:
             problems.append("poll_interval: must be a number in (0, 60]")
+    if "session_refresh" in data:
+        refresh = data["session_refresh"]
+        if not _is_number(refresh) or refresh <= 0:
+            problems.append("session_refresh: must be a positive number")
     return problems
 
 
@@ -871,7 +926,11 @@ def plan_job(cfg: Config, kind: str, target: Optional[str]) -> List[JsonObj]:
 
 
 def create_job(
-    cfg: Config, kind: str, target: Optional[str], requested_by: str
+    cfg: Config,
+    kind: str,
+    target: Optional[str],
+    requested_by: str,
+    request_id: Optional[str] = None,
 ) -> JsonObj:
     job_id = new_job_id()
     job: JsonObj = {
@@ -887,6 +946,7 @@ def create_job(
         "finished": None,
         "error": None,
         "requested_by": requested_by,
+        "request_id": request_id,
         "runner": None,
     }
     ensure_dir(cfg.state_dir, cfg.state_dir)
@@ -908,11 +968,24 @@ def list_job_ids(cfg: Config) -> List[str]:
     return sorted(i for i in ids if JOB_ID_RE.match(i))
 
 
+def _kept_for_request(job: JsonObj) -> bool:
+    """A young record with a request id: Home Assistant may still ask for it."""
+    if not job.get("request_id"):
+        return False
+    try:
+        created = float(job.get("created_epoch") or 0)
+    except _NUMBER_ERRORS:
+        return False
+    return time.time() - created < REQUEST_KEEP_SECONDS
+
+
 def prune_jobs(cfg: Config) -> None:
     ids = list_job_ids(cfg)
     for job_id in ids[: max(0, len(ids) - MAX_JOBS)]:
         job = read_json(job_path(cfg, job_id))
-        if isinstance(job, dict) and job.get("state") in ("queued", "running"):
+        if isinstance(job, dict) and (
+            job.get("state") in ("queued", "running") or _kept_for_request(job)
+        ):
             continue
         for suffix in (".json", ".lock", ".log"):
             with contextlib.suppress(OSError):
@@ -991,7 +1064,18 @@ def job_summary(job: JsonObj) -> JsonObj:
         "finished": job["finished"],
         "error": job["error"],
         "requested_by": job["requested_by"],
+        # Records written before protocol 2 have none.
+        "request_id": job.get("request_id"),
     }
+
+
+def find_request(cfg: Config, request_id: str) -> Optional[str]:
+    """The id of the job record that carries this request id, if one exists."""
+    for job_id in reversed(list_job_ids(cfg)):
+        job = read_json(job_path(cfg, job_id))
+        if isinstance(job, dict) and job.get("request_id") == request_id:
+            return job_id
+    return None
 
 
 def program_argv(cfg: Config, job_id: str) -> List[str]:
@@ -1005,6 +1089,15 @@ def program_argv(cfg: Config, job_id: str) -> List[str]:
         "--state-dir",
         os.path.abspath(cfg.state_dir),
     ]
+
+
+# Runners this process started as plain child processes: a long-lived session
+# reaps them (reap_runners), or they would stay zombies until it ends.
+_RUNNERS: List["subprocess.Popen[bytes]"] = []
+
+
+def reap_runners() -> None:
+    _RUNNERS[:] = [child for child in _RUNNERS if child.poll() is None]
 
 
 def spawn_runner(cfg: Config, job: JsonObj) -> JsonObj:
@@ -1063,13 +1156,30 @@ def spawn_runner(cfg: Config, job: JsonObj) -> JsonObj:
             )
         except OSError as err:
             raise AgentError(ERR_SPAWN_FAILED, f"cannot start runner: {err}") from None
+    reap_runners()
+    _RUNNERS.append(child)
     return {"mode": "process", "pid": child.pid}
 
 
-def submit_job(
-    cfg: Config, kind: str, target: Optional[str], requested_by: str
+def _submitted(job: JsonObj, runner: Optional[JsonObj]) -> JsonObj:
+    """The `job` of a submit's reply."""
+    return {
+        "id": job["id"],
+        "state": job["state"],
+        "kind": job["kind"],
+        "runner": runner,
+        "request_id": job.get("request_id"),
+    }
+
+
+def _create_and_spawn(
+    cfg: Config,
+    kind: str,
+    target: Optional[str],
+    requested_by: str,
+    request_id: Optional[str],
 ) -> JsonObj:
-    job = create_job(cfg, kind, target, requested_by)
+    job = create_job(cfg, kind, target, requested_by, request_id)
     try:
         runner = spawn_runner(cfg, job)
     except AgentError as err:
@@ -1079,7 +1189,33 @@ def submit_job(
         write_json_atomic(job_path(cfg, job["id"]), job, cfg.state_dir)
         raise
     # The runner may already have written its own record: only add the spawn info.
-    return {"id": job["id"], "state": job["state"], "kind": kind, "runner": runner}
+    return _submitted(job, runner)
+
+
+def submit_job(
+    cfg: Config,
+    kind: str,
+    target: Optional[str],
+    requested_by: str,
+    request_id: Optional[str] = None,
+) -> Tuple[JsonObj, bool]:
+    """Create a job and start its runner: (the reply's `job`, whether it existed).
+
+    A request id that a job record already carries creates nothing: that job
+    is answered. Looking up, creating and spawning hold submit.lock, so two
+    processes (sessions, one-shot commands) with the same id make one job.
+    """
+    if request_id is None:
+        return _create_and_spawn(cfg, kind, target, requested_by, None), False
+    ensure_dir(cfg.state_dir, cfg.state_dir)
+    lock = open_lock(os.path.join(cfg.state_dir, "submit.lock"), cfg.state_dir)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        existing = find_request(cfg, request_id)
+        if existing is not None:
+            job = load_job(cfg, existing)
+            return _submitted(job, job.get("runner")), True
+        return _create_and_spawn(cfg, kind, target, requested_by, request_id), False
 
 
 class JobRunner:
@@ -1301,8 +1437,20 @@ def hook_requests(cfg: Config) -> List[JsonObj]:
     return out
 
 
-def verb_status(cfg: Config) -> JsonObj:
-    virsh = Virsh(cfg)
+def status_body(cfg: Config, virsh: Optional[Virsh] = None) -> JsonObj:
+    """What `status` answers (without protocol/ok): one-shot and sessions."""
+    virsh = virsh or Virsh(cfg)
+    # Jobs before libvirt: a job that is over when read has done all it does
+    # to libvirt by then, so no status shows a job gone but not its effect.
+    active = []
+    for job_id in list_job_ids(cfg):
+        try:
+            job = load_job(cfg, job_id)
+        except AgentError:
+            continue
+        if job["state"] in ("queued", "running"):
+            active.append(job_summary(job))
+    requests = hook_requests(cfg)
     snap = observe(cfg, virsh, ping=True)
     cards = card_table(cfg, snap)
     found = findings_for(cfg, snap, cards)
@@ -1325,25 +1473,21 @@ def verb_status(cfg: Config) -> JsonObj:
         dom = dict(snap.domains[name])
         dom["role"] = "gpu_node" if name == cfg.gpu_node else "gaming"
         domains.append(dom)
-    active = []
-    for job_id in list_job_ids(cfg):
-        try:
-            job = load_job(cfg, job_id)
-        except AgentError:
-            continue
-        if job["state"] in ("queued", "running"):
-            active.append(job_summary(job))
-    return reply_ok(
-        uri=cfg.libvirt_uri,
-        gpu_node=cfg.gpu_node,
-        gaming=cfg.gaming,
-        domains=domains,
-        cards=cards,
-        findings=found,
-        hook_requests=hook_requests(cfg),
-        active_jobs=active,
-        virsh_calls=snap.virsh_calls,
-    )
+    return {
+        "uri": cfg.libvirt_uri,
+        "gpu_node": cfg.gpu_node,
+        "gaming": cfg.gaming,
+        "domains": domains,
+        "cards": cards,
+        "findings": found,
+        "hook_requests": requests,
+        "active_jobs": active,
+        "virsh_calls": snap.virsh_calls,
+    }
+
+
+def verb_status(cfg: Config) -> JsonObj:
+    return reply_ok(**status_body(cfg))
 
 
 def verb_screenshot(cfg: Config, domain: str) -> JsonObj:
@@ -1406,7 +1550,7 @@ def verb_hook(cfg: Config, args: List[str], xml_text: str) -> None:
     name = f"{new_job_id()}-{domain}".replace("/", "_")
     request_path = os.path.join(cfg.state_dir, "requests", name + ".json")
     try:
-        submitted = submit_job(cfg, "stop", cfg.gpu_node, "hook")
+        submitted, _ = submit_job(cfg, "stop", cfg.gpu_node, "hook")
         request["job"] = submitted["id"]
     except AgentError as err:
         request["error"] = {"code": err.code, "message": err.message}
@@ -1419,7 +1563,7 @@ def verb_hook(cfg: Config, args: List[str], xml_text: str) -> None:
 
 
 class StreamClosedError(Exception):
-    """The client of `watch` went away."""
+    """The client of `watch` or `session` went away."""
 
 
 def _emit(stdout: IO[str], obj: JsonObj) -> None:
@@ -1427,61 +1571,143 @@ def _emit(stdout: IO[str], obj: JsonObj) -> None:
         stdout.write(json.dumps(obj, sort_keys=True) + "\n")
         stdout.flush()
     except (BrokenPipeError, ValueError) as err:
+        _discard_output(stdout)
         raise StreamClosedError from err
     except OSError as err:
         if err.errno in (errno.EPIPE, errno.EBADF):
+            _discard_output(stdout)
             raise StreamClosedError from err
         raise
 
 
-def verb_watch(cfg: Config, stdin: IO[str], stdout: IO[str]) -> int:
-    virsh = Virsh(cfg)
-    child = subprocess.Popen(
-        virsh.argv(Virsh.check(["event", "--loop", "--all", "--timestamp"])),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=virsh.env,
-    )
-    if child.stdout is None:  # pragma: no cover - stdout=PIPE was given
-        raise AgentError(ERR_INTERNAL, "no pipe from virsh event")
-    sel = selectors.DefaultSelector()
-    os.set_blocking(child.stdout.fileno(), False)
-    sel.register(child.stdout, selectors.EVENT_READ, "virsh")
-    # A stdin that cannot be selected: only a broken stdout ends the stream.
-    with contextlib.suppress(*_SELECT_ERRORS):
-        sel.register(stdin, selectors.EVENT_READ, "stdin")
-    seen: Dict[str, Tuple[str, int]] = {}
-    managed = set(cfg.managed)
-    buffer = b""
-    code = 0
+def _discard_output(stdout: IO[str]) -> None:
+    """Point the process's own stdout at /dev/null once its reader is gone.
 
-    def scan_jobs(emit: bool) -> None:
-        for job_id in list_job_ids(cfg)[-MAX_JOBS:]:
-            path = job_path(cfg, job_id)
+    What could not be written stays buffered; Python flushes it again at exit
+    and, failing, exits with status 120 instead of the one we return.
+    """
+    if stdout is not sys.__stdout__:
+        return
+    with contextlib.suppress(*_SELECT_ERRORS):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stdout.fileno())
+        os.close(devnull)
+
+
+def message(kind: str, **fields: Any) -> JsonObj:
+    """A streamed line that is not a reply (hello, status, event, job, error)."""
+    out: JsonObj = {"protocol": PROTOCOL, "type": kind}
+    out.update(fields)
+    return out
+
+
+class EventChild:
+    """`virsh event --loop --all --timestamp`, read without blocking.
+
+    `watch` and `session` share it: they read when its pipe is readable, get
+    the events of the complete lines so far, and why it ended once it has.
+    """
+
+    def __init__(self, virsh: Virsh) -> None:
+        try:
+            self.proc = subprocess.Popen(
+                virsh.argv(Virsh.check(["event", "--loop", "--all", "--timestamp"])),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=virsh.env,
+            )
+        except OSError as err:
+            raise AgentError(
+                ERR_VIRSH_MISSING, f"cannot run {virsh.path}: {err}"
+            ) from None
+        if self.proc.stdout is None:  # pragma: no cover - stdout=PIPE was given
+            raise AgentError(ERR_INTERNAL, "no pipe from virsh event")
+        self.stdout: IO[bytes] = self.proc.stdout
+        os.set_blocking(self.stdout.fileno(), False)
+        self.buffer = b""
+
+    def read(self) -> Tuple[List[JsonObj], Optional[JsonObj]]:
+        """The events (of every domain) read now; the error once the child ended."""
+        try:
+            chunk = os.read(self.stdout.fileno(), 65536)
+        except BlockingIOError:
+            return [], None
+        if not chunk:
+            stderr = self.proc.stderr
+            err = stderr.read().decode(errors="replace") if stderr else ""
+            code = ERR_LIBVIRT_UNREACHABLE if "connect" in err else ERR_VIRSH_FAILED
+            return [], {"code": code, "message": VirshResult(1, "", err).error_text()}
+        self.buffer += chunk
+        events: List[JsonObj] = []
+        while b"\n" in self.buffer:
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            event = parse_event(line.decode(errors="replace"))
+            if event is not None:
+                events.append(event)
+        return events, None
+
+    def close(self) -> None:
+        """End the child (terminate; kill if it is still there after 5 s)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
             try:
-                mtime = os.stat(path).st_mtime_ns
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+class JobScanner:
+    """The `job` messages of records that changed since the last scan."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.seen: Dict[str, Tuple[str, int, int, int]] = {}
+
+    def scan(self) -> List[JsonObj]:
+        messages: List[JsonObj] = []
+        seen: Dict[str, Tuple[str, int, int, int]] = {}
+        for job_id in list_job_ids(self.cfg)[-MAX_JOBS:]:
+            path = job_path(self.cfg, job_id)
+            try:
+                st = os.stat(path)
             except OSError:
                 continue
             job = read_json(path)
             if not isinstance(job, dict):
                 continue
-            key = (str(job.get("state")), mtime)
-            if seen.get(job_id) != key:
-                seen[job_id] = key
-                if emit:
-                    _emit(
-                        stdout,
-                        {
-                            "protocol": PROTOCOL,
-                            "type": "job",
-                            "job": job_summary(job),
-                            "steps": job["steps"],
-                        },
-                    )
+            # Records are replaced, never rewritten in place: a new inode or
+            # size tells a change that fell in the same mtime tick.
+            key = (str(job.get("state")), st.st_mtime_ns, st.st_ino, st.st_size)
+            seen[job_id] = key
+            if self.seen.get(job_id) == key:
+                continue
+            try:
+                messages.append(
+                    message("job", job=job_summary(job), steps=job["steps"])
+                )
+            except _JOB_ERRORS:
+                continue
+        self.seen = seen
+        return messages
 
+
+def verb_watch(cfg: Config, stdin: IO[str], stdout: IO[str]) -> int:
+    child = EventChild(Virsh(cfg))
+    sel = selectors.DefaultSelector()
+    sel.register(child.stdout, selectors.EVENT_READ, "virsh")
+    # A stdin that cannot be selected: only a broken stdout ends the stream.
+    with contextlib.suppress(*_SELECT_ERRORS):
+        sel.register(stdin, selectors.EVENT_READ, "stdin")
+    jobs = JobScanner(cfg)
+    managed = set(cfg.managed)
+    code = 0
     try:
-        scan_jobs(emit=False)
+        jobs.scan()
         _emit(stdout, reply_ok(type="watching", domains=cfg.managed))
         running = True
         while running:
@@ -1491,61 +1717,483 @@ def verb_watch(cfg: Config, stdin: IO[str], stdout: IO[str]) -> int:
                     if not data:
                         running = False
                     continue
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    err = (
-                        child.stderr.read().decode(errors="replace")
-                        if child.stderr
-                        else ""
-                    )
-                    text = VirshResult(1, "", err).error_text()
-                    code_name = (
-                        ERR_LIBVIRT_UNREACHABLE
-                        if "connect" in err
-                        else ERR_VIRSH_FAILED
-                    )
-                    _emit(
-                        stdout,
-                        {
-                            "protocol": PROTOCOL,
-                            "type": "error",
-                            "error": {"code": code_name, "message": text},
-                        },
-                    )
+                events, error = child.read()
+                for event in events:
+                    if event["domain"] in managed:
+                        _emit(stdout, message("event", **event))
+                if error is not None:
+                    _emit(stdout, message("error", error=error))
                     code = 1
                     running = False
                     break
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
-                    event = parse_event(line.decode(errors="replace"))
-                    if event is not None and event["domain"] in managed:
-                        event.update({"protocol": PROTOCOL, "type": "event"})
-                        _emit(stdout, event)
             if running:
-                scan_jobs(emit=True)
+                for line in jobs.scan():
+                    _emit(stdout, line)
     except StreamClosedError:
         code = 0
     finally:
         sel.close()
-        if child.poll() is None:
-            child.terminate()
-            try:
-                child.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-        for stream in (child.stdout, child.stderr):
-            if stream is not None:
-                stream.close()
+        child.close()
     return code
+
+
+# --- session ---------------------------------------------------------------------------------
+
+
+class SessionEndError(BaseException):
+    """SIGTERM or SIGHUP: the session ends as at the end of its input.
+
+    A BaseException, so that no handler of a single request catches it.
+    """
+
+
+def _end_session(signum: int, frame: Any) -> None:
+    raise SessionEndError
+
+
+def _session_id(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    return isinstance(value, str) and len(value) <= SESSION_MAX_ID
+
+
+def parse_session_line(line: bytes) -> JsonObj:
+    """One request line as an object with a valid id (not yet its verb)."""
+    if len(line) > SESSION_MAX_LINE:
+        raise AgentError(ERR_BAD_REQUEST, f"line longer than {SESSION_MAX_LINE} bytes")
+    try:
+        request = json.loads(line)
+    except ValueError:
+        raise AgentError(ERR_BAD_REQUEST, "not JSON") from None
+    if not isinstance(request, dict):
+        raise AgentError(ERR_BAD_REQUEST, "a request is a JSON object")
+    if not _session_id(request.get("id")):
+        raise AgentError(
+            ERR_BAD_REQUEST,
+            f"id must be an integer or a string of at most {SESSION_MAX_ID} characters",
+        )
+    return request
+
+
+def _requests_state(cfg: Config) -> Tuple[Tuple[str, int, int], ...]:
+    """Names, mtimes and sizes of the hook requests: changes when they do."""
+    directory = os.path.join(cfg.state_dir, "requests")
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".json"))
+    except OSError:
+        return ()
+    out = []
+    for name in names:
+        try:
+            st = os.stat(os.path.join(directory, name))
+        except OSError:
+            continue
+        out.append((name, st.st_mtime_ns, st.st_size))
+    return tuple(out)
+
+
+class Session:
+    """`session`: requests answered and the tower's state pushed, as JSON lines.
+
+    One connection instead of one SSH command per question. The status is
+    kept: recomputed after libvirt events, job record and hook request changes
+    and every session_refresh seconds (guest-agent readiness and PCI ownership
+    after a define raise no event), and pushed when it changed.
+    """
+
+    def __init__(
+        self, cfg: Config, stdin: IO[str], stdout: IO[str], requested_by: str
+    ) -> None:
+        self.virsh = Virsh(cfg)
+        self.cfg = cfg
+        self.stdin = stdin
+        self.stdout = stdout
+        self.requested_by = requested_by
+        self.managed = set(cfg.managed)
+        self.sel = selectors.DefaultSelector()
+        self.events: Optional[EventChild] = None
+        self.restart_at = 0.0
+        self.jobs = JobScanner(cfg)
+        self.scanned_at = 0.0
+        self.requests = _requests_state(cfg)
+        self.body: Optional[JsonObj] = None
+        self.failure: Optional[JsonObj] = None
+        self.computed_at = 0.0
+        self.pushed: Optional[JsonObj] = None
+        self.dirty_at: Optional[float] = None
+        self.pending = b""
+        self.skipping = False
+        self.open = True
+
+    def send(self, obj: JsonObj) -> None:
+        _emit(self.stdout, obj)
+
+    def run(self) -> int:
+        previous: Dict[signal.Signals, Any] = {}
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                previous[signum] = signal.signal(signum, _end_session)
+            except ValueError:  # not the main thread (tests): no handlers
+                break
+        try:
+            self.jobs.scan()  # the records as they are now: pushed when they change
+            # Listen before the first status, so no change falls in between.
+            failure = self.start_events()
+            self.send(
+                message("hello", ok=True, version=VERSION, verbs=sorted(SESSION_VERBS))
+            )
+            self.recompute(force=True, drain=False)
+            if failure is not None:
+                self.send(message("error", source="events", error=failure))
+            self.attach_stdin()
+            while self.open:
+                self.step()
+        except (StreamClosedError, SessionEndError):
+            pass
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            self.stop_events()
+            self.sel.close()
+            reap_runners()
+        return 0
+
+    # --- inputs
+
+    def attach_stdin(self) -> None:
+        try:
+            self.sel.register(self.stdin, selectors.EVENT_READ, "stdin")
+        except _SELECT_ERRORS:
+            # Not a pipe or socket (a file; in memory in tests): read it all.
+            try:
+                data = self.stdin.read()
+            except _SELECT_ERRORS:
+                data = ""
+            self.feed(data.encode() if isinstance(data, str) else bytes(data))
+            self.end_of_input()
+
+    def step(self) -> None:
+        now = time.monotonic()
+        wake = [
+            now + min(self.cfg.poll_interval, 0.5),
+            self.computed_at + self.cfg.session_refresh,
+        ]
+        if self.dirty_at is not None:
+            wake.append(max(self.dirty_at, self.computed_at + SESSION_COALESCE_SECONDS))
+        if self.events is None:
+            wake.append(self.restart_at)
+        for key, _ in self.sel.select(timeout=max(0.0, min(wake) - now)):
+            if key.data == "stdin":
+                self.read_stdin(key.fd)
+            elif self.events is not None:
+                self.read_events(self.events)
+            if not self.open:
+                return
+        reap_runners()
+        now = time.monotonic()
+        if now - self.scanned_at >= SESSION_COALESCE_SECONDS:
+            self.scan_jobs()
+            requests = _requests_state(self.cfg)
+            if requests != self.requests:
+                self.requests = requests
+                self.mark_dirty()
+        if self.events is None and now >= self.restart_at:
+            failure = self.start_events()
+            if failure is None:
+                self.mark_dirty()  # events were missed while it was down
+            else:
+                self.send(message("error", source="events", error=failure))
+        if self.due(time.monotonic()):
+            self.recompute()
+
+    def scan_jobs(self) -> None:
+        self.scanned_at = time.monotonic()
+        for line in self.jobs.scan():
+            self.send(line)
+            self.mark_dirty()
+
+    def read_stdin(self, fd: int) -> None:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            data = b""
+        if data:
+            self.feed(data)
+        else:
+            self.end_of_input()
+
+    def feed(self, data: bytes) -> None:
+        self.pending += data
+        while True:
+            cut = self.pending.find(b"\n")
+            if self.skipping:
+                # The rest of a line already answered as too long.
+                if cut < 0:
+                    self.pending = b""
+                    return
+                self.skipping = False
+            elif cut < 0:
+                if len(self.pending) > SESSION_MAX_LINE:
+                    self.pending = b""
+                    self.skipping = True
+                    self.reply_too_long()
+                return
+            else:
+                self.handle_line(self.pending[:cut])
+            self.pending = self.pending[cut + 1 :]
+
+    def end_of_input(self) -> None:
+        if self.pending and not self.skipping:
+            self.handle_line(self.pending)
+        self.pending = b""
+        self.open = False
+
+    def read_events(self, child: EventChild) -> None:
+        events, failure = child.read()
+        for event in events:
+            if event["domain"] in self.managed:
+                self.send(message("event", **event))
+            # Unmanaged domains too: they may hold the managed domains' cards.
+            self.mark_dirty()
+        if failure is not None:
+            self.send(message("error", source="events", error=failure))
+            self.stop_events()
+            self.restart_at = time.monotonic() + EVENT_RESTART_SECONDS
+            self.mark_dirty()
+
+    def start_events(self) -> Optional[JsonObj]:
+        try:
+            child = EventChild(self.virsh)
+        except AgentError as err:
+            self.restart_at = time.monotonic() + EVENT_RESTART_SECONDS
+            return {"code": err.code, "message": err.message}
+        self.events = child
+        self.sel.register(child.stdout, selectors.EVENT_READ, "events")
+        return None
+
+    def stop_events(self) -> None:
+        child, self.events = self.events, None
+        if child is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(child.stdout)
+            child.close()
+
+    # --- requests
+
+    def reply_too_long(self) -> None:
+        text = f"line longer than {SESSION_MAX_LINE} bytes"
+        self.send(self.reply(None, reply_error(ERR_BAD_REQUEST, text)))
+
+    @staticmethod
+    def reply(ident: Any, answer: JsonObj) -> JsonObj:
+        answer["type"] = "reply"
+        answer["id"] = ident
+        return answer
+
+    def handle_line(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        ident: Any = None
+        try:
+            request = parse_session_line(line)
+            ident = request["id"]
+            answer = self.answer(request)
+        except AgentError as err:
+            answer = reply_error(err.code, err.message)
+        except StreamClosedError:
+            raise
+        except Exception as err:  # noqa: BLE001 - answered; the session goes on
+            answer = reply_error(ERR_INTERNAL, f"{type(err).__name__}: {err}")
+        self.send(self.reply(ident, answer))
+
+    def answer(self, request: JsonObj) -> JsonObj:
+        unknown = sorted(str(k) for k in request if k not in SESSION_KEYS)
+        if unknown:
+            raise AgentError(
+                ERR_BAD_REQUEST, f"unknown keys: {', '.join(unknown)[:200]}"
+            )
+        verb = request.get("verb")
+        if not isinstance(verb, str):
+            raise AgentError(ERR_BAD_REQUEST, "verb must be a string")
+        if verb not in SESSION_VERBS:
+            raise AgentError(
+                ERR_NOT_ALLOWED, f"verb {verb[:40]!r} is not allowed in a session"
+            )
+        args = request.get("args", [])
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise AgentError(ERR_BAD_REQUEST, "args must be a list of strings")
+        request_id = request.get("request_id")
+        if request_id is not None:
+            if verb not in JOB_VERBS:
+                raise AgentError(
+                    ERR_BAD_REQUEST, f"{verb} takes no request_id (only job verbs do)"
+                )
+            check_request_id(request_id)
+        check_request(self.cfg, verb, args)
+        if verb == "status":
+            return self.status_reply()
+        return run_request(self.cfg, verb, args, request_id, self.requested_by)
+
+    # --- the kept status
+
+    def mark_dirty(self) -> None:
+        if self.dirty_at is None:
+            self.dirty_at = time.monotonic()
+
+    def due(self, now: float) -> bool:
+        if self.dirty_at is not None and now >= max(
+            self.dirty_at, self.computed_at + SESSION_COALESCE_SECONDS
+        ):
+            return True
+        return now >= self.computed_at + self.cfg.session_refresh
+
+    def recompute(self, force: bool = False, drain: bool = True) -> None:
+        self.dirty_at = None
+        try:
+            body = status_body(self.cfg, self.virsh)
+        except AgentError as err:
+            failure: Optional[JsonObj] = {"code": err.code, "message": err.message}
+        except Exception as err:  # noqa: BLE001 - reported; the session goes on
+            failure = {"code": ERR_INTERNAL, "message": f"{type(err).__name__}: {err}"}
+        else:
+            failure = None
+        self.computed_at = time.monotonic()
+        if drain:
+            # What happened while it was computed goes out first, so that a
+            # status never shows a job state or libvirt event before its own
+            # message does (they mark it dirty: it is recomputed once more).
+            if self.events is not None:
+                self.read_events(self.events)
+            self.scan_jobs()
+        if failure is not None:
+            if failure != self.failure:
+                self.send(message("error", source="status", error=failure))
+            self.failure = failure
+            self.body = None
+            self.pushed = None  # the next good status is pushed, changed or not
+            return
+        self.failure = None
+        self.body = body
+        comparable = {k: v for k, v in body.items() if k not in VOLATILE_STATUS_KEYS}
+        if force or comparable != self.pushed:
+            self.pushed = comparable
+            self.send(message("status", status=body))
+
+    def status_reply(self) -> JsonObj:
+        stale = time.monotonic() - self.computed_at >= self.cfg.session_refresh
+        if self.body is None or self.dirty_at is not None or stale:
+            self.recompute()
+        if self.body is None:
+            failure = self.failure or {"code": ERR_INTERNAL, "message": "no status"}
+            raise AgentError(failure["code"], failure["message"])
+        return reply_ok(age=round(time.monotonic() - self.computed_at, 3), **self.body)
+
+
+def verb_session(
+    cfg: Config, stdin: IO[str], stdout: IO[str], requested_by: str
+) -> int:
+    return Session(cfg, stdin, stdout, requested_by).run()
+
+
+# --- requests (serve, the command line, sessions) -------------------------------------------
+
+
+def check_request_id(value: Any) -> str:
+    if not isinstance(value, str) or not REQUEST_ID_RE.fullmatch(value):
+        raise AgentError(
+            ERR_BAD_REQUEST,
+            "invalid request id (a letter or digit, then 7..63 letters, digits, _ or -)",
+        )
+    return value
+
+
+def split_request_option(verb: str, args: List[str]) -> Tuple[List[str], Optional[str]]:
+    """A job verb's `--request=RID` word (anywhere), taken out of its arguments."""
+    if verb not in JOB_VERBS:
+        return list(args), None
+    request_id: Optional[str] = None
+    rest: List[str] = []
+    for word in args:
+        if not word.startswith(REQUEST_OPTION):
+            rest.append(word)
+        elif request_id is not None:
+            raise AgentError(ERR_BAD_REQUEST, "--request given more than once")
+        else:
+            request_id = check_request_id(word[len(REQUEST_OPTION) :])
+    return rest, request_id
+
+
+def check_request(cfg: Config, verb: str, args: List[str]) -> None:
+    """Validate a user verb's arguments before anything runs."""
+    low, high = SERVE_VERBS[verb]
+    if not low <= len(args) <= high:
+        raise AgentError(
+            ERR_BAD_REQUEST, f"{verb} takes {low}..{high} arguments, got {len(args)}"
+        )
+    if verb in ("stop", "start", "screenshot") and args[0] not in cfg.managed:
+        raise AgentError(
+            ERR_UNKNOWN_DOMAIN, f"{args[0][:80]!r} is not a configured domain"
+        )
+    if verb in ("handoff", "release") and args and args[0] not in cfg.gaming:
+        raise AgentError(
+            ERR_UNKNOWN_DOMAIN, f"{args[0][:80]!r} is not a configured gaming domain"
+        )
+    if verb == "job":
+        if not JOB_ID_RE.fullmatch(args[0]):
+            raise AgentError(ERR_BAD_REQUEST, "invalid job id")
+        if not os.path.exists(job_path(cfg, args[0])):
+            raise AgentError(ERR_UNKNOWN_JOB, f"no job {args[0]!r}")
+    if verb == "request":
+        check_request_id(args[0])
+
+
+def run_request(
+    cfg: Config,
+    verb: str,
+    args: List[str],
+    request_id: Optional[str],
+    requested_by: str,
+) -> JsonObj:
+    """The reply to one validated request (any user verb but watch and session)."""
+    if verb == "version":
+        return version_reply()
+    if verb == "status":
+        return verb_status(cfg)
+    if verb in JOB_VERBS:
+        Virsh(cfg)  # fail now, not in the runner, when virsh is missing
+        job, existing = submit_job(
+            cfg, verb, args[0] if args else None, requested_by, request_id
+        )
+        return reply_ok(job=job, existing=existing)
+    if verb == "job":
+        return reply_ok(job=load_job(cfg, args[0]))
+    if verb == "request":
+        job_id = find_request(cfg, args[0])
+        if job_id is None:
+            raise AgentError(ERR_UNKNOWN_REQUEST, f"no job has request id {args[0]!r}")
+        return reply_ok(job=load_job(cfg, job_id))
+    if verb == "jobs":
+        summaries = []
+        for job_id in reversed(list_job_ids(cfg)):
+            try:
+                summaries.append(job_summary(load_job(cfg, job_id)))
+            except _JOB_ERRORS:
+                continue
+        return reply_ok(jobs=summaries)
+    if verb == "screenshot":
+        return verb_screenshot(cfg, args[0])
+    raise AgentError(ERR_NOT_ALLOWED, f"verb {verb[:40]!r} is not a request")
 
 
 # --- serve (forced command) ------------------------------------------------------------
 
 
-def parse_serve_request(cfg: Config, command: Optional[str]) -> List[str]:
-    """Validate SSH_ORIGINAL_COMMAND; the argv of an allowed verb."""
+def parse_serve_request(
+    cfg: Config, command: Optional[str]
+) -> Tuple[str, List[str], Optional[str]]:
+    """Validate SSH_ORIGINAL_COMMAND: (verb, arguments, request id)."""
     if command is None or not command.strip():
         raise AgentError(
             ERR_BAD_REQUEST, "no command given (SSH_ORIGINAL_COMMAND is unset)"
@@ -1562,28 +2210,12 @@ def parse_serve_request(cfg: Config, command: Optional[str]) -> List[str]:
         raise AgentError(ERR_BAD_REQUEST, f"cannot parse command: {err}") from None
     if not words:
         raise AgentError(ERR_BAD_REQUEST, "empty command")
-    verb, args = words[0], words[1:]
+    verb = words[0]
     if verb not in SERVE_VERBS:
         raise AgentError(ERR_NOT_ALLOWED, f"verb {verb[:40]!r} is not allowed")
-    low, high = SERVE_VERBS[verb]
-    if not low <= len(args) <= high:
-        raise AgentError(
-            ERR_BAD_REQUEST, f"{verb} takes {low}..{high} arguments, got {len(args)}"
-        )
-    if verb in ("stop", "start", "screenshot") and args[0] not in cfg.managed:
-        raise AgentError(
-            ERR_UNKNOWN_DOMAIN, f"{args[0][:80]!r} is not a configured domain"
-        )
-    if verb in ("handoff", "release") and args and args[0] not in cfg.gaming:
-        raise AgentError(
-            ERR_UNKNOWN_DOMAIN, f"{args[0][:80]!r} is not a configured gaming domain"
-        )
-    if verb == "job":
-        if not JOB_ID_RE.match(args[0]):
-            raise AgentError(ERR_BAD_REQUEST, "invalid job id")
-        if not os.path.exists(job_path(cfg, args[0])):
-            raise AgentError(ERR_UNKNOWN_JOB, f"no job {args[0]!r}")
-    return words
+    args, request_id = split_request_option(verb, words[1:])
+    check_request(cfg, verb, args)
+    return verb, args, request_id
 
 
 # --- install ------------------------------------------------------------------------------
@@ -1750,9 +2382,11 @@ def verb_install(
 
 USAGE = (
     "usage: gpu-handoff [--config PATH] VERB [ARGS]\n"
-    "verbs: version, status, stop DOMAIN, start DOMAIN, handoff GAMING, release [GAMING],\n"
-    "       job ID, jobs, watch, screenshot DOMAIN, hook DOMAIN OP SUBOP EXTRA, serve,\n"
-    "       check-config, install --user U --gpu-node N --gaming G [--gaming G2]\n"
+    "verbs: version, status, stop DOMAIN, start DOMAIN, handoff GAMING, release [GAMING]\n"
+    "       (the four job verbs take --request=RID: one job per request id),\n"
+    "       job ID, request RID, jobs, watch, session, screenshot DOMAIN,\n"
+    "       hook DOMAIN OP SUBOP EXTRA, serve, check-config,\n"
+    "       install --user U --gpu-node N --gaming G [--gaming G2]\n"
     "       [--uri URI] [--prefix DIR] [--state-dir DIR] [--root DIR] [--force]"
 )
 
@@ -1761,44 +2395,18 @@ def _dispatch(
     *,
     verb: str,
     args: List[str],
+    request_id: Optional[str],
     cfg: Config,
     requested_by: str,
     stdin: IO[str],
     stdout: IO[str],
 ) -> Tuple[Optional[JsonObj], int]:
-    """Run one user verb; (reply or None if it already streamed, exit code)."""
-    low, high = SERVE_VERBS[verb]
-    if not low <= len(args) <= high:
-        raise AgentError(
-            ERR_BAD_REQUEST, f"{verb} takes {low}..{high} arguments, got {len(args)}"
-        )
-    if verb == "version":
-        return version_reply(), 0
-    if verb == "status":
-        return verb_status(cfg), 0
-    if verb in ("stop", "start", "screenshot") and args[0] not in cfg.managed:
-        raise AgentError(ERR_UNKNOWN_DOMAIN, f"{args[0]!r} is not a configured domain")
-    if verb in ("handoff", "release") and args and args[0] not in cfg.gaming:
-        raise AgentError(
-            ERR_UNKNOWN_DOMAIN, f"{args[0]!r} is not a configured gaming domain"
-        )
-    if verb in ("stop", "start", "handoff", "release"):
-        Virsh(cfg)  # fail now, not in the runner, when virsh is missing
-        job = submit_job(cfg, verb, args[0] if args else None, requested_by)
-        return reply_ok(job=job), 0
-    if verb == "job":
-        return reply_ok(job=load_job(cfg, args[0])), 0
-    if verb == "jobs":
-        summaries = []
-        for job_id in reversed(list_job_ids(cfg)):
-            try:
-                summaries.append(job_summary(load_job(cfg, job_id)))
-            except _JOB_ERRORS:
-                continue
-        return reply_ok(jobs=summaries), 0
+    """Run one validated user verb; (reply or None if it streamed, exit code)."""
     if verb == "watch":
         return None, verb_watch(cfg, stdin, stdout)
-    return verb_screenshot(cfg, args[0]), 0
+    if verb == "session":
+        return None, verb_session(cfg, stdin, stdout, requested_by)
+    return run_request(cfg, verb, args, request_id, requested_by), 0
 
 
 def version_reply() -> JsonObj:
@@ -1849,19 +2457,25 @@ def _run_verb(
     if verb == "serve":
         if args:
             raise AgentError(ERR_BAD_REQUEST, "serve takes no arguments")
-        words = parse_serve_request(cfg, env.get("SSH_ORIGINAL_COMMAND"))
+        verb, args, request_id = parse_serve_request(
+            cfg, env.get("SSH_ORIGINAL_COMMAND")
+        )
         return _dispatch(
-            verb=words[0],
-            args=words[1:],
+            verb=verb,
+            args=args,
+            request_id=request_id,
             cfg=cfg,
             requested_by="ssh",
             stdin=stdin,
             stdout=stdout,
         )
     if verb in SERVE_VERBS:
+        args, request_id = split_request_option(verb, args)
+        check_request(cfg, verb, args)
         return _dispatch(
             verb=verb,
             args=args,
+            request_id=request_id,
             cfg=cfg,
             requested_by="cli",
             stdin=stdin,
