@@ -184,7 +184,7 @@ async def test_an_operator_cordon_is_left_on_every_path(
     assert hass.states.get(CORDONED).state == "on"
 
     # The safety net sees a Ready, cordoned GPU node with nothing pending.
-    await entry.runtime_data.async_refresh()
+    await entry.runtime_data.coordinator.async_refresh()
     await hass.async_block_till_done()
     await asyncio.sleep(0.5)
     assert cordoned(cluster)
@@ -212,7 +212,7 @@ async def test_an_operator_cordon_is_left_on_every_path(
     assert sim.is_running("gpu-node")
     assert cordoned(cluster)
     assert _mark(cluster) is None
-    await entry.runtime_data.async_refresh()
+    await entry.runtime_data.coordinator.async_refresh()
     await hass.async_block_till_done()
     assert hass.states.get(HANDOFF).state == "cordoned"
     assert hass.states.get(HANDOFF).attributes["cordoned_by"] == "other"
@@ -256,7 +256,7 @@ async def test_a_gpu_node_shut_down_by_hand_stays_off(
     await setup_entry(hass, entry)
     sim.guest_shutdown("gpu-node")
     await until(lambda: not sim.is_running("gpu-node"))
-    await entry.runtime_data.async_refresh()
+    await entry.runtime_data.coordinator.async_refresh()
     await hass.async_block_till_done()
     await until(lambda: hass.states.get(HANDOFF).state == "off")
     await asyncio.sleep(0.5)
@@ -293,7 +293,7 @@ async def test_a_game_session_ending_returns_the_cards_once(
     assert sim.is_running("gpu-node")
     sim.guest_shutdown("gpu-node")
     await until(lambda: not sim.is_running("gpu-node"))
-    await entry.runtime_data.async_refresh()
+    await entry.runtime_data.coordinator.async_refresh()
     await asyncio.sleep(0.5)
     assert not sim.is_running("gpu-node")
     assert len(returned) == 1
@@ -399,8 +399,8 @@ def _fail_once(
             ExceptionGroup("evictions", [ValueError("a"), KeyError("b")]),
         ),
         # The tower job's submission meets an error no step expects.
-        ("call", asyncssh.ProtocolError("a disconnect of a kind nobody listed")),
-        ("call", KeyError("job")),
+        ("request", asyncssh.ProtocolError("a disconnect of a kind nobody listed")),
+        ("request", KeyError("job")),
     ],
 )
 async def test_an_unexpected_error_ends_the_handoff_cleanly(
@@ -417,14 +417,14 @@ async def test_an_unexpected_error_ends_the_handoff_cleanly(
     cordon lifted; the next request works."""
     failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
     await setup_entry(hass, entry)
-    coordinator = entry.runtime_data
-    target = coordinator.tower if where == "call" else coordinator.cluster
-    hit = _fail_once(target, where, error, "handoff" if where == "call" else None)
+    coordinator = entry.runtime_data.coordinator
+    target = coordinator.tower if where == "request" else coordinator.cluster
+    hit = _fail_once(target, where, error, "handoff" if where == "request" else None)
     await switch(hass, "turn_on", SWITCH_1)
     await until(lambda: bool(failed))
     await until(lambda: idle(entry))
     assert hit
-    controller = coordinator.controller
+    controller = entry.runtime_data.controller
     assert controller.requests == {}
     assert controller.pending is None
     assert hass.states.get(SWITCH_1).state == "off"
@@ -452,7 +452,9 @@ async def test_an_unexpected_error_during_the_return_is_caught_by_the_net(
     failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
     await setup_entry(hass, entry)
     await play(hass, entry, sim, 1)
-    _fail_once(entry.runtime_data.cluster, "uncordon", _UnexpectedError("uncordon"))
+    _fail_once(
+        entry.runtime_data.coordinator.cluster, "uncordon", _UnexpectedError("uncordon")
+    )
     await switch(hass, "turn_off", SWITCH_1)
     await until(lambda: bool(failed))
     await until(lambda: sim.is_running("gpu-node"))
@@ -462,33 +464,33 @@ async def test_an_unexpected_error_during_the_return_is_caught_by_the_net(
     assert entry.runtime_data.controller.requests == {}
 
 
-async def test_the_event_stream_survives_an_unexpected_error(
+async def test_the_session_survives_an_unexpected_error(
     hass: HomeAssistant,
     entry: MockConfigEntry,
     sim: Tower,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Whatever ends the tower's event stream, it comes back (with backoff)
-    and diagnostics says whether it is connected."""
+    """Whatever ends the agent session, it comes back (with backoff) and
+    diagnostics says whether it is connected."""
     monkeypatch.setattr(
         "custom_components.gpu_handoff.coordinator.WATCH_BACKOFF_START", 0.05
     )
     await setup_entry(hass, entry)
-    coordinator = entry.runtime_data
-    await until(lambda: coordinator.watch_connected)
-    original = coordinator.tower.watch
+    coordinator = entry.runtime_data.coordinator
+    await until(lambda: coordinator.session_connected)
+    original = coordinator.tower.open_session
     calls: list[int] = []
 
-    def watch() -> Any:
+    async def open_session(on_push: Any) -> Any:
         calls.append(1)
         if len(calls) == 1:
-            raise _UnexpectedError("a bug in the stream")
-        return original()
+            raise _UnexpectedError("a bug in the session")
+        return await original(on_push)
 
-    coordinator.tower.watch = watch  # type: ignore[method-assign]
-    # End the running stream: the next one fails, the one after works.
+    coordinator.tower.open_session = open_session  # type: ignore[method-assign]
+    # End the running session: the next one fails, the one after works.
     await coordinator.tower.close()
-    await until(lambda: len(calls) >= 2 and coordinator.watch_connected)
+    await until(lambda: len(calls) >= 2 and coordinator.session_connected)
     sim.guest_shutdown("gpu-node")
     await until(lambda: hass.states.get(HANDOFF).state == "off")
 
@@ -676,7 +678,7 @@ async def test_the_lease_age_is_its_real_age(
             renewTime=renewed.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         ),
     )
-    await entry.runtime_data.async_refresh()
+    await entry.runtime_data.coordinator.async_refresh()
     await hass.async_block_till_done()
     age = hass.states.get(HANDOFF).attributes["lease_age"]
     assert 19.5 <= age <= 25
@@ -711,7 +713,7 @@ async def test_a_stop_started_on_the_tower_shows_stopping_and_stays(
     await setup_entry(hass, entry)
     seen, unsubscribe = _record_states(hass, HANDOFF)
     try:
-        await entry.runtime_data.tower.call("stop", "gpu-node")
+        await entry.runtime_data.coordinator.tower.call("stop", "gpu-node")
         await until(lambda: "off" in seen)
     finally:
         unsubscribe()

@@ -36,6 +36,7 @@ from custom_components.gpu_handoff.const import (
     DOMAIN,
     SUBENTRY_GAMING_VM,
 )
+from custom_components.gpu_handoff.protocol import PROTOCOL
 from custom_components.gpu_handoff.tower_client import generate_key_pair
 from tests.conftest import gaming_subentries, kubeconfig_text, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
@@ -262,9 +263,27 @@ def _fake_agent(tower: Sshd, script: str) -> None:
     [
         ("exit 127", "agent_missing"),
         ('echo \'{"protocol": 0, "ok": true}\'', "agent_version"),
+        # An agent of the first protocol: told to update, not an obscure error.
         (
-            'echo \'{"protocol": 1, "ok": false, "error": {"code": "virsh_missing", "message": "x"}}\'',
+            'echo \'{"protocol": 1, "ok": true, "version": "0.1.0", "verbs": []}\'',
+            "agent_version",
+        ),
+        (
+            "echo '"
+            + json.dumps(
+                {
+                    "protocol": PROTOCOL,
+                    "ok": False,
+                    "error": {"code": "virsh_missing", "message": "x"},
+                }
+            )
+            + "'",
             "agent_error",
+        ),
+        # The right protocol number, but a shape this side cannot read.
+        (
+            "echo '" + json.dumps({"protocol": PROTOCOL, "ok": True}) + "'",
+            "agent_version",
         ),
     ],
 )

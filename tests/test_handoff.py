@@ -101,7 +101,7 @@ async def test_full_handoff_and_return(
     assert sim.is_running("gpu-node")
     assert not sim.is_running("gaming-1")
     assert not cordoned(cluster)
-    await entry.runtime_data.async_refresh()
+    await entry.runtime_data.coordinator.async_refresh()
     assert hass.states.get(SWITCH_1).state == "off"
     assert hass.states.get(HANDOFF).state == "serving"
 
@@ -215,34 +215,6 @@ def _reboot_without_agent(sim: Tower) -> None:
     )
 
 
-async def test_restart_in_the_middle_of_a_handoff(
-    hass: HomeAssistant,
-    entry: MockConfigEntry,
-    sim: Tower,
-    cluster: K8sEmulator,
-    no_pdb: None,
-) -> None:
-    """Home Assistant stops while the tower job runs; after the restart the
-    controller follows the same job to the end instead of starting over."""
-    sim.set_shutdown_duration("gpu-node", 2.0)
-    await setup_entry(hass, entry)
-    await switch(hass, "turn_on", SWITCH_1)
-    controller = entry.runtime_data.controller
-    await until(lambda: controller.pending is not None and controller.pending["job"])
-    job = controller.pending["job"]
-    assert await hass.config_entries.async_unload(entry.entry_id)
-    await hass.async_block_till_done()
-
-    assert await hass.config_entries.async_setup(entry.entry_id)
-    await hass.async_block_till_done()
-    await until(lambda: idle(entry))
-    assert sim.is_running("gaming-1")
-    assert len(sim.calls("shutdown", "gpu-node")) == 1
-    # One tower job, submitted before the restart and followed after it.
-    runs = [unit for unit in sim.unit_runs() if "run-job" in unit.argv]
-    assert [job in unit.name for unit in runs] == [True]
-
-
 async def test_started_by_hand_on_the_tower(
     hass: HomeAssistant,
     entry: MockConfigEntry,
@@ -254,7 +226,7 @@ async def test_started_by_hand_on_the_tower(
     notices and performs the handoff, so the player's retry finds it running."""
     await setup_entry(hass, entry)
     _libvirt_hook(sim, agent_config, "gaming-2")
-    await entry.runtime_data.async_refresh()
+    await entry.runtime_data.coordinator.async_refresh()
     await until(lambda: sim.is_running("gaming-2"))
     await until(lambda: idle(entry))
     assert not sim.is_running("gpu-node")
@@ -307,7 +279,7 @@ async def test_requests_while_the_tower_is_away(
     and changes nothing (the switch is unavailable, so it is not offered)."""
     await setup_entry(hass, entry)
     sim_sshd.stop()
-    await entry.runtime_data.async_refresh()
+    await entry.runtime_data.coordinator.async_refresh()
     assert hass.states.get(SWITCH_1).state == "unavailable"
     with pytest.raises(HomeAssistantError) as err:
         await hass.services.async_call(
@@ -358,7 +330,7 @@ async def test_a_leftover_cordon_of_ours_is_lifted(
             .update({CORDON_ANNOTATION: "handoff to gaming-1"}),
         ),
     )
-    await entry.runtime_data.async_refresh()
+    await entry.runtime_data.coordinator.async_refresh()
     await until(lambda: not cordoned(cluster))
     await until(lambda: idle(entry))
     assert len(returned) == 1

@@ -7,6 +7,7 @@ over HTTPS.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ async def _setup(hass: HomeAssistant, entry: MockConfigEntry) -> None:
 
 
 async def _refresh(hass: HomeAssistant, entry: MockConfigEntry) -> None:
-    await entry.runtime_data.async_refresh()
+    await entry.runtime_data.coordinator.async_refresh()
     await hass.async_block_till_done()
 
 
@@ -368,7 +369,7 @@ async def test_diagnostics_are_redacted(
 async def test_unload(hass: HomeAssistant, entry: MockConfigEntry) -> None:
     """Unloading closes the SSH connection and the cluster session."""
     await _setup(hass, entry)
-    coordinator = entry.runtime_data
+    coordinator = entry.runtime_data.coordinator
     assert coordinator.tower.connected
     assert await hass.config_entries.async_unload(entry.entry_id)
     await hass.async_block_till_done()
@@ -407,12 +408,24 @@ async def test_diagnostics_snapshot(
     hass_client: ClientSessionGenerator,
     snapshot: SnapshotAssertion,
 ) -> None:
-    """The diagnostics' shape, pinned (volatile values left out)."""
+    """The diagnostics' shape, pinned (volatile values left out), with the
+    agent session open."""
     await _setup(hass, entry)
+    coordinator = entry.runtime_data.coordinator
+    async with asyncio.timeout(10):
+        while not (  # noqa: ASYNC110 - the session opens in the background
+            coordinator.session_connected
+            and coordinator.tower.session is not None
+            and coordinator.tower.session.status is not None
+        ):
+            await asyncio.sleep(0.02)
     diagnostics = await get_diagnostics_for_config_entry(hass, hass_client, entry)
+    assert diagnostics["session_connected"] is True
     assert diagnostics == snapshot(
         exclude=props(
             "lease_age",
+            "age",
+            "virsh_calls",
             "entry_id",
             "subentry_id",
             "created_at",

@@ -6,13 +6,17 @@ line, the agent program, and virsh with libvirt's test driver. Nothing mocked.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
+import json
 import os
 from pathlib import Path
 import shutil
+from typing import Any
 
 import pytest
 
+from custom_components.gpu_handoff.protocol import PROTOCOL, Push, StatusPush
 from custom_components.gpu_handoff.tower_client import (
     AgentCommandError,
     AgentMissingError,
@@ -70,14 +74,14 @@ async def client(sshd: Sshd) -> AsyncIterator[TowerClient]:
 async def test_version_and_status_over_forced_command(client: TowerClient) -> None:
     """The forced agent answers version and status over one reused connection."""
     version = await client.version()
-    assert version["ok"] is True
-    assert "status" in version["verbs"]
+    assert version.protocol == PROTOCOL
+    assert "status" in version.verbs
+    assert "session" in version.verbs or "request" in version.verbs
     status = await client.status()
     assert client.connected
-    domains = {domain["name"]: domain for domain in status["domains"]}
-    assert domains["gpu-node"]["state"] == "running"
-    assert domains["gaming-1"]["state"] == "shut_off"
-    holders = {card["address"]: card["held_by"] for card in status["cards"]}
+    assert status.domains["gpu-node"].state == "running"
+    assert status.domains["gaming-1"].state == "shut_off"
+    holders = {card.address: card.held_by for card in status.cards}
     assert holders["0000:02:00.0"] == "gpu-node"
 
 
@@ -158,8 +162,13 @@ async def test_reconnects_after_the_tower_restarts(sshd: Sshd) -> None:
     await tower.version()
     sshd.stop()
     sshd.start_again()
-    assert (await tower.version())["ok"] is True
+    assert (await tower.version()).protocol == PROTOCOL
     await tower.close()
+
+
+def _echo(message: dict[str, Any]) -> str:
+    """A shell line printing ``message`` as one JSON line."""
+    return f"echo '{json.dumps(message)}'"
 
 
 def _forcing(tmp_path: Path, script: str, *extra_config: str) -> Sshd:
@@ -222,14 +231,34 @@ def test_key_pair_helpers() -> None:
     )
 
 
-async def test_watch_streams_until_closed(client: TowerClient) -> None:
-    """watch starts with a 'watching' message and ends cleanly when we stop."""
-    stream = client.watch()
-    first = await anext(stream)
-    assert first["type"] == "watching"
-    assert set(first["domains"]) == {"gpu-node", "gaming-1", "gaming-2"}
-    await stream.aclose()
-    assert (await client.version())["ok"] is True
+async def test_a_session_says_hello_pushes_and_answers(client: TowerClient) -> None:
+    """One long-lived session: hello, the tower's state pushed at once,
+    requests answered by id, and closing ends it cleanly."""
+    pushes: list[Push] = []
+    session = await client.open_session(pushes.append)
+    assert session.hello.protocol == PROTOCOL
+    assert await client.open_session(pushes.append) is session
+    async with asyncio.timeout(10):
+        while session.status is None:  # noqa: ASYNC110 - pushed by the tower
+            await asyncio.sleep(0.02)
+    assert any(isinstance(push, StatusPush) for push in pushes)
+    assert (await client.status()).domains["gpu-node"].state == "running"
+    reply = await session.request("version")
+    assert reply["type"] == "reply"
+    replies = await asyncio.gather(
+        *(session.request("status") for _ in range(5)), session.request("jobs")
+    )
+    assert [reply["id"] for reply in replies] == sorted(
+        reply["id"] for reply in replies
+    )
+    with pytest.raises(AgentCommandError) as err:
+        await session.request("stop", "not-a-vm", request_id="ha-0123456789ab")
+    assert err.value.code == "unknown_domain"
+    await session.close()
+    assert session.closed
+    with pytest.raises(TowerConnectionError):
+        await session.request("status")
+    assert (await client.version()).protocol == PROTOCOL
 
 
 async def test_tower_going_away_under_a_connection(sshd: Sshd) -> None:
@@ -244,15 +273,15 @@ async def test_tower_going_away_under_a_connection(sshd: Sshd) -> None:
 
 
 async def test_sessions_refused(tmp_path: Path, socket_enabled: None) -> None:
-    """A tower that accepts the login but no session is a connection error,
-    for requests and for the watch stream, after one reconnect."""
+    """A tower that accepts the login but no channel is a connection error,
+    for requests and for the agent session, after one reconnect."""
     server = _forcing(tmp_path, "exit 0", "MaxSessions 0")
     tower = TowerClient(credentials(server))
     try:
         with pytest.raises(TowerConnectionError):
             await tower.version()
         with pytest.raises(TowerConnectionError):
-            await anext(tower.watch())
+            await tower.open_session(lambda push: None)
     finally:
         await tower.close()
         server.stop()
@@ -274,18 +303,30 @@ async def test_request_timeout(tmp_path: Path, socket_enabled: None) -> None:
     ("script", "error"),
     [
         ("echo; echo 'not json'", AgentMissingError),
-        ('echo \'{"protocol": 99, "type": "watching"}\'', AgentVersionError),
-        ("echo '[]'", AgentVersionError),
+        ("exit 0", AgentMissingError),
+        ('echo \'{"protocol": 99, "type": "hello"}\'', AgentVersionError),
+        ("echo '[]'", AgentMissingError),
         (
-            'echo \'{"protocol": 1, "type": "error", "error": {"code": "libvirt_unreachable", "message": "down"}}\'',
+            _echo(
+                {
+                    "protocol": PROTOCOL,
+                    "ok": False,
+                    "type": "error",
+                    "error": {"code": "libvirt_unreachable", "message": "down"},
+                }
+            ),
             AgentCommandError,
+        ),
+        (
+            _echo({"protocol": PROTOCOL, "type": "status", "status": {}}),
+            AgentVersionError,
         ),
     ],
 )
-async def test_watch_reports_a_broken_stream(
+async def test_a_session_that_is_not_the_agents(
     tmp_path: Path, socket_enabled: None, script: str, error: type[Exception]
 ) -> None:
-    """A watch stream that is not the agent's, or that reports an error, raises.
+    """A session whose first line is not this protocol's hello is refused.
 
     The forced command is a shell script standing in for a broken agent.
     """
@@ -293,7 +334,33 @@ async def test_watch_reports_a_broken_stream(
     tower = TowerClient(credentials(server))
     try:
         with pytest.raises(error):
-            await anext(tower.watch())
+            await tower.open_session(lambda push: None)
+        assert tower.session is None
+    finally:
+        await tower.close()
+        server.stop()
+
+
+async def test_a_reply_that_never_comes(tmp_path: Path, socket_enabled: None) -> None:
+    """A session that says hello and then nothing: a request times out as a
+    connection error (it may or may not have been carried out), and a session
+    that ends fails what waits on it."""
+    hello = _echo(
+        {"protocol": PROTOCOL, "type": "hello", "ok": True, "version": "x", "verbs": []}
+    )
+    server = _forcing(tmp_path, f"{hello}; exec sleep 30")
+    tower = TowerClient(credentials(server))
+    try:
+        session = await tower.open_session(lambda push: None)
+        with pytest.raises(TowerConnectionError, match="no reply"):
+            await session.request("status", timeout=0.5)
+        waiting = asyncio.ensure_future(session.request("status", timeout=10))
+        await asyncio.sleep(0.1)
+        await tower.close()
+        with pytest.raises(TowerConnectionError):
+            await waiting
+        await session.wait_closed()
+        assert session.close_reason
     finally:
         await tower.close()
         server.stop()

@@ -12,12 +12,11 @@ from homeassistant.helpers.typing import ConfigType
 
 from .cluster_client import ClusterClient, ClusterError
 from .const import CONF_K8S_NODE, CONF_KUBECONFIG, DOMAIN
-from .controller import HandoffController, handoff_store, lift_own_cordon_if_serving
-from .coordinator import (
-    GpuHandoffConfigEntry,
-    GpuHandoffCoordinator,
-    tower_credentials,
-)
+from .controller import HandoffController, handoff_store
+from .coordinator import GpuHandoffCoordinator, tower_credentials
+from .data import GpuHandoffConfigEntry, GpuHandoffData, signature_of
+from .models import tower_identifier
+from .runner import lift_own_cordon_if_serving
 from .services import async_setup_services
 from .tower_client import TowerClient, TowerError
 
@@ -38,25 +37,28 @@ async def async_setup_entry(hass: HomeAssistant, entry: GpuHandoffConfigEntry) -
     coordinator = await GpuHandoffCoordinator.create(hass, entry)
     entry.async_on_unload(coordinator.async_shutdown)
     await coordinator.async_config_entry_first_refresh()
-    entry.runtime_data = coordinator
-    coordinator.tower_device_id = (
-        dr.async_get(hass)
-        .async_get_or_create(
-            config_entry_id=entry.entry_id,
-            identifiers={(DOMAIN, entry.entry_id)},
-            name=entry.title,
-            manufacturer="GPU Handoff",
-            model="libvirt tower",
-        )
-        .id
+    tower_device = dr.async_get(hass).async_get_or_create(
+        config_entry_id=entry.entry_id,
+        identifiers={tower_identifier(entry.entry_id)},
+        name=entry.title,
+        manufacturer="GPU Handoff",
+        model="libvirt tower",
+    )
+    controller = HandoffController(hass, entry, coordinator)
+    coordinator.job_listener = controller.job_pushed
+    coordinator.session_listener = controller.runner.wake
+    entry.runtime_data = GpuHandoffData(
+        coordinator=coordinator,
+        controller=controller,
+        tower_device_id=tower_device.id,
+        setup_signature=signature_of(entry),
     )
     entry.async_create_background_task(
-        hass, coordinator.async_watch(), f"{entry.title} tower events"
+        hass, coordinator.async_run_session(), f"{entry.title} agent session"
     )
     entry.async_on_unload(entry.add_update_listener(_async_reload_if_changed))
-    coordinator.controller = HandoffController(hass, coordinator)
     await hass.config_entries.async_forward_entry_setups(entry, PLATFORMS)
-    await coordinator.controller.async_start()
+    await controller.async_start()
     return True
 
 
@@ -89,5 +91,5 @@ async def _async_reload_if_changed(
     hass: HomeAssistant, entry: GpuHandoffConfigEntry
 ) -> None:
     """Reload when options changed or a gaming VM was added or removed."""
-    if entry.runtime_data.setup_signature != entry.runtime_data.signature_of(entry):
+    if entry.runtime_data.setup_signature != signature_of(entry):
         hass.config_entries.async_schedule_reload(entry.entry_id)

@@ -16,7 +16,7 @@ from homeassistant.core import HomeAssistant
 from homeassistant.helpers.entity_platform import AddConfigEntryEntitiesCallback
 
 from .const import CONF_GPU_NODE
-from .coordinator import GpuHandoffConfigEntry
+from .data import GpuHandoffConfigEntry
 from .entity import ClusterBacked, GpuHandoffEntity, gaming_vms
 from .models import Snapshot
 
@@ -71,17 +71,17 @@ async def async_setup_entry(
     async_add_entities: AddConfigEntryEntitiesCallback,
 ) -> None:
     """Guest agents of every VM; readiness and cordon of the GPU node's node."""
-    coordinator = entry.runtime_data
+    data = entry.runtime_data
     gpu_node = entry.data[CONF_GPU_NODE]
     async_add_entities(
         [
-            GpuHandoffBinarySensor(coordinator, GUEST_AGENT, gpu_node),
-            *(GpuHandoffBinarySensor(coordinator, d, gpu_node) for d in NODE_SENSORS),
+            GpuHandoffBinarySensor(data, GUEST_AGENT, gpu_node),
+            *(GpuHandoffBinarySensor(data, d, gpu_node) for d in NODE_SENSORS),
         ]
     )
     for subentry_id, domain in gaming_vms(entry):
         async_add_entities(
-            [GpuHandoffBinarySensor(coordinator, GUEST_AGENT, domain)],
+            [GpuHandoffBinarySensor(data, GUEST_AGENT, domain)],
             config_subentry_id=subentry_id,
         )
 

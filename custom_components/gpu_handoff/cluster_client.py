@@ -71,6 +71,10 @@ SKIP_WAIT_FOR_DELETE: Final = 60.0
 RETRY_START: Final = 0.5
 RETRY_MAX: Final = 5.0
 CORDON_RETRY_WINDOW: Final = 30.0
+# Waiting for a node to turn Ready: one watch lasts at most this long, and
+# when watching fails the node is read this often.
+NODE_WATCH_CHUNK: Final = 60.0
+NODE_POLL_FALLBACK: Final = 1.0
 
 
 class ClusterError(Exception):
@@ -598,6 +602,64 @@ class ClusterClient:
 
     async def node_view(self, name: str) -> NodeView:
         """The node's readiness, cordon, lease, GPUs and pods."""
+        return (await self._node_view(name))[0]
+
+    async def wait_ready(self, name: str, timeout: float) -> NodeView:
+        """Until the node is Ready; TimeoutError after ``timeout`` seconds.
+
+        Event-driven: between reads it watches the node, so a return is not
+        held up by a poll interval; when a watch fails it polls every second.
+        A watch is bounded by its own timeoutSeconds and a local timeout (a
+        watch can hang silently).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                view, version = await self._node_view(name)
+            except ClusterError:
+                view, version = None, None
+            if view is not None and view.ready:
+                return view
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"{name} did not become Ready in {timeout:.0f} s")
+            chunk = min(remaining, NODE_WATCH_CHUNK)
+            try:
+                if version is None:
+                    raise ClusterConnectionError("no resourceVersion to watch from")
+                await self._next_node_event(name, version, chunk)
+            except ClusterError, aiohttp.ClientError, OSError, ValueError:
+                await asyncio.sleep(min(NODE_POLL_FALLBACK, remaining))
+            except TimeoutError:
+                pass  # nothing happened in this chunk: read again
+
+    async def _next_node_event(self, name: str, version: str, seconds: float) -> None:
+        """Until the node changes after ``version`` (a watch event arrives)."""
+        async with asyncio.timeout(seconds + 5):
+            response = await self._call(
+                self._core.list_node,
+                field_selector=f"metadata.name={name}",
+                watch=True,
+                resource_version=version,
+                timeout_seconds=max(1, int(seconds)),
+                _preload_content=False,
+                timeout=seconds + 5,
+            )
+            try:
+                async for line in response.content:
+                    if line.strip():
+                        event = json.loads(line)
+                        if event.get("type") == "ERROR":
+                            raise ClusterConnectionError(
+                                "the watch ended with an error"
+                            )
+                        return
+                raise TimeoutError  # the watch ended with nothing to say
+            finally:
+                response.release()
+
+    async def _node_view(self, name: str) -> tuple[NodeView, str | None]:
         node = await self._call(self._core.read_node, name)
         pods = await self._call(
             self._core.list_pod_for_all_namespaces,
@@ -619,7 +681,7 @@ class ClusterClient:
                 ready = condition.status == "True"
         status = node.status
         running = [pod for pod in pods.items if not _finished(pod)]
-        return NodeView(
+        view = NodeView(
             name=name,
             ready=ready,
             unschedulable=bool(node.spec.unschedulable) if node.spec else False,
@@ -635,6 +697,7 @@ class ClusterClient:
             pods=len(running),
             evictable_pods=sum(1 for pod in running if is_evictable(pod)),
         )
+        return view, node.metadata.resource_version
 
     async def cordon(self, name: str, mark: str) -> str:
         """Cordon the node unless it already is; return whose cordon it carries.

@@ -52,6 +52,7 @@ from .const import (
     SUBENTRY_GAMING_VM,
 )
 from .errors import cluster_error_key, tower_error_key
+from .protocol import DomainState, TowerStatus
 from .tower_client import (
     TowerAuthError,
     TowerClient,
@@ -103,33 +104,33 @@ def _clean_tower_input(
     }, {}
 
 
-def _domain_label(domain: dict[str, Any]) -> str:
+def _domain_label(domain: DomainState) -> str:
     """``Gaming station 1 (gaming-1): 0000:02:00.0, 0000:02:00.1``."""
-    name = str(domain["name"])
-    title = domain.get("title")
+    name = domain.name
+    title = domain.title
     label = f"{title} ({name})" if title and title != name else name
-    cards = ", ".join(str(dev["address"]) for dev in domain.get("hostdevs", []))
+    cards = ", ".join(domain.cards)
     return f"{label}: {cards}" if cards else label
 
 
-def _gaming_domains(status: dict[str, Any]) -> list[dict[str, Any]]:
-    gaming = set(status.get("gaming", []))
-    return [domain for domain in status.get("domains", []) if domain["name"] in gaming]
+def _gaming_domains(status: TowerStatus) -> list[DomainState]:
+    return [
+        domain for domain in status.domains.values() if domain.name in status.gaming
+    ]
 
 
-def _vm_subentry(domain: dict[str, Any]) -> ConfigSubentryData:
-    name = str(domain["name"])
+def _vm_subentry(domain: DomainState) -> ConfigSubentryData:
     return ConfigSubentryData(
-        data={CONF_DOMAIN_NAME: name},
+        data={CONF_DOMAIN_NAME: domain.name},
         subentry_type=SUBENTRY_GAMING_VM,
-        title=str(domain.get("title") or name),
-        unique_id=name,
+        title=domain.title or domain.name,
+        unique_id=domain.name,
     )
 
 
 async def _check_tower(
     data: dict[str, Any],
-) -> tuple[dict[str, Any] | None, str | None]:
+) -> tuple[TowerStatus | None, str | None]:
     """(the agent's status, None) or (None, error key): a real round trip."""
     client = TowerClient(
         TowerCredentials(
@@ -172,10 +173,17 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
     def __init__(self) -> None:
         """Start with nothing known."""
         self._data: dict[str, Any] = {}
-        self._status: dict[str, Any] = {}
+        self._status: TowerStatus | None = None
         self._generated: tuple[str, str] | None = None
         self._nodes: list[str] = []
         self._vms: list[str] = []
+
+    @property
+    def _known_status(self) -> TowerStatus:
+        """The tower's status as read with the key (the steps run in order)."""
+        if self._status is None:  # pragma: no cover - a step out of order
+            raise RuntimeError("the tower has not been asked yet")
+        return self._status
 
     @staticmethod
     @callback
@@ -316,39 +324,33 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
                     CONF_PASSPHRASE: self._data[CONF_PASSPHRASE],
                 },
             )
-        self._data[CONF_GPU_NODE] = self._status["gpu_node"]
+        self._data[CONF_GPU_NODE] = self._known_status.gpu_node
         return await self.async_step_gaming_vms()
 
     async def async_step_gaming_vms(
         self, user_input: dict[str, Any] | None = None
     ) -> ConfigFlowResult:
         """Pick the gaming VMs that get a switch."""
-        domains = _gaming_domains(self._status)
+        status = self._known_status
+        domains = _gaming_domains(status)
         errors: dict[str, str] = {}
         if user_input is not None:
             self._vms = list(user_input[CONF_GAMING_VMS])
             if self._vms:
                 return await self.async_step_cluster()
             errors[CONF_GAMING_VMS] = "no_gaming_vm"
-        gpu_node = next(
-            (
-                d
-                for d in self._status["domains"]
-                if d["name"] == self._status["gpu_node"]
-            ),
-            {"name": self._status["gpu_node"], "hostdevs": []},
-        )
+        gpu_node = status.domains.get(status.gpu_node)
         return self.async_show_form(
             step_id="gaming_vms",
             data_schema=probatio.Schema(
                 {
                     probatio.Required(
-                        CONF_GAMING_VMS, default=[d["name"] for d in domains]
+                        CONF_GAMING_VMS, default=[d.name for d in domains]
                     ): selector.SelectSelector(
                         selector.SelectSelectorConfig(
                             options=[
                                 selector.SelectOptionDict(
-                                    value=d["name"], label=_domain_label(d)
+                                    value=d.name, label=_domain_label(d)
                                 )
                                 for d in domains
                             ],
@@ -358,7 +360,11 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
                     )
                 }
             ),
-            description_placeholders={"gpu_node": _domain_label(gpu_node)},
+            description_placeholders={
+                "gpu_node": _domain_label(gpu_node)
+                if gpu_node is not None
+                else status.gpu_node
+            },
             errors=errors,
         )
 
@@ -390,7 +396,7 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         """Pick the GPU node VM's Kubernetes node."""
         if user_input is not None:
             self._data[CONF_K8S_NODE] = user_input[CONF_K8S_NODE]
-            domains = {d["name"]: d for d in _gaming_domains(self._status)}
+            domains = self._known_status.domains
             return self.async_create_entry(
                 title=self._data[CONF_HOST],
                 data=self._data,
@@ -501,7 +507,7 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         status, error = await _check_tower(self._data)
         if status is None:
             return self.async_abort(reason=error or "cannot_connect")
-        if status["gpu_node"] != entry.data[CONF_GPU_NODE]:
+        if status.gpu_node != entry.data[CONF_GPU_NODE]:
             return self.async_abort(reason="different_tower")
         unique_id = f"{self._data[CONF_HOST]}:{self._data[CONF_PORT]}"
         if unique_id != entry.unique_id:
@@ -572,9 +578,7 @@ class GamingVmSubentryFlow(ConfigSubentryFlow):
         if status is None:
             return self.async_abort(reason=error or "cannot_connect")
         taken = {sub.unique_id for sub in entry.subentries.values()}
-        domains = {
-            d["name"]: d for d in _gaming_domains(status) if d["name"] not in taken
-        }
+        domains = {d.name: d for d in _gaming_domains(status) if d.name not in taken}
         if not domains:
             return self.async_abort(reason="no_more_gaming_vms")
         if user_input is not None and user_input[CONF_DOMAIN_NAME] in domains:

@@ -1,11 +1,12 @@
-"""The handoff controller: gives a gaming VM its cards, and the cluster its cards back.
+"""The handoff controller: Home Assistant's bookkeeping around operations.
 
-Desired state (which gaming VMs should play, and the operation in flight with
-its tower job) is stored, so an operation interrupted by a Home Assistant
-restart or a dropped SSH connection is resumed: every step is idempotent, and a
-tower job that already runs is followed rather than submitted again. One
-operation runs per tower at a time. Nothing here can destroy a VM: the tower
-agent offers no such verb.
+It keeps the desired state (which gaming VMs should play) and the operation in
+flight with its tower job in storage, so an operation interrupted by a Home
+Assistant restart or a dropped SSH connection is resumed; it fires events,
+raises and clears repair issues, and reconciles what it wants with what the
+tower and cluster report. The work itself (drain, tower job, node back) is the
+runner's. One operation runs per tower at a time. Nothing here can destroy a
+VM: the tower agent offers no such verb.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 import logging
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
+from homeassistant.config_entries import ConfigEntry
 from homeassistant.core import HomeAssistant, callback
 from homeassistant.exceptions import HomeAssistantError, ServiceValidationError
 from homeassistant.helpers import device_registry as dr, issue_registry as ir
@@ -22,10 +24,8 @@ from homeassistant.helpers.storage import Store
 from homeassistant.util import dt as dt_util
 
 from .cluster_client import (
-    CORDON_OWNER_OTHER,
     CORDON_OWNER_US,
     SKIP_WAIT_FOR_DELETE,
-    ClusterClient,
     ClusterError,
     DrainError,
     DrainProgress,
@@ -37,6 +37,7 @@ from .const import (
     CONF_DOMAIN_NAME,
     CONF_DRAIN_TIMEOUT,
     CONF_EVICT_UNMANAGED,
+    CONF_GPU_NODE,
     CONF_HANDOFF_WHEN_CORDONED,
     DEFAULT_AUTO_RETURN,
     DEFAULT_DRAIN_TIMEOUT,
@@ -48,25 +49,24 @@ from .const import (
     EVENT_HANDOFF_STARTED,
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
-    PHASE_DRAINING,
-    PHASE_RETURNING,
-    PHASE_STOPPING,
 )
-from .entity import domain_identifier
-from .models import RUNNING, SHUT_OFF, TowerStatus
-from .tower_client import TowerClient, TowerConnectionError, TowerError
-
-if TYPE_CHECKING:
-    from .coordinator import GpuHandoffCoordinator
+from .coordinator import GpuHandoffCoordinator
+from .models import domain_identifier
+from .protocol import RUNNING, SHUT_OFF, JobRecord
+from .runner import (
+    JobFailedError,
+    OperationRunner,
+    PendingJob,
+    RunnerError,
+    Settings,
+    check_operator_cordon,
+    node_holds_cards_of,
+)
+from .tower_client import TowerError
 
 _LOGGER = logging.getLogger(__name__)
 
 STORAGE_VERSION: Final = 1
-JOB_POLL: Final = 0.5
-# How long a job may be followed through tower outages before giving up.
-JOB_WAIT_MAX: Final = 1800.0
-NODE_READY_TIMEOUT: Final = 900.0
-NODE_POLL: Final = 2.0
 ISSUE_HANDOFF_FAILED: Final = "handoff_failed"
 ISSUE_UNMANAGED_PODS: Final = "unmanaged_pods"
 # How long a pod may sit terminating past its deletion time before the drain
@@ -74,40 +74,10 @@ ISSUE_UNMANAGED_PODS: Final = "unmanaged_pods"
 # --skip-wait-for-delete-timeout.
 SKIP_WAIT: float = SKIP_WAIT_FOR_DELETE
 
-# The agent's job steps, as the steps a user sees.
-AGENT_STEPS: Final = {
-    "wait_agent": "waiting_for_guest_agent",
-    "shutdown": "stopping",
-    "wait_shut_off": "stopping",
-    "wait_devices_free": "waiting_for_cards",
-    "start": "starting",
-}
-
-
-async def lift_own_cordon_if_serving(
-    tower: TowerClient, cluster: ClusterClient, k8s_node: str
-) -> bool:
-    """Lift GPU Handoff's own cordon if the GPU node runs and no tower job may
-    still stop it; an operator's cordon is never touched. True if lifted."""
-    status = TowerStatus.from_reply(await tower.status())
-    gpu = status.domains.get(status.gpu_node)
-    if gpu is None or gpu.state != RUNNING or status.job_for(status.gpu_node):
-        return False
-    return await cluster.uncordon(k8s_node)
-
 
 def handoff_store(hass: HomeAssistant, entry_id: str) -> Store[dict[str, Any]]:
     """Where a tower's desired state and operation in flight are kept."""
     return Store(hass, STORAGE_VERSION, f"{DOMAIN}.{entry_id}")
-
-
-class JobFailedError(HomeAssistantError):
-    """A tower job ended in failure."""
-
-    def __init__(self, job: dict[str, Any]) -> None:
-        error = job.get("error") or {}
-        super().__init__(str(error.get("message", "the tower job failed")))
-        self.code = str(error.get("code", "job_failed"))
 
 
 @dataclass
@@ -124,14 +94,25 @@ class Operation:
 class HandoffController:
     """Drives handoffs and returns for one tower."""
 
-    def __init__(self, hass: HomeAssistant, coordinator: GpuHandoffCoordinator) -> None:
+    def __init__(
+        self,
+        hass: HomeAssistant,
+        entry: ConfigEntry,
+        coordinator: GpuHandoffCoordinator,
+    ) -> None:
         """Nothing runs until ``async_start``."""
         self.hass = hass
         self.coordinator = coordinator
-        entry = coordinator.config_entry
         self._entry = entry
         self._store = handoff_store(hass, entry.entry_id)
         self._lock = asyncio.Lock()
+        self.runner = OperationRunner(
+            coordinator.tower,
+            coordinator.cluster,
+            gpu_node=entry.data[CONF_GPU_NODE],
+            k8s_node=coordinator.k8s_node,
+            host=self,
+        )
         self.desired: set[str] = set()
         self.pending: dict[str, Any] | None = None
         self.operation: Operation | None = None
@@ -151,7 +132,7 @@ class HandoffController:
         self.desired = set(stored.get("desired", []))
         self.pending = stored.get("pending")
         status = self.coordinator.data.tower
-        self._seen_hook_requests = {_request_key(r) for r in status.hook_requests}
+        self._seen_hook_requests = {request.key for request in status.hook_requests}
         self._forget_unknown_vms()
         if self.pending is not None:
             vm, kind = self.pending["vm"], self.pending["kind"]
@@ -161,7 +142,9 @@ class HandoffController:
             else:
                 # Its gaming VM was removed meanwhile: end it at a safe point.
                 self._spawn(self._abandon())
-        self.coordinator.async_add_listener(self._reconcile)
+        self._entry.async_on_unload(
+            self.coordinator.async_add_listener(self._reconcile)
+        )
 
     @property
     def configured_vms(self) -> set[str]:
@@ -222,24 +205,39 @@ class HandoffController:
                 translation_placeholders={"vm": vm},
             )
 
-    def _check_operator_cordon(self, owner: str | None) -> None:
-        """Refuse to hand off on top of someone else's cordon unless the user
-        chose to (an administrator's drain, an upgrade controller's cordon)."""
-        if owner == CORDON_OWNER_OTHER and not self._entry.options.get(
-            CONF_HANDOFF_WHEN_CORDONED, DEFAULT_HANDOFF_WHEN_CORDONED
-        ):
-            raise HomeAssistantError(
-                translation_domain=DOMAIN,
-                translation_key="cordoned_by_operator",
-                translation_placeholders={"node": self.coordinator.k8s_node},
-            )
+    @property
+    def settings(self) -> Settings:
+        """What the options say an operation follows."""
+        options = self._entry.options
+        return Settings(
+            drain_timeout=float(options.get(CONF_DRAIN_TIMEOUT, DEFAULT_DRAIN_TIMEOUT)),
+            evict_unmanaged=bool(
+                options.get(CONF_EVICT_UNMANAGED, DEFAULT_EVICT_UNMANAGED)
+            ),
+            handoff_when_cordoned=bool(
+                options.get(CONF_HANDOFF_WHEN_CORDONED, DEFAULT_HANDOFF_WHEN_CORDONED)
+            ),
+            auto_return=bool(options.get(CONF_AUTO_RETURN, DEFAULT_AUTO_RETURN)),
+            skip_wait=SKIP_WAIT,
+        )
 
     async def async_turn_on(self, vm: str) -> asyncio.Task[bool]:
         """Accept a handoff to ``vm``; it runs in the background."""
         self._validate(vm)
         node = self.coordinator.data.node
-        if self._node_holds_cards_of(self.coordinator.data.tower, vm):
-            self._check_operator_cordon(node.cordon_owner if node else None)
+        if node_holds_cards_of(self.coordinator.data.tower, vm):
+            try:
+                check_operator_cordon(
+                    node.cordon_owner if node else None,
+                    self.settings,
+                    self.coordinator.k8s_node,
+                )
+            except RunnerError as err:
+                raise HomeAssistantError(
+                    translation_domain=DOMAIN,
+                    translation_key=err.key,
+                    translation_placeholders=err.placeholders,
+                ) from err
         return await self._accept(vm, "handoff")
 
     async def async_turn_off(self, vm: str) -> asyncio.Task[bool]:
@@ -294,11 +292,10 @@ class HandoffController:
         data = self.coordinator.data
         status = data.tower
         for request in status.hook_requests:
-            key = _request_key(request)
-            if key in self._seen_hook_requests:
+            if request.key in self._seen_hook_requests:
                 continue
-            self._seen_hook_requests.add(key)
-            vm = str(request.get("domain"))
+            self._seen_hook_requests.add(request.key)
+            vm = request.domain
             if vm in status.gaming and vm in self.configured_vms:
                 if vm in self.desired:
                     continue
@@ -378,12 +375,17 @@ class HandoffController:
             self.coordinator.async_update_listeners()
             returned = False
             try:
+                settings = self.settings
                 if kind == "handoff":
-                    await self._handoff(vm)
+                    try:
+                        await self.runner.handoff(vm, settings)
+                    except Exception:
+                        self.desired.discard(vm)
+                        raise
                 elif kind == "stop":
-                    returned = await self._stop(vm)
+                    returned = await self.runner.stop(vm, settings)
                 else:
-                    await self._return()
+                    await self.runner.return_cards()
                     returned = True
             except asyncio.CancelledError:
                 # Home Assistant stops or the entry unloads: keep ``pending`` so
@@ -413,16 +415,20 @@ class HandoffController:
             return True
 
     @property
-    def phase(self) -> str | None:
+    def current_phase(self) -> str | None:
         """Where the GPU node is in the running operation (PHASE_*), if any."""
         return self.operation.phase if self.operation is not None else None
 
-    def _set_phase(self, phase: str | None) -> None:
+    # --- the runner's host -------------------------------------------------------
+
+    def phase(self, phase: str) -> None:
+        """The GPU node is at ``phase`` of the running operation."""
         if self.operation is not None and self.operation.phase != phase:
             self.operation.phase = phase
             self.coordinator.async_update_listeners()
 
-    def _step(self, step: str) -> None:
+    def step(self, step: str) -> None:
+        """The running operation is at ``step``: an event, and the entities."""
         operation = self.operation
         if operation is None or operation.step == step:
             return
@@ -430,199 +436,60 @@ class HandoffController:
         self._fire(EVENT_HANDOFF_STEP, operation.vm, kind=operation.kind, step=step)
         self.coordinator.async_update_listeners()
 
-    @callback
-    def _show_node(self, view: NodeView) -> None:
-        """Show what the controller just learned or did to the node at once, so
-        every entity agrees with the Handoff state at every write."""
-        data = self.coordinator.data
-        self.coordinator.async_set_updated_data(replace(data, node=view))
+    def drain_progress(self, progress: DrainProgress) -> None:
+        """How far the drain is, shown live."""
+        self.drain = progress
+        self.coordinator.async_update_listeners()
 
-    @callback
-    def _show_cordon(self, owner: str | None) -> None:
+    def show_node(self, view: NodeView) -> None:
+        """Show what the runner just learned or did to the node at once, so
+        every entity agrees with the Handoff state at every write."""
+        self.coordinator.async_set_node(view)
+
+    def show_cordon(self, owner: str | None) -> None:
+        """The cordon as the runner just left it."""
         node = self.coordinator.data.node
         if node is not None:
-            self._show_node(
+            self.show_node(
                 replace(node, unschedulable=owner is not None, cordon_owner=owner)
             )
 
-    async def _status(self) -> TowerStatus:
-        return TowerStatus.from_reply(await self.coordinator.tower.status())
+    @property
+    def pending_job(self) -> PendingJob | None:
+        """The tower job the stored operation asked for, if any."""
+        if self.pending is None:
+            return None
+        return PendingJob.from_dict(self.pending.get("job"))
 
-    @staticmethod
-    def _node_holds_cards_of(status: TowerStatus, vm: str) -> bool:
-        target = status.domains.get(vm)
-        return target is not None and any(
-            card.held_by == status.gpu_node and card.address in target.cards
-            for card in status.cards
-        )
+    async def save_job(self, job: PendingJob | None) -> None:
+        """Store the operation's tower job (before it is asked for)."""
+        if self.pending is not None:
+            self.pending["job"] = job.as_dict() if job is not None else None
+            await self._save()
 
-    async def _handoff(self, vm: str) -> None:
-        status = await self._status()
-        if status.domains[vm].state == RUNNING:
-            return
-        node_holds = self._node_holds_cards_of(status, vm)
-        try:
-            if node_holds and not self._resuming_job():
-                await self._drain(vm)
-            if node_holds:
-                self._set_phase(PHASE_STOPPING)
-            await self._job("handoff" if node_holds else "start", vm)
-        except Exception:
-            # Whatever went wrong: lift our own cordon if the GPU node still
-            # serves and no tower job may still stop it.
-            self.desired.discard(vm)
-            await self._uncordon_if_serving()
-            raise
-
-    async def _drain(self, vm: str) -> None:
-        """Cordon the GPU node's node (marking the cordon as ours), then drain
-        it as kubectl does."""
-        cluster = self.coordinator.cluster
-        node = self.coordinator.k8s_node
-        options = self._entry.options
-        self._set_phase(PHASE_DRAINING)
-        self._step("draining")
-        owner = await cluster.cordon(node, f"handoff to {vm}")
-        self._show_cordon(owner)
-        self._check_operator_cordon(owner)
-        await cluster.drain(
-            node,
-            float(options.get(CONF_DRAIN_TIMEOUT, DEFAULT_DRAIN_TIMEOUT)),
-            self._drain_progress,
-            force=bool(options.get(CONF_EVICT_UNMANAGED, DEFAULT_EVICT_UNMANAGED)),
-            skip_after=SKIP_WAIT,
-        )
-
-    async def _stop(self, vm: str) -> bool:
-        """Stop ``vm``; True when the cards went back to the cluster too."""
-        status = await self._status()
-        others = [
-            other
-            for other in status.gaming
-            if other != vm
-            and (d := status.domains.get(other)) is not None
-            and d.state == RUNNING
-        ]
-        auto = self._entry.options.get(CONF_AUTO_RETURN, DEFAULT_AUTO_RETURN)
-        if others or not auto:
-            await self._job("stop", vm)
-            return False
-        # Nobody else plays: stop the VM and start the GPU node in one job.
-        # The return begins now (the Handoff state goes to `starting` and
-        # only forward from there, whatever the snapshot lags behind).
-        self._set_phase(PHASE_RETURNING)
-        await self._job("release", vm)
-        await self._node_back()
-        return True
-
-    async def _return(self) -> None:
-        status = await self._status()
-        gpu = status.domains[status.gpu_node]
-        self._set_phase(PHASE_RETURNING)
-        if gpu.state != RUNNING:
-            await self._job("release", None)
-        await self._node_back()
-
-    async def _node_back(self) -> None:
-        """Wait until the GPU node's Kubernetes node is Ready, then lift our own
-        cordon (a drain's cordon survives the node's reboot); an operator's
-        cordon stays."""
-        self._set_phase(PHASE_RETURNING)
-        self._step("waiting_for_node")
-        cluster = self.coordinator.cluster
-        deadline = asyncio.get_running_loop().time() + NODE_READY_TIMEOUT
-        while True:
-            try:
-                view = await cluster.node_view(self.coordinator.k8s_node)
-            except ClusterError:
-                view = None
-            if view is not None and view.ready:
-                self._show_node(view)
-                break
-            if asyncio.get_running_loop().time() > deadline:
-                raise HomeAssistantError(
-                    translation_domain=DOMAIN, translation_key="node_not_ready"
-                )
-            await asyncio.sleep(NODE_POLL)
-        self._step("uncordoning")
-        if await cluster.uncordon(self.coordinator.k8s_node):
-            self._show_cordon(None)
-
-    async def _uncordon_if_serving(self) -> None:
-        """Roll back our own cordon when the GPU node still runs (it was never
-        stopped) and no tower job may still stop it."""
-        try:
-            if await lift_own_cordon_if_serving(
-                self.coordinator.tower,
-                self.coordinator.cluster,
-                self.coordinator.k8s_node,
-            ):
-                self._show_cordon(None)
-        except (TowerError, ClusterError) as err:
-            _LOGGER.warning("Could not lift the cordon after a failed handoff: %s", err)
+    @callback
+    def job_pushed(self, record: JobRecord) -> None:
+        """The session pushed a job's progress."""
+        self.runner.job_pushed(record)
 
     async def _abandon(self) -> None:
         """End an operation whose gaming VM is no longer configured: follow a
-        tower job it started to its end, then lift our own cordon if the GPU
+        tower job it asked for to its end, then lift our own cordon if the GPU
         node still serves, and forget it."""
         async with self._lock:
             try:
-                if self._resuming_job():
-                    await self._job("", None)
+                await self.runner.finish_job()
             except Exception as err:  # noqa: BLE001 - logged; nothing to resume
                 _LOGGER.warning("The abandoned operation's job failed: %s", err)
-            await self._uncordon_if_serving()
+            await self.runner.uncordon_if_serving()
             self.pending = None
             await self._save()
-
-    def _resuming_job(self) -> bool:
-        return self.pending is not None and self.pending.get("job") is not None
-
-    async def _job(self, kind: str, arg: str | None) -> dict[str, Any]:
-        """Submit a tower job (or follow the one a previous run submitted) until
-        it ends; its steps show as the operation's steps."""
-        tower = self.coordinator.tower
-        pending = self.pending if self.pending is not None else {}
-        self.pending = pending
-        job_id = pending.get("job")
-        if job_id is None:
-            reply = await tower.call(kind, *([arg] if arg else []))
-            job_id = str(reply["job"]["id"])
-            pending["job"] = job_id
-            await self._save()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + JOB_WAIT_MAX
-        while True:
-            try:
-                job = (await tower.call("job", job_id))["job"]
-            except TowerConnectionError:
-                if loop.time() > deadline:
-                    raise
-                await asyncio.sleep(JOB_POLL)
-                continue
-            step = job.get("step")
-            steps = job.get("steps") or []
-            if isinstance(step, int) and step < len(steps):
-                current = steps[step]
-                name = AGENT_STEPS.get(str(current.get("name")), "working")
-                self._step(f"{name}_{_role(current.get('domain'), self)}")
-            if job["state"] == "succeeded":
-                pending["job"] = None
-                return dict(job)
-            if job["state"] == "failed":
-                pending["job"] = None
-                raise JobFailedError(job)
-            await asyncio.sleep(JOB_POLL)
-
-    @callback
-    def _drain_progress(self, progress: DrainProgress) -> None:
-        self.drain = progress
-        self.coordinator.async_update_listeners()
 
     async def _failed(self, vm: str, kind: str, err: Exception) -> None:
         code = getattr(err, "code", None) or type(err).__name__
         message = str(err) or type(err).__name__
-        if isinstance(err, HomeAssistantError | TowerError | ClusterError):
+        expected = (HomeAssistantError, TowerError, ClusterError, RunnerError)
+        if isinstance(err, expected):
             _LOGGER.warning("The %s of %s failed: %s", kind, vm, message)
         else:
             _LOGGER.error("The %s of %s failed unexpectedly", kind, vm, exc_info=err)
@@ -645,8 +512,8 @@ class HandoffController:
                     "pods": ", ".join(err.pods),
                 },
             )
-        elif isinstance(err, JobFailedError | DrainError) or not isinstance(
-            err, HomeAssistantError | TowerError | ClusterError
+        elif isinstance(err, JobFailedError | DrainError | RunnerError) or not (
+            isinstance(err, expected)
         ):
             ir.async_create_issue(
                 self.hass,
@@ -668,7 +535,7 @@ class HandoffController:
 
     def _fire(self, event: str, vm: str, **data: Any) -> None:
         device = dr.async_get(self.hass).async_get_device_by_identifier(
-            domain_identifier(self.coordinator, vm), self._entry.entry_id
+            domain_identifier(self._entry.entry_id, vm), self._entry.entry_id
         )
         self.hass.bus.async_fire(
             event,
@@ -679,12 +546,3 @@ class HandoffController:
                 **data,
             },
         )
-
-
-def _role(domain: Any, controller: HandoffController) -> str:
-    """``gpu_node`` or ``vm``: which machine a tower job step acts on."""
-    return "gpu_node" if domain == controller.coordinator.data.tower.gpu_node else "vm"
-
-
-def _request_key(request: dict[str, Any]) -> str:
-    return f"{request.get('time')}|{request.get('domain')}"

@@ -1,27 +1,30 @@
 """The coordinator: one snapshot of the tower and the GPU node's Kubernetes node.
 
-The tower's ``watch`` stream pushes libvirt and job events; each one triggers a
-refresh within a fraction of a second. The poll every ``scan_interval`` seconds
-is the fallback for when the stream is down, and the cluster's only source.
+The tower's side is pushed: one long-lived agent session per tower carries the
+tower's state whenever it changes (and libvirt events, applied at once), so a
+refresh asks the tower nothing while the session is open. The poll every
+``scan_interval`` seconds reads the cluster, and the tower too (one-shot)
+while the session is down.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import timedelta
 import logging
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from homeassistant.config_entries import ConfigEntry
 from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
-from homeassistant.core import HomeAssistant
+from homeassistant.core import HomeAssistant, callback
 from homeassistant.exceptions import ConfigEntryAuthFailed, ConfigEntryError
 from homeassistant.helpers import issue_registry as ir
 from homeassistant.helpers.debounce import Debouncer
 from homeassistant.helpers.update_coordinator import DataUpdateCoordinator, UpdateFailed
 
-from .cluster_client import ClusterClient, ClusterError
+from .cluster_client import ClusterClient, ClusterError, NodeView
 from .const import (
     CONF_HOST_KEY,
     CONF_K8S_NODE,
@@ -33,8 +36,21 @@ from .const import (
     DOMAIN,
 )
 from .errors import cluster_error_key, tower_error_key
-from .models import Snapshot, TowerStatus
+from .models import Snapshot
+from .protocol import (
+    PROTOCOL,
+    RUNNING,
+    SHUT_OFF,
+    ErrorPush,
+    JobPush,
+    JobRecord,
+    LibvirtEvent,
+    Push,
+    StatusPush,
+    TowerStatus,
+)
 from .tower_client import (
+    AgentVersionError,
     TowerAuthError,
     TowerClient,
     TowerCredentials,
@@ -44,9 +60,6 @@ from .tower_client import (
     fingerprint,
 )
 
-if TYPE_CHECKING:
-    from .controller import HandoffController
-
 _LOGGER = logging.getLogger(__name__)
 
 REFRESH_COOLDOWN: Final = 0.3
@@ -54,7 +67,37 @@ WATCH_BACKOFF_START: Final = 1.0
 WATCH_BACKOFF_MAX: Final = 60.0
 ISSUE_HOST_KEY: Final = "host_key_mismatch"
 
-type GpuHandoffConfigEntry = ConfigEntry[GpuHandoffCoordinator]
+# What a libvirt lifecycle event says the domain's state is now.
+LIFECYCLE_STATES: Final = {
+    "started": RUNNING,
+    "resumed": RUNNING,
+    "stopped": SHUT_OFF,
+    "suspended": "paused",
+    "crashed": "crashed",
+    "pmsuspended": "pmsuspended",
+}
+ISSUE_AGENT_OUTDATED: Final = "agent_outdated"
+
+
+def with_domain_state(tower: TowerStatus, name: str, state: str) -> TowerStatus:
+    """The tower after a libvirt lifecycle event: the domain's new state, and
+    the cards a domain holds while it runs (a stopped one holds none; a
+    started one holds what it is defined with)."""
+    domain = tower.domains.get(name)
+    if domain is None or domain.state == state:
+        return tower
+    domains = dict(tower.domains)
+    domains[name] = replace(domain, state=state)
+    holds = state != SHUT_OFF
+    cards = tuple(
+        replace(card, held_by=name)
+        if holds and card.address in domain.cards and card.held_by is None
+        else replace(card, held_by=None)
+        if not holds and card.held_by == name
+        else card
+        for card in tower.cards
+    )
+    return replace(tower, domains=domains, cards=cards)
 
 
 def tower_credentials(entry: ConfigEntry) -> TowerCredentials:
@@ -80,12 +123,12 @@ class _Health:
 class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
     """Merges the agent's status and the cluster's view of the GPU node."""
 
-    config_entry: GpuHandoffConfigEntry
+    config_entry: ConfigEntry
 
     def __init__(
         self,
         hass: HomeAssistant,
-        entry: GpuHandoffConfigEntry,
+        entry: ConfigEntry,
         tower: TowerClient,
         cluster: ClusterClient,
     ) -> None:
@@ -105,24 +148,17 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
         self.tower = tower
         self.cluster = cluster
         self.k8s_node: str = entry.data[CONF_K8S_NODE]
-        self.watch_connected = False
+        # Whether the agent session is open now (diagnostics show it).
+        self.session_connected = False
         self._finding_issues: set[str] = set()
-        self.tower_device_id = ""  # set by setup once the device exists
-        self.controller: HandoffController  # set by setup after the first update
         self._cluster_health = _Health()
-        self.setup_signature = self.signature_of(entry)
-
-    @staticmethod
-    def signature_of(entry: ConfigEntry) -> tuple[object, ...]:
-        """What a reload must follow: the options and the set of gaming VMs."""
-        return (
-            tuple(sorted(entry.options.items())),
-            tuple(sorted(entry.subentries)),
-        )
+        # Who wants pushed job progress (the controller's runner).
+        self.job_listener: Callable[[JobRecord], None] | None = None
+        self.session_listener: Callable[[], None] | None = None
 
     @classmethod
     async def create(
-        cls, hass: HomeAssistant, entry: GpuHandoffConfigEntry
+        cls, hass: HomeAssistant, entry: ConfigEntry
     ) -> GpuHandoffCoordinator:
         """Build the clients from the entry (the SSL context off the loop)."""
         try:
@@ -136,14 +172,16 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
         return cls(hass, entry, TowerClient(tower_credentials(entry)), cluster)
 
     async def async_shutdown(self) -> None:
-        """Close both clients."""
+        """Close the session and both clients."""
         await super().async_shutdown()
+        if self.tower.session is not None:
+            await self.tower.session.close()
         await self.tower.close()
         await self.cluster.close()
 
     async def _async_update_data(self) -> Snapshot:
         try:
-            reply = await self.tower.status()
+            status = await self.tower.status()
         except TowerAuthError as err:
             raise ConfigEntryAuthFailed(
                 translation_domain=DOMAIN, translation_key="invalid_auth"
@@ -160,7 +198,6 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
                 translation_placeholders={"error": str(err)},
             ) from err
         ir.async_delete_issue(self.hass, DOMAIN, self._host_key_issue_id)
-        status = TowerStatus.from_reply(reply)
         self._sync_finding_issues(status)
         try:
             node = await self.cluster.node_view(self.k8s_node)
@@ -232,35 +269,107 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
             data={"entry_id": self.config_entry.entry_id, "host_key": new_key},
         )
 
-    async def async_watch(self) -> None:
-        """Follow the tower's event stream for as long as the entry is loaded.
+    # --- pushed state ----------------------------------------------------------
 
-        The stream never ends for good: whatever ends it (a dropped
+    @callback
+    def async_set_node(self, view: NodeView) -> None:
+        """Show a node view learned between polls (the controller's own
+        cordon, a node just seen Ready) without rescheduling the poll."""
+        self.data = replace(self.data, node=view, cluster_error=None)
+        self.async_update_listeners()
+
+    @callback
+    def _async_set_tower(self, status: TowerStatus) -> None:
+        """Show the tower's state as pushed, without rescheduling the poll
+        (the cluster still needs it)."""
+        self._sync_finding_issues(status)
+        self.data = replace(self.data, tower=status)
+        self.last_update_success = True
+        self.async_update_listeners()
+
+    @callback
+    def _async_push(self, push: Push) -> None:
+        """One message the session pushed."""
+        match push:
+            case StatusPush(status=status):
+                self._async_set_tower(status)
+            case LibvirtEvent() if push.event == "lifecycle":
+                # Applied at once; the status that follows fills in the rest.
+                state = LIFECYCLE_STATES.get(push.action or "")
+                if state is not None:
+                    tower = with_domain_state(self.data.tower, push.domain, state)
+                    if tower is not self.data.tower:
+                        self._async_set_tower(tower)
+            case JobPush(record=record):
+                if self.job_listener is not None:
+                    self.job_listener(record)
+            case ErrorPush(error=error):
+                _LOGGER.warning("The tower agent reports: %s", error.message)
+            case _:
+                pass
+
+    async def async_run_session(self) -> None:
+        """Keep the agent session open for as long as the entry is loaded.
+
+        It never ends for good: whatever closes the session (a dropped
         connection, an unexpected error) is logged once per kind of failure
-        and followed by a reconnect with backoff; diagnostics show whether it
-        is connected now.
+        and followed by a reconnect with backoff; meanwhile the poll reads
+        the tower one-shot. An agent too old for sessions raises a repair.
         """
         backoff = WATCH_BACKOFF_START
         logged: str | None = None
         while True:
             try:
-                async for message in self.tower.watch():
-                    if message.get("type") == "watching":
-                        self.watch_connected = True
-                        backoff = WATCH_BACKOFF_START
-                        logged = None
-                        _LOGGER.debug("Watching the tower's events")
-                    await self.async_request_refresh()
+                session = await self.tower.open_session(self._async_push)
+            except AgentVersionError as err:
+                self._raise_agent_outdated(err)
+                session = None
             except TowerError as err:
-                _LOGGER.debug("Tower event stream ended: %s", err)
+                _LOGGER.debug("No agent session: %s", err)
+                session = None
             except Exception as err:
-                kind = type(err).__name__
-                if logged != kind:
-                    logged = kind
-                    _LOGGER.exception("The tower's event stream failed; reconnecting")
-            if self.watch_connected:
-                self.watch_connected = False
-                # Catch up on what happened while the stream was down.
+                if logged != type(err).__name__:
+                    logged = type(err).__name__
+                    _LOGGER.exception("Opening the agent session failed")
+                session = None
+            if session is not None:
+                ir.async_delete_issue(self.hass, DOMAIN, self._agent_issue_id)
+                self.session_connected = True
+                backoff = WATCH_BACKOFF_START
+                logged = None
+                _LOGGER.debug("Agent session open (agent %s)", session.hello.version)
+                self._session_changed()
+                await session.wait_closed()
+                self.session_connected = False
+                _LOGGER.debug("Agent session ended: %s", session.close_reason)
+                self.tower.session = None
+                self._session_changed()
+                # Catch up on what happened while it was closing.
                 await self.async_request_refresh()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, WATCH_BACKOFF_MAX)
+
+    def _session_changed(self) -> None:
+        if self.session_listener is not None:
+            self.session_listener()
+
+    @property
+    def _agent_issue_id(self) -> str:
+        return f"{ISSUE_AGENT_OUTDATED}_{self.config_entry.entry_id}"
+
+    def _raise_agent_outdated(self, err: AgentVersionError) -> None:
+        """An agent that does not speak this side's protocol: say how to
+        update it, once."""
+        ir.async_create_issue(
+            self.hass,
+            DOMAIN,
+            self._agent_issue_id,
+            is_fixable=False,
+            severity=ir.IssueSeverity.ERROR,
+            translation_key=ISSUE_AGENT_OUTDATED,
+            translation_placeholders={
+                "host": self.config_entry.data[CONF_HOST],
+                "theirs": str(err.protocol),
+                "ours": str(PROTOCOL),
+            },
+        )

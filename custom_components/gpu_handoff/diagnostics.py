@@ -11,7 +11,7 @@ from homeassistant.core import HomeAssistant
 from homeassistant.helpers import device_registry as dr
 
 from .const import CONF_HOST_KEY, CONF_KUBECONFIG, CONF_PASSPHRASE, CONF_PRIVATE_KEY
-from .coordinator import GpuHandoffConfigEntry
+from .data import GpuHandoffConfigEntry
 
 TO_REDACT: Final = {
     CONF_HOST,
@@ -29,10 +29,10 @@ async def async_get_config_entry_diagnostics(
     hass: HomeAssistant, entry: GpuHandoffConfigEntry
 ) -> dict[str, Any]:
     """The entry (redacted), its gaming VMs and the last snapshot."""
-    coordinator = entry.runtime_data
+    coordinator = entry.runtime_data.coordinator
     return {
         "entry": async_redact_data(entry.as_dict(), TO_REDACT),
-        "watch_connected": coordinator.watch_connected,
+        "session_connected": coordinator.session_connected,
         "last_update_success": coordinator.last_update_success,
         "snapshot": asdict(coordinator.data),
     }
@@ -42,7 +42,7 @@ async def async_get_device_diagnostics(
     hass: HomeAssistant, entry: GpuHandoffConfigEntry, device: dr.DeviceEntry
 ) -> dict[str, Any]:
     """The device and what the snapshot says about its VM."""
-    coordinator = entry.runtime_data
+    coordinator = entry.runtime_data.coordinator
     names = {identifier[1] for identifier in device.identifiers}
     domains = {
         name: asdict(state)

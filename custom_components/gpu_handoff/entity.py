@@ -8,21 +8,11 @@ from homeassistant.helpers.device_registry import DeviceInfo
 from homeassistant.helpers.entity import EntityDescription
 from homeassistant.helpers.update_coordinator import CoordinatorEntity
 
-from .const import CONF_DOMAIN_NAME, CONF_GPU_NODE, DOMAIN
-from .coordinator import GpuHandoffConfigEntry, GpuHandoffCoordinator
-from .models import DomainState
-
-
-def tower_identifier(coordinator: GpuHandoffCoordinator) -> tuple[str, str]:
-    """The tower device's identifier."""
-    return (DOMAIN, coordinator.config_entry.entry_id)
-
-
-def domain_identifier(
-    coordinator: GpuHandoffCoordinator, domain: str
-) -> tuple[str, str]:
-    """A VM device's identifier (the GPU node's or a gaming VM's)."""
-    return (DOMAIN, f"{coordinator.config_entry.entry_id}_{domain}")
+from .const import CONF_DOMAIN_NAME, CONF_GPU_NODE
+from .coordinator import GpuHandoffCoordinator
+from .data import GpuHandoffConfigEntry, GpuHandoffData
+from .models import domain_identifier, tower_identifier
+from .protocol import DomainState
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,12 +37,14 @@ class GpuHandoffEntity(CoordinatorEntity[GpuHandoffCoordinator]):
 
     def __init__(
         self,
-        coordinator: GpuHandoffCoordinator,
+        data: GpuHandoffData,
         description: EntityDescription,
         domain: str | None = None,
     ) -> None:
         """Describe the entity and the device it belongs to."""
+        coordinator = data.coordinator
         super().__init__(coordinator)
+        self.controller = data.controller
         self.entity_description = description
         self.domain = domain
         entry = coordinator.config_entry
@@ -60,7 +52,7 @@ class GpuHandoffEntity(CoordinatorEntity[GpuHandoffCoordinator]):
         self._attr_unique_id = f"{entry.entry_id}_{suffix}_{description.key}"
         if domain is None:
             self._attr_device_info = DeviceInfo(
-                identifiers={tower_identifier(coordinator)}
+                identifiers={tower_identifier(entry.entry_id)}
             )
             return
         vm = coordinator.data.tower.domains.get(domain)
@@ -76,11 +68,11 @@ class GpuHandoffEntity(CoordinatorEntity[GpuHandoffCoordinator]):
             vm.title if vm is not None else domain,
         )
         self._attr_device_info = DeviceInfo(
-            identifiers={domain_identifier(coordinator, domain)},
+            identifiers={domain_identifier(entry.entry_id, domain)},
             name=name,
             manufacturer="GPU Handoff",
             model="GPU node VM" if is_gpu_node else "Gaming VM",
-            via_device_id=coordinator.tower_device_id,
+            via_device_id=data.tower_device_id,
         )
 
     @property

@@ -18,9 +18,10 @@ from homeassistant.helpers.entity_platform import AddConfigEntryEntitiesCallback
 
 from .cluster_client import CORDON_OWNER_US, DrainProgress
 from .const import CONF_GPU_NODE, PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
-from .coordinator import GpuHandoffConfigEntry
+from .data import GpuHandoffConfigEntry
 from .entity import ClusterBacked, GpuHandoffEntity, gaming_vms
-from .models import RUNNING, Snapshot
+from .models import Snapshot
+from .protocol import RUNNING
 
 PARALLEL_UPDATES = 0
 
@@ -204,19 +205,19 @@ async def async_setup_entry(
     async_add_entities: AddConfigEntryEntitiesCallback,
 ) -> None:
     """Sensors of the tower, of the GPU node and of each gaming VM."""
-    coordinator = entry.runtime_data
+    data = entry.runtime_data
     gpu_node = entry.data[CONF_GPU_NODE]
     async_add_entities(
         [
-            *(GpuHandoffSensor(coordinator, d) for d in TOWER_SENSORS),
-            GpuNodeStateSensor(coordinator, GPU_NODE_SENSOR, gpu_node),
-            GpuHandoffSensor(coordinator, VM_STATE_SENSOR, gpu_node),
-            *(GpuHandoffSensor(coordinator, d, gpu_node) for d in NODE_SENSORS),
+            *(GpuHandoffSensor(data, d) for d in TOWER_SENSORS),
+            GpuNodeStateSensor(data, GPU_NODE_SENSOR, gpu_node),
+            GpuHandoffSensor(data, VM_STATE_SENSOR, gpu_node),
+            *(GpuHandoffSensor(data, d, gpu_node) for d in NODE_SENSORS),
         ]
     )
     for subentry_id, domain in gaming_vms(entry):
         async_add_entities(
-            [GpuHandoffSensor(coordinator, VM_STATE_SENSOR, domain)],
+            [GpuHandoffSensor(data, VM_STATE_SENSOR, domain)],
             config_subentry_id=subentry_id,
         )
 
@@ -230,7 +231,7 @@ class GpuHandoffSensor(GpuHandoffEntity, SensorEntity):
     def native_value(self) -> str | int | float | None:
         """The value."""
         return self.entity_description.value_fn(
-            self.coordinator.data, self.domain, self.coordinator.controller.drain
+            self.coordinator.data, self.domain, self.controller.drain
         )
 
 
@@ -244,11 +245,9 @@ class GpuNodeStateSensor(GpuHandoffEntity, SensorEntity):
     @property
     def native_value(self) -> str:
         """The GPU node's place in the handoff cycle."""
-        return gpu_node_state(self.coordinator.data, self.coordinator.controller.phase)
+        return gpu_node_state(self.coordinator.data, self.controller.current_phase)
 
     @property
     def extra_state_attributes(self) -> Mapping[str, Any]:
         """Drain progress (live during a drain), agent, cards, node health."""
-        return gpu_node_attributes(
-            self.coordinator.data, self.coordinator.controller.drain
-        )
+        return gpu_node_attributes(self.coordinator.data, self.controller.drain)

@@ -22,7 +22,7 @@ from .const import (
     SERVICE_RETURN_CARDS,
     SERVICE_START_HANDOFF,
 )
-from .coordinator import GpuHandoffConfigEntry
+from .data import GpuHandoffConfigEntry
 
 RETURN_SCHEMA = probatio.Schema({probatio.Required(ATTR_CONFIG_ENTRY_ID): cv.string})
 HANDOFF_SCHEMA = probatio.Schema(

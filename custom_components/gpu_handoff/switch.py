@@ -9,9 +9,9 @@ from homeassistant.components.switch import SwitchEntity, SwitchEntityDescriptio
 from homeassistant.core import HomeAssistant
 from homeassistant.helpers.entity_platform import AddConfigEntryEntitiesCallback
 
-from .coordinator import GpuHandoffConfigEntry
+from .data import GpuHandoffConfigEntry
 from .entity import GpuHandoffEntity, gaming_vms
-from .models import RUNNING
+from .protocol import RUNNING
 
 # Requests go to the controller, which serialises them per tower.
 PARALLEL_UPDATES = 0
@@ -42,7 +42,7 @@ class GamingVmSwitch(GpuHandoffEntity, SwitchEntity):
     def is_on(self) -> bool:
         """The requested state from the moment a request is accepted (queued
         behind another operation too) until it ends; else the VM's."""
-        requested = self.coordinator.controller.requests.get(self.domain or "")
+        requested = self.controller.requests.get(self.domain or "")
         if requested is not None:
             return requested == "handoff"
         vm = self.vm
@@ -51,7 +51,7 @@ class GamingVmSwitch(GpuHandoffEntity, SwitchEntity):
     @property
     def extra_state_attributes(self) -> Mapping[str, Any]:
         """The current step of an operation on this VM, and the last error."""
-        controller = self.coordinator.controller
+        controller = self.controller
         operation = controller.operation
         return {
             "step": operation.step
@@ -62,10 +62,10 @@ class GamingVmSwitch(GpuHandoffEntity, SwitchEntity):
 
     async def async_turn_on(self, **kwargs: Any) -> None:
         """Hand the cards to this VM; returns once the handoff is accepted."""
-        await self.coordinator.controller.async_turn_on(self.domain or "")
+        await self.controller.async_turn_on(self.domain or "")
         self.async_write_ha_state()
 
     async def async_turn_off(self, **kwargs: Any) -> None:
         """Shut this VM down gracefully; its cards then return to the cluster."""
-        await self.coordinator.controller.async_turn_off(self.domain or "")
+        await self.controller.async_turn_off(self.domain or "")
         self.async_write_ha_state()

@@ -1,15 +1,18 @@
 """Client for the tower agent over SSH; knows nothing about Home Assistant.
 
-One persistent asyncssh connection per tower, host key pinned. Every request is
-one SSH exec whose command line becomes the agent's ``SSH_ORIGINAL_COMMAND``
-(the tower's ``authorized_keys`` forces ``gpu-handoff serve``); the agent
-answers one JSON object per line.
+One persistent asyncssh connection per tower, host key pinned. On it, one
+long-lived agent session (``session``): newline-delimited JSON requests with
+ids, their replies, and what the agent pushes (libvirt events, job progress,
+the tower's state). One-shot requests (one SSH exec each, whose command line
+becomes the agent's ``SSH_ORIGINAL_COMMAND``; the tower's ``authorized_keys``
+forces ``gpu-handoff serve``) serve the config flow's first checks and the
+time while no session is open.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 import contextlib
 from dataclasses import dataclass
 import json
@@ -18,9 +21,27 @@ from typing import Any, Final
 
 import asyncssh
 
-from .tower import gpu_handoff as agent
+from .protocol import (
+    PROTOCOL,
+    Hello,
+    JobKind,
+    JobRecord,
+    ProtocolError,
+    Push,
+    StatusPush,
+    Submitted,
+    TowerStatus,
+    Version,
+    decode_line,
+    error_of,
+    parse_job_reply,
+    parse_push,
+    parse_status,
+    parse_submitted,
+    parse_version,
+)
 
-PROTOCOL: Final = agent.PROTOCOL
+ERR_UNKNOWN_REQUEST: Final = "unknown_request"
 CONNECT_TIMEOUT: Final = 10.0
 REQUEST_TIMEOUT: Final = 30.0
 KEEPALIVE_INTERVAL: Final = 15
@@ -60,10 +81,11 @@ class AgentMissingError(TowerError):
 
 
 class AgentVersionError(TowerError):
-    """The agent speaks another protocol version."""
+    """The agent speaks another protocol version (or sends shapes of another)."""
 
-    def __init__(self, protocol: object) -> None:
-        super().__init__(f"agent protocol {protocol!r}, expected {PROTOCOL}")
+    def __init__(self, protocol: object, detail: str | None = None) -> None:
+        message = f"agent protocol {protocol!r}, expected {PROTOCOL}"
+        super().__init__(f"{message}: {detail}" if detail else message)
         self.protocol = protocol
 
 
@@ -172,6 +194,8 @@ class TowerClient:
         self._conn: asyncssh.SSHClientConnection | None = None
         self._key: asyncssh.SSHKey | None = None
         self._lock = asyncio.Lock()
+        # The long-lived agent session, while one is open (see open_session).
+        self.session: TowerSession | None = None
 
     @property
     def connected(self) -> bool:
@@ -282,50 +306,245 @@ class TowerClient:
             )
         return parse_reply(lines[-1])
 
-    async def version(self) -> dict[str, Any]:
-        """The agent's version reply."""
-        return await self.call("version")
+    async def version(self) -> Version:
+        """What the agent is and which protocol it speaks (one-shot)."""
+        return _parsed(parse_version, await self.call("version"))
 
-    async def status(self) -> dict[str, Any]:
-        """Every managed domain, card ownership and findings."""
-        return await self.call("status")
+    async def status(self) -> TowerStatus:
+        """The tower's state now: asked of the session while one is open (the
+        agent answers from the state it keeps, after anything it has not
+        taken in yet, in milliseconds), else one-shot. Decisions are made on
+        this, never on the last push, which may lag a job that just ended."""
+        session = self.session
+        if session is not None and not session.closed:
+            await session.request("status")
+            if session.status is not None:
+                return session.status
+        return _parsed(parse_status, await self.call("status"))
 
-    async def watch(self) -> AsyncIterator[dict[str, Any]]:
-        """The agent's event stream; ends when the tower closes it."""
+    async def request(
+        self,
+        verb: str,
+        *args: str,
+        request_id: str | None = None,
+        timeout: float = REQUEST_TIMEOUT,
+    ) -> dict[str, Any]:
+        """One verb over the session if one is open, else one-shot. A job
+        request carries its request id either way, so sending it again after
+        a lost reply can never create a second job."""
+        session = self.session
+        if session is not None and not session.closed:
+            return await session.request(
+                verb, *args, request_id=request_id, timeout=timeout
+            )
+        words = [*args, f"--request={request_id}"] if request_id else list(args)
+        return await self.call(verb, *words, timeout=timeout)
 
-        async def start(
-            conn: asyncssh.SSHClientConnection,
-        ) -> asyncssh.SSHClientProcess[str]:
-            return await conn.create_process("watch", stdin=asyncssh.PIPE)
+    async def submit(
+        self, kind: JobKind, domain: str | None, request_id: str
+    ) -> Submitted:
+        """Ask for a tower job under ``request_id`` (chosen and stored by the
+        caller first): the agent answers a repeated id with the job it made."""
+        reply = await self.request(
+            kind.value, *([domain] if domain else []), request_id=request_id
+        )
+        return _parsed(parse_submitted, reply)
 
-        process = await self._session(start)
+    async def job(self, job_id: str) -> JobRecord:
+        """A job with its steps."""
+        return _parsed(parse_job_reply, await self.request("job", job_id))
+
+    async def find_request(self, request_id: str) -> JobRecord | None:
+        """The job made for ``request_id``, or None if the agent made none."""
         try:
-            async for line in process.stdout:
-                yield self._stream_message(line)
-        except _CONNECTION_LOST as err:
-            await self.close()
-            raise TowerConnectionError(f"event stream lost: {err}") from err
-        finally:
+            reply = await self.request("request", request_id)
+        except AgentCommandError as err:
+            if err.code == ERR_UNKNOWN_REQUEST:
+                return None
+            raise
+        return _parsed(parse_job_reply, reply)
+
+    async def open_session(self, on_push: Callable[[Push], None]) -> TowerSession:
+        """Open the agent session; ``on_push`` gets every pushed message."""
+        if self.session is not None and not self.session.closed:
+            return self.session
+
+        async def start(conn: asyncssh.SSHClientConnection) -> TowerSession:
+            return await TowerSession.open(conn, on_push)
+
+        self.session = await self._session(start)
+        return self.session
+
+
+def _parsed[T](parse: Callable[..., T], reply: dict[str, Any]) -> T:
+    """A reply through its parser; a shape this side does not know means the
+    agent speaks another protocol than the one it announces."""
+    try:
+        return parse(reply)
+    except ProtocolError as err:
+        raise AgentVersionError(reply.get("protocol"), str(err)) from err
+
+
+class TowerSession:
+    """One long-lived agent session on the tower's SSH connection: requests
+    with ids and their replies, and the agent's pushed messages (libvirt
+    events, job progress, the tower's state), on one channel."""
+
+    def __init__(
+        self,
+        process: asyncssh.SSHClientProcess[str],
+        on_push: Callable[[Push], None],
+        hello: Version,
+    ) -> None:
+        """Use ``open``."""
+        self._process = process
+        self._on_push = on_push
+        self.hello = hello
+        self.status: TowerStatus | None = None
+        self._next_id = 0
+        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._closed = asyncio.Event()
+        self.close_reason: str | None = None
+        self._reader = asyncio.get_running_loop().create_task(
+            self._read(), name="gpu_handoff tower session"
+        )
+
+    @classmethod
+    async def open(
+        cls, conn: asyncssh.SSHClientConnection, on_push: Callable[[Push], None]
+    ) -> TowerSession:
+        """Start ``session`` on the connection and read its hello."""
+        process = await conn.create_process("session", stdin=asyncssh.PIPE)
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT):
+                line = await process.stdout.readline()
+            hello = _hello_of(line)
+        except BaseException:
             process.close()
-            with contextlib.suppress(*_CONNECTION_LOST):
-                await process.wait_closed()
+            raise
+        return cls(process, on_push, hello.version)
 
-    @staticmethod
-    def _stream_message(line: str) -> dict[str, Any]:
-        """One line of the watch stream; errors raise like replies do."""
+    @property
+    def closed(self) -> bool:
+        """Whether the session has ended."""
+        return self._closed.is_set()
+
+    async def wait_closed(self) -> None:
+        """Until the session ends (the tower closed it, or ``close``)."""
+        await self._closed.wait()
+
+    async def close(self) -> None:
+        """End the session (the agent ends with its stdin)."""
+        self._process.close()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+        with contextlib.suppress(*_CONNECTION_LOST):
+            await self._process.wait_closed()
+
+    async def request(
+        self,
+        verb: str,
+        *args: str,
+        request_id: str | None = None,
+        timeout: float = REQUEST_TIMEOUT,
+    ) -> dict[str, Any]:
+        """Send one request and wait for its reply. A reply that does not come
+        (the session ended, or ``timeout``) raises TowerConnectionError: the
+        request may or may not have been carried out."""
+        if self.closed:
+            raise TowerConnectionError(f"session closed: {self.close_reason}")
+        self._next_id += 1
+        request_number = self._next_id
+        message: dict[str, Any] = {
+            "id": request_number,
+            "verb": verb,
+            "args": list(args),
+        }
+        if request_id is not None:
+            message["request_id"] = request_id
+        reply: asyncio.Future[dict[str, Any]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._waiting[request_number] = reply
         try:
-            message = json.loads(line)
-        except ValueError as err:
-            raise AgentMissingError(
-                f"watch sent something other than JSON: {line[:200]!r}"
+            self._process.stdin.write(json.dumps(message) + "\n")
+            async with asyncio.timeout(timeout):
+                await self._process.stdin.drain()
+                answer = await reply
+        except TimeoutError as err:
+            raise TowerConnectionError(
+                f"{verb} got no reply within {timeout} s"
             ) from err
-        if not isinstance(message, dict) or message.get("protocol") != PROTOCOL:
-            raise AgentVersionError(
-                message.get("protocol") if isinstance(message, dict) else None
-            )
-        if message.get("type") == "error" or message.get("ok") is False:
-            error = message.get("error") or {}
-            raise AgentCommandError(
-                str(error.get("code", "unknown")), str(error.get("message", ""))
-            )
-        return message
+        except _CONNECTION_LOST as err:
+            raise TowerConnectionError(f"session lost: {err}") from err
+        finally:
+            self._waiting.pop(request_number, None)
+        if answer.get("protocol") != PROTOCOL:
+            raise AgentVersionError(answer.get("protocol"))
+        error = error_of(answer)
+        if error is not None:
+            raise AgentCommandError(error.code, error.message)
+        if verb == "status":
+            self.status = _parsed(parse_status, answer)
+        return answer
+
+    async def _read(self) -> None:
+        reason = "the tower closed the session"
+        try:
+            async for line in self._process.stdout:
+                if not line.strip():
+                    continue
+                message = _decoded(line)
+                if message.get("type") == "reply":
+                    waiter = self._waiting.get(message.get("id"))  # type: ignore[arg-type]
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(message)
+                    continue
+                push = parse_push(message)
+                if isinstance(push, StatusPush):
+                    self.status = push.status
+                self._on_push(push)
+        except asyncio.CancelledError:
+            reason = "closed by Home Assistant"
+            raise
+        except _CONNECTION_LOST as err:
+            reason = f"connection lost: {err}"
+        except (TowerError, ProtocolError) as err:
+            reason = f"the agent sent what this side cannot read: {err}"
+        finally:
+            self.close_reason = reason
+            self._closed.set()
+            for waiter in self._waiting.values():
+                if not waiter.done():
+                    waiter.set_exception(
+                        TowerConnectionError(f"session ended: {reason}")
+                    )
+
+
+def _hello_of(line: str) -> Hello:
+    """The session's first line: it must be a hello in our protocol."""
+    if not line:
+        raise AgentMissingError("the session ended before it said hello")
+    message = _decoded(line)
+    if message.get("protocol") != PROTOCOL:
+        raise AgentVersionError(message.get("protocol"))
+    error = error_of(message)
+    if error is not None:
+        raise AgentCommandError(error.code, error.message)
+    try:
+        hello = parse_push(message)
+    except ProtocolError as err:
+        raise AgentVersionError(PROTOCOL, str(err)) from err
+    if not isinstance(hello, Hello):
+        raise AgentVersionError(PROTOCOL, f"expected hello, got {line[:80]!r}")
+    return hello
+
+
+def _decoded(line: str) -> dict[str, Any]:
+    try:
+        return decode_line(line)
+    except ProtocolError as err:
+        raise AgentMissingError(
+            f"the agent sent something other than JSON: {err}"
+        ) from err

@@ -63,5 +63,5 @@ async def quit_game(
     await switch(hass, "turn_off", f"switch.gaming_station_{n}")
     await until(lambda: not sim.is_running(f"gaming-{n}"))
     await until(lambda: idle(entry))
-    await entry.runtime_data.async_refresh()
+    await entry.runtime_data.coordinator.async_refresh()
     await hass.async_block_till_done()

@@ -1,0 +1,440 @@
+"""The operation runner: drain, tower job, node back; no Home Assistant imports.
+
+It does the work of one operation with the tower and cluster clients and
+tells its host (the controller, which keeps storage, events and repairs) what
+happens through a small interface. Tower jobs are asked for under a request
+id that the host stores before the request is sent; a reply lost on the way
+is followed by a look-up of that id, so a job is never asked for twice and
+nothing is rolled back while a job this side asked for may still run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+import logging
+import secrets
+from typing import Final, Protocol
+
+from .cluster_client import (
+    CORDON_OWNER_OTHER,
+    SKIP_WAIT_FOR_DELETE,
+    ClusterClient,
+    ClusterError,
+    DrainProgress,
+    NodeView,
+)
+from .const import PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
+from .protocol import RUNNING, JobKind, JobRecord, JobState, StepName, TowerStatus
+from .tower_client import AgentCommandError, TowerClient, TowerConnectionError
+
+_LOGGER = logging.getLogger(__name__)
+
+# How long a job may be followed through tower outages before giving up.
+JOB_WAIT_MAX: Final = 1800.0
+# While the session is down, job progress is polled this often.
+JOB_POLL: Final = 1.0
+# With the session up, progress is pushed; a job silent this long is re-read.
+JOB_SILENCE: Final = 10.0
+NODE_READY_TIMEOUT: Final = 900.0
+RETRY_START: Final = 0.5
+RETRY_MAX: Final = 10.0
+
+# The agent's job steps, as the steps a user sees.
+AGENT_STEPS: Final = {
+    StepName.WAIT_AGENT: "waiting_for_guest_agent",
+    StepName.SHUTDOWN: "stopping",
+    StepName.WAIT_SHUT_OFF: "stopping",
+    StepName.WAIT_DEVICES_FREE: "waiting_for_cards",
+    StepName.START: "starting",
+}
+
+
+class RunnerError(Exception):
+    """An operation cannot go on; ``key`` names the translated message."""
+
+    def __init__(self, key: str, message: str, **placeholders: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.code = key
+        self.placeholders = placeholders
+
+
+class JobFailedError(Exception):
+    """A tower job ended in failure."""
+
+    def __init__(self, record: JobRecord) -> None:
+        error = record.job.error
+        super().__init__(error.message if error else "the tower job failed")
+        self.code = error.code if error else "job_failed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PendingJob:
+    """A tower job this side asked for (or is about to): stored first."""
+
+    kind: JobKind
+    domain: str | None
+    request_id: str
+    job_id: str | None = None
+
+    def as_dict(self) -> dict[str, str | None]:
+        """For storage."""
+        return {
+            "kind": self.kind.value,
+            "domain": self.domain,
+            "request_id": self.request_id,
+            "job_id": self.job_id,
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> PendingJob | None:
+        """From storage (None for anything unreadable)."""
+        if not isinstance(data, dict):
+            return None
+        try:
+            return cls(
+                kind=JobKind(data["kind"]),
+                domain=data.get("domain"),
+                request_id=str(data["request_id"]),
+                job_id=data.get("job_id"),
+            )
+        except KeyError, ValueError:
+            return None
+
+
+def new_request_id() -> str:
+    """A request id the agent accepts (and no one else will choose)."""
+    return f"ha-{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """The options an operation follows."""
+
+    drain_timeout: float
+    evict_unmanaged: bool
+    handoff_when_cordoned: bool
+    auto_return: bool
+    skip_wait: float = SKIP_WAIT_FOR_DELETE
+
+
+class RunnerHost(Protocol):
+    """What the runner tells, and asks of, its host."""
+
+    def step(self, step: str) -> None:
+        """The operation is at ``step``."""
+
+    def phase(self, phase: str) -> None:
+        """The GPU node is at ``phase`` (PHASE_*) of the operation."""
+
+    def drain_progress(self, progress: DrainProgress) -> None:
+        """How far the drain is."""
+
+    def show_node(self, view: NodeView) -> None:
+        """The node as the runner just saw it."""
+
+    def show_cordon(self, owner: str | None) -> None:
+        """The cordon as the runner just left it."""
+
+    @property
+    def pending_job(self) -> PendingJob | None:
+        """The tower job the stored operation asked for, if any."""
+
+    async def save_job(self, job: PendingJob | None) -> None:
+        """Store the tower job before it is asked for, and once it is known."""
+
+
+def check_operator_cordon(owner: str | None, settings: Settings, node: str) -> None:
+    """Refuse to hand off on top of someone else's cordon unless the user
+    chose to (an administrator's drain, an upgrade controller's cordon)."""
+    if owner == CORDON_OWNER_OTHER and not settings.handoff_when_cordoned:
+        raise RunnerError(
+            "cordoned_by_operator",
+            f"the GPU node {node} is cordoned by someone else",
+            node=node,
+        )
+
+
+def node_holds_cards_of(status: TowerStatus, vm: str) -> bool:
+    """Whether the GPU node holds a card ``vm`` is defined with."""
+    target = status.domains.get(vm)
+    return target is not None and any(
+        card.held_by == status.gpu_node and card.address in target.cards
+        for card in status.cards
+    )
+
+
+async def lift_own_cordon_if_serving(
+    tower: TowerClient, cluster: ClusterClient, k8s_node: str
+) -> bool:
+    """Lift GPU Handoff's own cordon if the GPU node runs and no tower job may
+    still stop it; an operator's cordon is never touched. True if lifted."""
+    status = await tower.status()
+    gpu = status.domains.get(status.gpu_node)
+    if gpu is None or gpu.state != RUNNING or status.job_for(status.gpu_node):
+        return False
+    return await cluster.uncordon(k8s_node)
+
+
+class OperationRunner:
+    """Runs the steps of handoffs and returns for one tower."""
+
+    def __init__(
+        self,
+        tower: TowerClient,
+        cluster: ClusterClient,
+        *,
+        gpu_node: str,
+        k8s_node: str,
+        host: RunnerHost,
+    ) -> None:
+        """Nothing runs until an operation is called."""
+        self.tower = tower
+        self.cluster = cluster
+        self.gpu_node = gpu_node
+        self.k8s_node = k8s_node
+        self._host = host
+        self._records: dict[str, JobRecord] = {}
+        self._shown: dict[str, int] = {}  # steps shown, by job id
+        self._pushed = asyncio.Event()
+
+    # --- pushed job progress ---------------------------------------------------
+
+    def job_pushed(self, record: JobRecord) -> None:
+        """A job record the session pushed (any job; the follower picks its own)."""
+        self._records[record.job.id] = record
+        self._pushed.set()
+
+    # --- operations ----------------------------------------------------------
+
+    async def handoff(self, vm: str, settings: Settings) -> None:
+        """Give ``vm`` its cards: drain and stop the GPU node if it holds them,
+        then start ``vm``. On failure our own cordon is lifted if the GPU node
+        still serves and no job may still stop it."""
+        try:
+            pending = self._host.pending_job
+            if pending is not None:
+                # Resume: the stored job, whatever the tower looks like now.
+                if pending.kind is JobKind.HANDOFF:
+                    self._host.phase(PHASE_STOPPING)
+                await self._job(pending.kind, pending.domain)
+                return
+            status = await self.tower.status()
+            if status.domains[vm].state == RUNNING:
+                return
+            node_holds = node_holds_cards_of(status, vm)
+            if node_holds:
+                await self._drain(vm, settings)
+                self._host.phase(PHASE_STOPPING)
+            await self._job(JobKind.HANDOFF if node_holds else JobKind.START, vm)
+        except Exception:
+            await self.uncordon_if_serving()
+            raise
+
+    async def _drain(self, vm: str, settings: Settings) -> None:
+        """Cordon the GPU node's node (marking the cordon as ours), then drain
+        it as kubectl does."""
+        self._host.phase(PHASE_DRAINING)
+        self._host.step("draining")
+        owner = await self.cluster.cordon(self.k8s_node, f"handoff to {vm}")
+        self._host.show_cordon(owner)
+        check_operator_cordon(owner, settings, self.k8s_node)
+        await self.cluster.drain(
+            self.k8s_node,
+            settings.drain_timeout,
+            self._host.drain_progress,
+            force=settings.evict_unmanaged,
+            skip_after=settings.skip_wait,
+        )
+
+    async def stop(self, vm: str, settings: Settings) -> bool:
+        """Stop ``vm``; True when the cards went back to the cluster too."""
+        pending = self._host.pending_job
+        if pending is not None:
+            # Resume the job the stored operation asked for.
+            await self._job(pending.kind, pending.domain)
+            if pending.kind is not JobKind.RELEASE:
+                return False
+            await self._node_back()
+            return True
+        status = await self.tower.status()
+        others = [
+            other
+            for other in status.gaming
+            if other != vm
+            and (d := status.domains.get(other)) is not None
+            and d.state == RUNNING
+        ]
+        if others or not settings.auto_return:
+            await self._job(JobKind.STOP, vm)
+            return False
+        # Nobody else plays: stop the VM and start the GPU node in one job.
+        # The return begins now (the Handoff state goes to `starting` and
+        # only forward from there, whatever the snapshot lags behind).
+        self._host.phase(PHASE_RETURNING)
+        await self._job(JobKind.RELEASE, vm)
+        await self._node_back()
+        return True
+
+    async def return_cards(self) -> None:
+        """Start the GPU node if it is off, wait until its node is Ready, and
+        lift our own cordon."""
+        self._host.phase(PHASE_RETURNING)
+        pending = self._host.pending_job
+        status = await self.tower.status()
+        gpu = status.domains[status.gpu_node]
+        if pending is not None or gpu.state != RUNNING:
+            await self._job(JobKind.RELEASE, None)
+        await self._node_back()
+
+    async def finish_job(self) -> None:
+        """Follow the stored job to its end (an operation being abandoned)."""
+        pending = self._host.pending_job
+        if pending is not None:
+            await self._job(pending.kind, pending.domain)
+
+    async def _node_back(self) -> None:
+        """Wait until the GPU node's Kubernetes node is Ready, then lift our own
+        cordon (a drain's cordon survives the node's reboot); an operator's
+        cordon stays."""
+        self._host.phase(PHASE_RETURNING)
+        self._host.step("waiting_for_node")
+        try:
+            view = await self.cluster.wait_ready(self.k8s_node, NODE_READY_TIMEOUT)
+        except TimeoutError as err:
+            raise RunnerError(
+                "node_not_ready",
+                f"{self.k8s_node} did not become Ready within {NODE_READY_TIMEOUT:.0f} s",
+            ) from err
+        self._host.show_node(view)
+        self._host.step("uncordoning")
+        if await self.cluster.uncordon(self.k8s_node):
+            self._host.show_cordon(None)
+
+    async def uncordon_if_serving(self) -> None:
+        """Roll back our own cordon when the GPU node still runs (it was never
+        stopped) and no tower job may still stop it."""
+        try:
+            if await lift_own_cordon_if_serving(
+                self.tower, self.cluster, self.k8s_node
+            ):
+                self._host.show_cordon(None)
+        except (TowerConnectionError, AgentCommandError, ClusterError) as err:
+            _LOGGER.warning("Could not lift the cordon after a failed handoff: %s", err)
+
+    # --- tower jobs ----------------------------------------------------------
+
+    async def _job(self, kind: JobKind, domain: str | None) -> JobRecord:
+        """Ask for a tower job of ``kind`` (or pick up the one the stored
+        operation asked for, whatever its kind) and follow it to its end; its
+        steps show as the operation's."""
+        pending = self._host.pending_job
+        if pending is None:
+            pending = PendingJob(kind=kind, domain=domain, request_id=new_request_id())
+            await self._host.save_job(pending)  # stored before it is sent
+        job_id = pending.job_id
+        if job_id is None:
+            job_id = await self._submit(pending)
+            await self._host.save_job(replace(pending, job_id=job_id))
+        record = await self._follow(job_id)
+        await self._host.save_job(None)
+        if record.job.state is JobState.FAILED:
+            raise JobFailedError(record)
+        return record
+
+    async def _submit(self, pending: PendingJob) -> str:
+        """The job id for ``pending``'s request id: asked for, or, after a reply
+        that did not come, looked up. Tries until it knows (bounded by
+        JOB_WAIT_MAX): while it does not, a job may run, so nothing here gives
+        up early and nothing is rolled back."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + JOB_WAIT_MAX
+        delay = RETRY_START
+        ask = True
+        while True:
+            try:
+                if ask:
+                    submitted = await self.tower.submit(
+                        pending.kind, pending.domain, pending.request_id
+                    )
+                    return submitted.id
+                found = await self.tower.find_request(pending.request_id)
+                if found is not None:
+                    return found.job.id
+                ask = True  # never made: asking again under the same id is safe
+                continue
+            except TowerConnectionError as err:
+                if loop.time() > deadline:
+                    raise
+                _LOGGER.info(
+                    "No answer about job request %s (%s); looking it up",
+                    pending.request_id,
+                    err,
+                )
+                ask = False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX)
+
+    async def _follow(self, job_id: str) -> JobRecord:
+        """Follow a job to its end: from the session's pushes while it is open,
+        by reading it while it is not (and once after each reconnect)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + JOB_WAIT_MAX
+        read_under: object = None  # the session the last read was made under
+        record: JobRecord | None = None
+        while True:
+            session = self.tower.session if self._session_up() else None
+            if session is None or session is not read_under or record is None:
+                # No session, a new one, or nothing known: read the job.
+                try:
+                    record = await self.tower.job(job_id)
+                except TowerConnectionError:
+                    if loop.time() > deadline:
+                        raise
+                    await asyncio.sleep(JOB_POLL)
+                    continue
+                read_under = session
+            pushed = self._records.get(job_id)
+            if pushed is not None:
+                record = pushed
+            self._show(record)
+            if not record.job.state.active:
+                self._records.pop(job_id, None)
+                self._shown.pop(job_id, None)
+                return record
+            if session is None:
+                await asyncio.sleep(JOB_POLL)
+                continue
+            try:
+                async with asyncio.timeout(JOB_SILENCE):
+                    await self._next_push(job_id, record)
+            except TimeoutError:
+                record = None  # silent for long: read it again
+
+    async def _next_push(self, job_id: str, seen: JobRecord) -> None:
+        """Until a newer record of ``job_id`` is pushed, or the session ends."""
+        while self._records.get(job_id) in (None, seen) and self._session_up():
+            self._pushed.clear()
+            await self._pushed.wait()
+
+    def wake(self) -> None:
+        """The session opened or ended: followers look again."""
+        self._pushed.set()
+
+    def _session_up(self) -> bool:
+        session = self.tower.session
+        return session is not None and not session.closed
+
+    def _show(self, record: JobRecord) -> None:
+        """Every step the job has begun since the last record shown, in
+        order: a step that came and went between two pushes is still told."""
+        shown = self._shown.get(record.job.id, 0)
+        for step in record.steps[shown:]:
+            if step.started is None:
+                break
+            name = AGENT_STEPS.get(step.name, "working")
+            role = "gpu_node" if step.domain == self.gpu_node else "vm"
+            self._host.step(f"{name}_{role}")
+            shown += 1
+        self._shown[record.job.id] = shown
