@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from custom_components.gpu_handoff.tower import gpu_handoff as agent
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPONENT = ROOT / "custom_components" / "gpu_handoff"
 REQUIREMENTS = ROOT / "requirements_test.txt"
@@ -70,3 +72,10 @@ def test_translations_match_strings(language: str) -> None:
     """translations/en.json is strings.json with every reference resolved."""
     strings = _resolve(_load(COMPONENT / "strings.json"))
     assert _load(COMPONENT / "translations" / f"{language}.json") == strings
+
+
+def test_the_integration_ships_the_agent_of_its_version() -> None:
+    """The manifest's version is the bundled agent's: Home Assistant knows
+    which agent it ships (and so which one a tower should run)."""
+    manifest = json.loads((COMPONENT / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["version"] == agent.VERSION
