@@ -1,10 +1,11 @@
 """The coordinator: one snapshot of the tower and the GPU node's Kubernetes node.
 
 The tower's side is pushed: one long-lived agent session per tower carries the
-tower's state whenever it changes (and libvirt events, applied at once), so a
-refresh asks the tower nothing while the session is open. The poll every
-``scan_interval`` seconds reads the cluster, and the tower too (one-shot)
-while the session is down.
+tower's state whenever it changes (and libvirt events, applied at once). A
+refresh asks that session, which answers from the state it keeps (under a
+millisecond, no process started on the tower). The poll every
+``scan_interval`` seconds reads the cluster, and the tower one-shot while the
+session is down.
 """
 
 from __future__ import annotations
