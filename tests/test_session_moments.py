@@ -36,7 +36,8 @@ from custom_components.gpu_handoff.tower_client import (
     TowerConnectionError,
     TowerSession,
 )
-from tests.k8semu import K8sEmulator
+from tests.conftest import add_tower_entry
+from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.stories import SWITCH_1, cordoned, idle, setup_entry, switch, until
 from tests.towersim import Tower
 
@@ -258,3 +259,56 @@ async def test_a_stop_by_the_hook_shows_stopping(
     )
     await until(lambda: hass.states.get("sensor.gpu_node_handoff_state").state == "off")
     assert entry.state is ConfigEntryState.LOADED
+
+
+async def test_a_restart_mid_stop_follows_the_stop(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Both play; one quits, and Home Assistant restarts while that gaming
+    VM's stop job runs: the same stop is followed to its end, and the GPU
+    node stays off (the other still plays)."""
+    await setup_entry(hass, entry)
+    for n in (1, 2):
+        await switch(hass, "turn_on", f"switch.gaming_station_{n}")
+        await until(lambda n=n: sim.is_running(f"gaming-{n}") and idle(entry))
+    sim.set_shutdown_duration("gaming-1", SLOW_SHUTDOWN)
+    await switch(hass, "turn_off", SWITCH_1)
+    await until(lambda: _pending_job_id(entry) is not None)
+    job_id = _pending_job_id(entry)
+    assert await hass.config_entries.async_unload(entry.entry_id)
+    await hass.async_block_till_done()
+    await setup_entry(hass, entry)
+    await until(lambda: not sim.is_running("gaming-1") and idle(entry))
+    assert sim.is_running("gaming-2")
+    assert not sim.is_running("gpu-node")
+    stops = [job for job in await _jobs(entry) if job.kind is JobKind.STOP]
+    assert [job.id for job in stops] == [job_id]
+
+
+async def test_a_node_that_never_turns_ready_fails_the_return(
+    hass: HomeAssistant,
+    sim: Tower,
+    sim_sshd: Any,
+    cluster: K8sEmulator,
+    no_pdb: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The GPU node runs again but its Kubernetes node never reports Ready
+    (no kubelet here): the return fails after its bound with a translated
+    reason, and our cordon stays (the node is not serving)."""
+    monkeypatch.setattr("custom_components.gpu_handoff.runner.NODE_READY_TIMEOUT", 1.0)
+    entry = add_tower_entry(hass, sim_sshd, cluster, vms=(1,), drain_timeout=10)
+    failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
+    await setup_entry(hass, entry)
+    await switch(hass, "turn_on", SWITCH_1)
+    await until(lambda: sim.is_running("gaming-1") and idle(entry))
+    cluster.set_node_up(GPU_NODE, up=False)
+    await switch(hass, "turn_off", SWITCH_1)
+    await until(lambda: bool(failed))
+    assert failed[0].data["code"] == "node_not_ready"
+    assert sim.is_running("gpu-node")
+    assert cordoned(cluster)

@@ -52,7 +52,7 @@ from .const import (
 )
 from .coordinator import GpuHandoffCoordinator
 from .models import domain_identifier
-from .protocol import RUNNING, SHUT_OFF, JobRecord
+from .protocol import RUNNING, SHUT_OFF, JobRecord, TowerStatus
 from .runner import (
     JobFailedError,
     OperationRunner,
@@ -453,6 +453,10 @@ class HandoffController:
             self.show_node(
                 replace(node, unschedulable=owner is not None, cordon_owner=owner)
             )
+
+    def show_tower(self, status: TowerStatus) -> None:
+        """The tower as the runner just read it."""
+        self.coordinator.async_set_tower(status)
 
     @property
     def pending_job(self) -> PendingJob | None:

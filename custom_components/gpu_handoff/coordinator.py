@@ -88,8 +88,13 @@ def with_domain_state(tower: TowerStatus, name: str, state: str) -> TowerStatus:
     if domain is None or domain.state == state:
         return tower
     domains = dict(tower.domains)
-    domains[name] = replace(domain, state=state)
     holds = state != SHUT_OFF
+    # A domain that just started has no guest agent yet (libvirt reports it
+    # disconnected); a stopped one has none at all, as the status says.
+    agent_ready = domain.agent_ready if domain.state == RUNNING else False
+    domains[name] = replace(
+        domain, state=state, agent_ready=agent_ready if holds else None
+    )
     cards = tuple(
         replace(card, held_by=name)
         if holds and card.address in domain.cards and card.held_by is None
@@ -280,7 +285,7 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
         self.async_update_listeners()
 
     @callback
-    def _async_set_tower(self, status: TowerStatus) -> None:
+    def async_set_tower(self, status: TowerStatus) -> None:
         """Show the tower's state as pushed, without rescheduling the poll
         (the cluster still needs it)."""
         self._sync_finding_issues(status)
@@ -293,14 +298,14 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
         """One message the session pushed."""
         match push:
             case StatusPush(status=status):
-                self._async_set_tower(status)
+                self.async_set_tower(status)
             case LibvirtEvent() if push.event == "lifecycle":
                 # Applied at once; the status that follows fills in the rest.
                 state = LIFECYCLE_STATES.get(push.action or "")
                 if state is not None:
                     tower = with_domain_state(self.data.tower, push.domain, state)
                     if tower is not self.data.tower:
-                        self._async_set_tower(tower)
+                        self.async_set_tower(tower)
             case JobPush(record=record):
                 if self.job_listener is not None:
                     self.job_listener(record)

@@ -11,6 +11,7 @@ nothing is rolled back while a job this side asked for may still run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, replace
 import logging
 import secrets
@@ -136,6 +137,9 @@ class RunnerHost(Protocol):
 
     def show_cordon(self, owner: str | None) -> None:
         """The cordon as the runner just left it."""
+
+    def show_tower(self, status: TowerStatus) -> None:
+        """The tower as the runner just read it."""
 
     @property
     def pending_job(self) -> PendingJob | None:
@@ -341,6 +345,9 @@ class OperationRunner:
         await self._host.save_job(None)
         if record.job.state is JobState.FAILED:
             raise JobFailedError(record)
+        # What the job did, shown before the next step (a push may lag it).
+        with contextlib.suppress(TowerConnectionError, AgentCommandError):
+            self._host.show_tower(await self.tower.status())
         return record
 
     async def _submit(self, pending: PendingJob) -> str:

@@ -46,6 +46,9 @@ VM_STATES: Final = [
     "no_state",
     "missing",
 ]
+# The order the Handoff state moves in through a handoff and through a return.
+HANDOFF_ORDER: Final = ("serving", "draining", "stopping", "off")
+RETURN_ORDER: Final = ("off", "starting", "joining", "serving")
 STOPPING_JOBS: Final = frozenset({"stop", "handoff"})
 STARTING_JOBS: Final = frozenset({"start", "release"})
 
@@ -242,10 +245,25 @@ class GpuNodeStateSensor(GpuHandoffEntity, SensorEntity):
     # Card ownership is shown live; the recorder need not keep every copy.
     _unrecorded_attributes = frozenset({"cards", "job", "lease_age"})
 
+    _ratchet: tuple[object, int] | None = None
+
     @property
     def native_value(self) -> str:
-        """The GPU node's place in the handoff cycle."""
-        return gpu_node_state(self.coordinator.data, self.controller.current_phase)
+        """The GPU node's place in the handoff cycle: through an operation it
+        only moves forward (a snapshot that lags, or a push that overtakes
+        another, never shows an earlier state again)."""
+        state = gpu_node_state(self.coordinator.data, self.controller.current_phase)
+        operation = self.controller.operation
+        phase = self.controller.current_phase
+        order = RETURN_ORDER if phase == PHASE_RETURNING else HANDOFF_ORDER
+        if operation is None or phase is None or state not in order:
+            self._ratchet = None
+            return state
+        rank = order.index(state)
+        if self._ratchet is not None and self._ratchet[0] is operation:
+            rank = max(rank, self._ratchet[1])
+        self._ratchet = (operation, rank)
+        return order[rank]
 
     @property
     def extra_state_attributes(self) -> Mapping[str, Any]:

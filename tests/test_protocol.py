@@ -1,0 +1,194 @@
+"""The typed protocol module refuses what it cannot read, and says what.
+
+The shapes the agent really sends are pinned by tests/test_contract.py (the
+real agent, strict parsing). These are the other side: a message that is
+not what this side expects is refused with a ProtocolError naming the
+field, never half-read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from custom_components.gpu_handoff.protocol import (
+    PROTOCOL,
+    JobKind,
+    JobRecord,
+    JobState,
+    ProtocolError,
+    StepName,
+    decode_line,
+    error_of,
+    parse_job_reply,
+    parse_push,
+    parse_status,
+    parse_submitted,
+    parse_version,
+)
+from custom_components.gpu_handoff.runner import PendingJob
+
+
+def _status(**changes: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "uri": "qemu:///system",
+        "gpu_node": "gpu-node",
+        "gaming": ["gaming-1"],
+        "domains": [
+            {
+                "name": "gpu-node",
+                "title": None,
+                "role": "gpu_node",
+                "exists": True,
+                "state": "running",
+                "reason": "booted",
+                "agent_channel": True,
+                "agent_ready": True,
+                "hostdevs": [
+                    {"address": "0000:01:00.0", "managed": True, "rom_bar": "off"}
+                ],
+            }
+        ],
+        "cards": [
+            {
+                "address": "0000:01:00.0",
+                "held_by": "gpu-node",
+                "claimed_by": ["gpu-node"],
+            }
+        ],
+        "findings": [],
+        "hook_requests": [],
+        "active_jobs": [],
+        "virsh_calls": 1,
+    }
+    body.update(changes)
+    return body
+
+
+def _job(**changes: Any) -> dict[str, Any]:
+    job: dict[str, Any] = {
+        "id": "j1",
+        "kind": "handoff",
+        "args": {"domain": "gaming-1"},
+        "state": "running",
+        "step": 1,
+        "steps": [
+            {
+                "name": "wait_agent",
+                "domain": "gpu-node",
+                "started": "t",
+                "finished": "t",
+                "result": "ok",
+                "detail": None,
+            },
+            {
+                "name": "shutdown",
+                "domain": "gpu-node",
+                "started": "t",
+                "finished": None,
+                "result": None,
+                "detail": None,
+            },
+        ],
+        "created": "t",
+        "created_epoch": 1.0,
+        "started": "t",
+        "finished": None,
+        "error": None,
+        "requested_by": "ssh",
+        "runner": None,
+        "request_id": "ha-123456789",
+    }
+    job.update(changes)
+    return job
+
+
+def test_a_status_as_sent_reads_and_its_title_defaults_to_the_name() -> None:
+    """The happy path, for reference: every field typed."""
+    status = parse_status(_status(), strict=True)
+    gpu = status.domains["gpu-node"]
+    assert gpu.title == "gpu-node"
+    assert gpu.cards == ("0000:01:00.0",)
+    assert status.gpus_held_by("gpu-node") == 1
+    assert status.job_for("gpu-node") is None
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ([], "expected an object"),
+        (_status(gaming="gaming-1"), "'gaming' is str"),
+        (_status(gaming=[1]), "'gaming' must hold strings"),
+        (_status(virsh_calls=True), "'virsh_calls' is bool"),
+        (_status(virsh_calls="1"), "'virsh_calls' is str"),
+        (_status(domains=[{"name": "x"}]), "no 'role'"),
+        (_status(active_jobs=[_job(kind="destroy")]), "'kind' is 'destroy'"),
+        (
+            _status(
+                active_jobs=[{**_job(), "step": "reboot", "args": {"domain": "x"}}]
+            ),
+            "'step' is 'reboot'",
+        ),
+        (
+            _status(active_jobs=[{**_job(), "args": ["gaming-1"], "step": None}]),
+            "expected an object",
+        ),
+    ],
+)
+def test_a_status_of_another_shape_is_refused(body: Any, message: str) -> None:
+    """Wrong types, missing fields, unknown enum values: refused, named."""
+    with pytest.raises(ProtocolError, match=message):
+        parse_status(body)
+
+
+def test_strict_parsing_refuses_unknown_fields() -> None:
+    """Lenient by default (an agent may add a field); strict in the contract."""
+    body = _status(new_field=1)
+    assert parse_status(body).gpu_node == "gpu-node"
+    with pytest.raises(ProtocolError, match="unknown fields"):
+        parse_status(body, strict=True)
+
+
+def test_job_records_and_their_current_step() -> None:
+    """A full record names its current step by index, and reports it."""
+    record = parse_job_reply({"protocol": PROTOCOL, "ok": True, "job": _job()})
+    assert record.job.kind is JobKind.HANDOFF
+    assert record.job.state is JobState.RUNNING
+    assert record.current is not None
+    assert record.current.name is StepName.SHUTDOWN
+    assert record.job.domains == ("gaming-1",)
+    summary_only = JobRecord(job=record.job, steps=record.steps)
+    assert summary_only.current is not None
+    assert summary_only.current.name is StepName.SHUTDOWN
+    done = parse_job_reply({"job": _job(step=None, state="succeeded")})
+    assert done.current is None
+    assert not done.job.state.active
+
+
+def test_replies_and_lines_of_another_shape() -> None:
+    """Submit and version replies, lines that are not objects, errors."""
+    with pytest.raises(ProtocolError, match="no 'existing'"):
+        parse_submitted({"job": {"id": "j", "kind": "stop", "state": "queued"}})
+    with pytest.raises(ProtocolError, match="'protocol' is str"):
+        parse_version({"protocol": "2", "version": "x", "verbs": []})
+    with pytest.raises(ProtocolError, match="not JSON"):
+        decode_line("{")
+    with pytest.raises(ProtocolError, match="not a JSON object"):
+        decode_line("[1]")
+    with pytest.raises(ProtocolError, match="unknown type"):
+        parse_push({"type": "gossip"})
+    error = error_of({"ok": False, "error": "not an object"})
+    assert error is not None
+    assert error.code == "unknown"
+    assert error_of({"ok": True}) is None
+
+
+def test_a_stored_job_that_cannot_be_read_is_none() -> None:
+    """Storage written by another version, or damaged: no job, not a crash."""
+    assert PendingJob.from_dict(None) is None
+    assert PendingJob.from_dict({"kind": "destroy", "request_id": "x"}) is None
+    assert PendingJob.from_dict({"kind": "stop"}) is None
+    job = PendingJob.from_dict({"kind": "stop", "domain": "g", "request_id": "r"})
+    assert job is not None
+    assert PendingJob.from_dict(job.as_dict()) == job
