@@ -86,9 +86,9 @@ async def test_full_handoff_and_return(
     device_id = started[0].data["device_id"]
     assert device_id is not None
     cards = hass.states.get(HANDOFF).attributes["cards"]
-    held = {card["address"]: card["held_by"] for card in cards}
-    assert held["0000:03:00.0"] == "gaming-1"  # its RTX 3050
-    assert held["0000:01:00.0"] is None
+    held = {card["card"]: card["held_by"] for card in cards}
+    assert held["0000:03:00"] == "gaming-1"  # its RTX 3050
+    assert held["0000:01:00"] is None
     # The agent waited for the guest agent before it asked for the stop.
     shutdowns = sim.calls("shutdown", "gpu-node")
     assert len(shutdowns) == 1

@@ -108,11 +108,14 @@ async def test_entities_show_the_tower_and_the_node(
     assert attributes["node_ready"] is True
     assert attributes["guest_agent_ready"] is False
     assert attributes["gpus_allocatable"] == 3
-    assert attributes["cards"][2] == {
-        "address": "0000:02:00.0",
+    # One row per card, its functions (GPU and HDMI audio) inside.
+    assert attributes["cards"][1] == {
+        "card": "0000:02:00",
+        "functions": ["0000:02:00.0", "0000:02:00.1"],
         "held_by": "gpu-node",
         "claimed_by": ["gaming-1", "gpu-node"],
     }
+    assert len(attributes["cards"]) == 3
     assert attributes["options"] == [
         "serving",
         "cordoned",
@@ -153,7 +156,7 @@ async def test_state_follows_the_tower(
     assert hass.states.get("sensor.gaming_station_1_vm_state").state == "running"
     assert hass.states.get("sensor.tower_gpus_lent_to_the_cluster").state == "0"
     cards = hass.states.get(HANDOFF).attributes["cards"]
-    assert {card["address"]: card["held_by"] for card in cards}["0000:02:00.1"] == (
+    assert {card["card"]: card["held_by"] for card in cards}["0000:02:00"] == (
         "gaming-1"
     )
 
@@ -331,23 +334,52 @@ async def test_adding_a_gaming_vm_reloads(
     assert hass.states.get("sensor.gaming_station_1_vm_state").state == "shut_off"
 
 
+def _lines(secret: str) -> list[str]:
+    """A secret's non-blank lines, stripped."""
+    return [line.strip() for line in secret.splitlines() if line.strip()]
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in a diagnostics structure, keys too, as it is (not
+    escaped as ``str()`` of the structure would show it)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (*_strings(k), *_strings(v))]
+    if isinstance(value, list | tuple | set):
+        return [s for item in value for s in _strings(item)]
+    return [str(value)]
+
+
+def _assert_no_line_of(secrets: tuple[str, ...], diagnostics: Any) -> None:
+    """No line of any secret appears in any string of ``diagnostics``."""
+    strings = _strings(diagnostics)
+    for secret in secrets:
+        for line in _lines(secret):
+            leaked = [s for s in strings if line in s]
+            assert not leaked, f"{line!r} reached diagnostics"
+
+
 async def test_diagnostics_are_redacted(
     hass: HomeAssistant,
     entry: MockConfigEntry,
     hass_client: ClientSessionGenerator,
     tower: Sshd,
 ) -> None:
-    """Keys, kubeconfig, host and user never reach diagnostics."""
+    """Keys, kubeconfig, host and user never reach diagnostics: no line of
+    any of them (``str()`` escapes newlines, so a multi-line secret as a whole
+    could never be found in it even when it leaked)."""
     await _setup(hass, entry)
     diagnostics = await get_diagnostics_for_config_entry(hass, hass_client, entry)
-    text = str(diagnostics)
-    for secret in (
+    secrets = (
         entry.data[CONF_PRIVATE_KEY],
         entry.data[CONF_KUBECONFIG],
         tower.host_public_key.split()[1],
         "127.0.0.1",
-    ):
-        assert secret not in text
+    )
+    assert len(_lines(entry.data[CONF_PRIVATE_KEY])) > 2
+    assert len(_lines(entry.data[CONF_KUBECONFIG])) > 2
+    _assert_no_line_of(secrets, diagnostics)
     assert diagnostics["entry"]["data"][CONF_PRIVATE_KEY] == REDACTED
     assert diagnostics["snapshot"]["tower"]["gpu_node"] == "gpu-node"
     assert diagnostics["snapshot"]["node"]["ready"] is True
@@ -359,6 +391,7 @@ async def test_diagnostics_are_redacted(
     device_diagnostics = await get_diagnostics_for_device(
         hass, hass_client, entry, device
     )
+    _assert_no_line_of(secrets, device_diagnostics)
     assert set(device_diagnostics["domains"]) == {"gaming-1"}
     assert {card["address"] for card in device_diagnostics["cards"]} == {
         "0000:02:00.0",

@@ -21,7 +21,7 @@ from .const import CONF_GPU_NODE, PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPIN
 from .data import GpuHandoffConfigEntry
 from .entity import ClusterBacked, GpuHandoffEntity, gaming_vms
 from .models import Snapshot
-from .protocol import RUNNING
+from .protocol import RUNNING, TowerStatus
 
 PARALLEL_UPDATES = 0
 
@@ -118,15 +118,24 @@ def gpu_node_attributes(
         if job is not None
         else None,
         "cluster_error": snapshot.cluster_error,
-        "cards": [
-            {
-                "address": card.address,
-                "held_by": card.held_by,
-                "claimed_by": list(card.claimed_by),
-            }
-            for card in tower.cards
-        ],
+        "cards": cards_by_device(tower),
     }
+
+
+def cards_by_device(tower: TowerStatus) -> list[dict[str, Any]]:
+    """One row per card (PCI device), its functions (the GPU, its HDMI
+    audio...) inside: who holds it now and which domains claim it."""
+    rows: dict[str, dict[str, Any]] = {}
+    for card in tower.cards:
+        device = card.address.rsplit(".", 1)[0]
+        row = rows.setdefault(
+            device,
+            {"card": device, "functions": [], "held_by": None, "claimed_by": []},
+        )
+        row["functions"].append(card.address)
+        row["held_by"] = row["held_by"] or card.held_by
+        row["claimed_by"] = sorted({*row["claimed_by"], *card.claimed_by})
+    return list(rows.values())
 
 
 @dataclass(frozen=True, kw_only=True)
