@@ -40,6 +40,7 @@ from custom_components.gpu_handoff.const import (
     CONF_PRIVATE_KEY,
     DOMAIN,
 )
+from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from custom_components.gpu_handoff.tower_client import generate_key_pair
 from tests.conftest import add_tower_entry
 from tests.k8semu import GPU_NODE, K8sEmulator
@@ -143,6 +144,10 @@ async def test_devices(hass: HomeAssistant, entry: MockConfigEntry) -> None:
     }
     assert set(vms) == {"GPU node", "Gaming station 1", "Gaming station 2"}
     assert all(device.via_device_id == tower.id for device in vms.values())
+    # Once the agent session is open, the tower shows the agent it runs.
+    async with asyncio.timeout(10):
+        while registry.async_get(tower.id).sw_version != agent.VERSION:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
 
 
 async def test_state_follows_the_tower(

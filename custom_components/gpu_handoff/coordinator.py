@@ -21,7 +21,7 @@ from homeassistant.config_entries import ConfigEntry
 from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
 from homeassistant.core import HomeAssistant, callback
 from homeassistant.exceptions import ConfigEntryAuthFailed, ConfigEntryError
-from homeassistant.helpers import issue_registry as ir
+from homeassistant.helpers import device_registry as dr, issue_registry as ir
 from homeassistant.helpers.debounce import Debouncer
 from homeassistant.helpers.update_coordinator import DataUpdateCoordinator, UpdateFailed
 
@@ -37,7 +37,7 @@ from .const import (
     DOMAIN,
 )
 from .errors import cluster_error_key, tower_error_key
-from .models import Snapshot
+from .models import Snapshot, tower_identifier
 from .protocol import (
     PROTOCOL,
     RUNNING,
@@ -344,6 +344,7 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
                 backoff = WATCH_BACKOFF_START
                 logged = None
                 _LOGGER.debug("Agent session open (agent %s)", session.hello.version)
+                self._show_agent_version(session.hello.version)
                 self._session_changed()
                 await session.wait_closed()
                 self.session_connected = False
@@ -354,6 +355,15 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
                 await self.async_request_refresh()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, WATCH_BACKOFF_MAX)
+
+    def _show_agent_version(self, version: str) -> None:
+        """The tower device shows the agent it runs (its software version)."""
+        registry = dr.async_get(self.hass)
+        device = registry.async_get_device(
+            identifiers={tower_identifier(self.config_entry.entry_id)}
+        )
+        if device is not None and device.sw_version != version:
+            registry.async_update_device(device.id, sw_version=version)
 
     def _session_changed(self) -> None:
         if self.session_listener is not None:
