@@ -79,3 +79,17 @@ def test_the_integration_ships_the_agent_of_its_version() -> None:
     which agent it ships (and so which one a tower should run)."""
     manifest = json.loads((COMPONENT / "manifest.json").read_text(encoding="utf-8"))
     assert manifest["version"] == agent.VERSION
+
+
+def test_every_step_a_switch_can_show_is_translated() -> None:
+    """The switch's ``step`` attribute shows translated words, never a code:
+    every step the controller and the runner can name has a translation."""
+    from custom_components.gpu_handoff.runner import AGENT_STEPS
+    from custom_components.gpu_handoff.switch import STEP_IDLE
+
+    strings = _load(COMPONENT / "strings.json")
+    shown = strings["entity"]["switch"]["gaming_vm"]["state_attributes"]["step"]
+    steps = {
+        f"{name}_{role}" for name in AGENT_STEPS.values() for role in ("gpu_node", "vm")
+    } | {STEP_IDLE, "preparing", "draining", "waiting_for_node", "uncordoning"}
+    assert steps == set(shown["state"])

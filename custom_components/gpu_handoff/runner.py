@@ -440,7 +440,7 @@ class OperationRunner:
         for step in record.steps[shown:]:
             if step.started is None:
                 break
-            name = AGENT_STEPS.get(step.name, "working")
+            name = AGENT_STEPS[step.name]
             role = "gpu_node" if step.domain == self.gpu_node else "vm"
             self._host.step(f"{name}_{role}")
             shown += 1

@@ -16,6 +16,9 @@ from .protocol import RUNNING
 # Requests go to the controller, which serialises them per tower.
 PARALLEL_UPDATES = 0
 
+# The step shown while no operation runs on the VM (never "unknown").
+STEP_IDLE = "idle"
+
 GAMING_VM = SwitchEntityDescription(key="gaming_vm", translation_key="gaming_vm")
 
 
@@ -56,7 +59,7 @@ class GamingVmSwitch(GpuHandoffEntity, SwitchEntity):
         return {
             "step": operation.step
             if operation is not None and operation.vm == self.domain
-            else None,
+            else STEP_IDLE,
             "last_error": controller.last_error.get(self.domain or ""),
         }
 
