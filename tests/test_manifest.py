@@ -93,3 +93,26 @@ def test_every_step_a_switch_can_show_is_translated() -> None:
         f"{name}_{role}" for name in AGENT_STEPS.values() for role in ("gpu_node", "vm")
     } | {STEP_IDLE, "preparing", "draining", "waiting_for_node", "uncordoning"}
     assert steps == set(shown["state"])
+
+
+def test_every_attribute_value_the_handoff_state_can_show_is_translated() -> None:
+    """Words on the screen, not codes: each value the Handoff state's
+    enumerated attributes can take has a translation."""
+    from custom_components.gpu_handoff.protocol import JobKind, StepName
+    from custom_components.gpu_handoff.sensor import VM_STATES
+
+    attrs = _load(COMPONENT / "strings.json")["entity"]["sensor"]["handoff_state"][
+        "state_attributes"
+    ]
+    assert set(attrs["job"]["state"]) == {"none", *(kind.value for kind in JobKind)}
+    assert set(attrs["job_step"]["state"]) == {"none", *(s.value for s in StepName)}
+    assert set(attrs["vm_state"]["state"]) == set(VM_STATES) - {"missing"}
+    assert set(attrs["cordoned_by"]["state"]) == {"gpu_handoff", "other"}
+    assert set(attrs["cluster_error"]["state"]) == {
+        "cluster_unreachable",
+        "cluster_auth",
+        "node_not_found",
+        "invalid_kubeconfig",
+    }
+    for key in ("guest_agent_ready", "cordoned", "node_ready"):
+        assert set(attrs[key]["state"]) == {"true", "false"}

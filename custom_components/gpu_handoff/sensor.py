@@ -114,9 +114,10 @@ def gpu_node_attributes(
         else None,
         "gpus_allocatable": node.gpu_allocatable if node is not None else None,
         "gpus_in_use": node.gpu_requested if node is not None else None,
-        "job": {"kind": job.kind, "state": job.state, "step": job.step}
-        if job is not None
-        else None,
+        # The tower job acting on the GPU node now, as words: its kind and
+        # the step it is at ("none" while no job runs, never a JSON blob).
+        "job": job.kind.value if job is not None else "none",
+        "job_step": job.step.value if job is not None and job.step else "none",
         "cluster_error": snapshot.cluster_error,
         "cards": cards_by_device(tower),
     }
@@ -252,7 +253,7 @@ class GpuNodeStateSensor(GpuHandoffEntity, SensorEntity):
     and the controller (a drain in progress, evictions a PDB refuses)."""
 
     # Card ownership is shown live; the recorder need not keep every copy.
-    _unrecorded_attributes = frozenset({"cards", "job", "lease_age"})
+    _unrecorded_attributes = frozenset({"cards", "job", "job_step", "lease_age"})
 
     _ratchet: tuple[object, int] | None = None
 
