@@ -69,6 +69,8 @@ EVENTS = (
     "gpu_handoff_handoff_started",
     "gpu_handoff_handoff_step",
     "gpu_handoff_handoff_succeeded",
+    "gpu_handoff_stop_succeeded",
+    "gpu_handoff_return_succeeded",
     "gpu_handoff_handoff_failed",
     "gpu_handoff_cards_returned",
 )

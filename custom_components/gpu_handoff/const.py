@@ -40,6 +40,9 @@ EVENT_HANDOFF_STEP: Final = "gpu_handoff_handoff_step"
 EVENT_HANDOFF_SUCCEEDED: Final = "gpu_handoff_handoff_succeeded"
 EVENT_HANDOFF_FAILED: Final = "gpu_handoff_handoff_failed"
 EVENT_CARDS_RETURNED: Final = "gpu_handoff_cards_returned"
+# A handoff, a stop and a return each end with their own event.
+EVENT_STOP_SUCCEEDED: Final = "gpu_handoff_stop_succeeded"
+EVENT_RETURN_SUCCEEDED: Final = "gpu_handoff_return_succeeded"
 
 SERVICE_RETURN_CARDS: Final = "return_cards"
 SERVICE_START_HANDOFF: Final = "start_handoff"

@@ -49,6 +49,8 @@ from .const import (
     EVENT_HANDOFF_STARTED,
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
+    EVENT_RETURN_SUCCEEDED,
+    EVENT_STOP_SUCCEEDED,
 )
 from .coordinator import GpuHandoffCoordinator
 from .models import domain_identifier
@@ -69,6 +71,12 @@ _LOGGER = logging.getLogger(__name__)
 STORAGE_VERSION: Final = 1
 ISSUE_HANDOFF_FAILED: Final = "handoff_failed"
 ISSUE_UNMANAGED_PODS: Final = "unmanaged_pods"
+# The event each kind of operation ends with when it succeeds.
+SUCCEEDED_EVENTS: Final = {
+    "handoff": EVENT_HANDOFF_SUCCEEDED,
+    "stop": EVENT_STOP_SUCCEEDED,
+    "return": EVENT_RETURN_SUCCEEDED,
+}
 # How long a pod may sit terminating past its deletion time before the drain
 # stops waiting for it (its kubelet is not reporting): kubectl's
 # --skip-wait-for-delete-timeout.
@@ -407,7 +415,7 @@ class HandoffController:
             await self._save()
             if not succeeded:
                 return False
-            self._fire(EVENT_HANDOFF_SUCCEEDED, vm, kind=kind)
+            self._fire(SUCCEEDED_EVENTS[kind], vm, kind=kind)
             if returned:
                 self._fire(EVENT_CARDS_RETURNED, self.coordinator.data.tower.gpu_node)
             ir.async_delete_issue(self.hass, DOMAIN, self._issue_id(vm))

@@ -1,15 +1,17 @@
-"""Logbook lines for the integration's events."""
+"""Logbook lines for the integration's events: the device's name and a
+sentence, never a code."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from homeassistant.components.logbook.const import (
     LOGBOOK_ENTRY_MESSAGE,
     LOGBOOK_ENTRY_NAME,
 )
 from homeassistant.core import Event, HomeAssistant, callback
+from homeassistant.helpers import device_registry as dr
 
 from .const import (
     DOMAIN,
@@ -18,30 +20,53 @@ from .const import (
     EVENT_HANDOFF_STARTED,
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
+    EVENT_RETURN_SUCCEEDED,
+    EVENT_STOP_SUCCEEDED,
 )
 
-KIND_WORDS = {
-    "handoff": "handoff to",
-    "stop": "shutdown of",
-    "return": "card return to",
+OPERATIONS: Final = {
+    "handoff": "the handoff of the cards",
+    "stop": "the shutdown",
+    "return": "the return of the cards to the cluster",
+}
+# What each step of an operation reads as (the same words as the switch's
+# translated step attribute).
+STEPS: Final = {
+    "preparing": "preparing",
+    "draining": "draining the GPU node",
+    "waiting_for_guest_agent_gpu_node": "waiting for the GPU node's guest agent",
+    "stopping_gpu_node": "shutting the GPU node down",
+    "waiting_for_cards_gpu_node": "waiting for the GPU node's cards",
+    "starting_gpu_node": "starting the GPU node",
+    "waiting_for_guest_agent_vm": "waiting for the VM's guest agent",
+    "stopping_vm": "shutting the VM down",
+    "waiting_for_cards_vm": "waiting for the VM's cards",
+    "starting_vm": "starting the VM",
+    "waiting_for_node": "waiting for the GPU node to join the cluster",
+    "uncordoning": "giving the GPU node back to the cluster",
 }
 
 
 def describe(event: Event) -> str:
-    """One line for one event."""
+    """One sentence for one event (the device's name stands before it)."""
     data = event.data
-    what = f"{KIND_WORDS.get(data.get('kind', ''), 'operation on')} {data['vm']}"
+    operation = OPERATIONS.get(str(data.get("kind")), "an operation")
     match event.event_type:
         case "gpu_handoff_handoff_started":
-            return f"started the {what}"
+            return f"{operation} started"
         case "gpu_handoff_handoff_step":
-            return f"{what}: {str(data.get('step', '')).replace('_', ' ')}"
+            step = str(data.get("step", ""))
+            return STEPS.get(step, step.replace("_", " "))
         case "gpu_handoff_handoff_succeeded":
-            return f"finished the {what}"
+            return "has its cards and runs"
+        case "gpu_handoff_stop_succeeded":
+            return "shut down"
+        case "gpu_handoff_return_succeeded":
+            return "the cards are back with the cluster"
         case "gpu_handoff_handoff_failed":
-            return f"the {what} failed: {data.get('error')}"
+            return f"{operation} failed: {data.get('error')}"
         case _:
-            return "gave the cards back to the cluster"
+            return "serves the cluster again with every card"
 
 
 @callback
@@ -53,8 +78,16 @@ def async_describe_events(
 
     @callback
     def async_describe(event: Event) -> dict[str, Any]:
+        device = None
+        if device_id := event.data.get("device_id"):
+            device = dr.async_get(hass).async_get(device_id)
+        name = (
+            (device.name_by_user or device.name)
+            if device is not None
+            else event.data.get("vm", "GPU Handoff")
+        )
         return {
-            LOGBOOK_ENTRY_NAME: "GPU Handoff",
+            LOGBOOK_ENTRY_NAME: name,
             LOGBOOK_ENTRY_MESSAGE: describe(event),
         }
 
@@ -62,6 +95,8 @@ def async_describe_events(
         EVENT_HANDOFF_STARTED,
         EVENT_HANDOFF_STEP,
         EVENT_HANDOFF_SUCCEEDED,
+        EVENT_STOP_SUCCEEDED,
+        EVENT_RETURN_SUCCEEDED,
         EVENT_HANDOFF_FAILED,
         EVENT_CARDS_RETURNED,
     ):
