@@ -735,7 +735,7 @@ class Demo:
                 switch
                 and handoff
                 and switch["state"] == "on"
-                and switch["attributes"].get("step") is None
+                and switch["attributes"].get("step") == "idle"
                 and handoff["state"] == "off"
                 and await asyncio.to_thread(tower.is_running, "gaming-1")
             )
@@ -748,7 +748,7 @@ class Demo:
                 switch
                 and handoff
                 and switch["state"] == "off"
-                and switch["attributes"].get("step") is None
+                and switch["attributes"].get("step") == "idle"
                 and handoff["state"] == "serving"
                 and not cordoned(emu)
                 and await asyncio.to_thread(tower.is_running, "gpu-node")
