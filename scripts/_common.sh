@@ -182,6 +182,13 @@ gh_provision_root() {
   if ! grep -q '^libvirt-qemu:' "$GH_ROOT/etc/passwd"; then
     chroot "$GH_ROOT" useradd --system --no-create-home --user-group --shell /usr/sbin/nologin libvirt-qemu
   fi
+  # The tower agent's tests run the SSH side as this unprivileged account and
+  # the libvirt hook as root, as on a real tower. sshd runs a forced command
+  # through the account's shell and refuses a locked password ("!"): so a
+  # real shell and "*" (no password, not locked).
+  if ! grep -q '^gpu-handoff-user:' "$GH_ROOT/etc/passwd"; then
+    chroot "$GH_ROOT" useradd --create-home --user-group --shell /bin/sh --password '*' gpu-handoff-user
+  fi
   req_stamp=$(gh_stamp "$GH_REQUIREMENTS")
   if [ "$(cat "$GH_ROOT/opt/venv/.stamp" 2>/dev/null)" != "$req_stamp" ]; then
     gh_log "installing the Python tool chain into the root (about a minute and a half)"

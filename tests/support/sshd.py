@@ -4,6 +4,11 @@
 The server is the real ``sshd``; only its configuration is private (its own
 host key, authorized_keys, pid file and port). Tests connect to the literal
 ``127.0.0.1`` (``localhost`` may resolve to ::1 first).
+
+It logs in as root unless ``user`` names another account (see
+tests/support/account.py): sshd reads authorized_keys as that user, so the
+file then lives in a directory of its own under /tmp that every user may read
+(kept for start_again; the test environment's /tmp is its own).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 
 SSHD = "/usr/sbin/sshd"
@@ -66,6 +72,7 @@ class Sshd:
     port: int = 0
     extra_config: list[str] = field(default_factory=list)
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    keys_dir: Path | None = field(default=None, repr=False)
 
     @property
     def client_key(self) -> Path:
@@ -84,8 +91,39 @@ class Sshd:
 
     @property
     def authorized_keys(self) -> Path:
-        """The authorized_keys file sshd reads."""
-        return self.directory / "authorized_keys"
+        """The authorized_keys file sshd reads (as ``user``)."""
+        if self.user == "root":
+            return self.directory / "authorized_keys"
+        if self.keys_dir is None:
+            self.keys_dir = Path(tempfile.mkdtemp(prefix="gh-keys-", dir="/tmp"))
+            self.keys_dir.chmod(0o755)
+        return self.keys_dir / "authorized_keys"
+
+    def client_argv(self, command: str) -> list[str]:
+        """OpenSSH's client, logging in with the client key to run ``command``
+        (the key's forced command runs instead; sshd passes this one on as
+        SSH_ORIGINAL_COMMAND). Run it with ``ssh_environment()``."""
+        return [
+            "ssh",
+            "-F",
+            "/dev/null",
+            "-i",
+            str(self.client_key),
+            "-p",
+            str(self.port),
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "LogLevel=ERROR",
+            f"{self.user}@127.0.0.1",
+            command,
+        ]
 
     def authorize(self, public_key: str) -> None:
         """Let ``public_key`` log in, forced to run the command (as a user would)."""
@@ -116,6 +154,7 @@ class Sshd:
         client_line = generate_key(self.client_key)
         generate_key(self.host_key)
         self.authorized_keys.write_text("", encoding="utf-8")
+        self.authorized_keys.chmod(0o644)
         self.authorize(client_line)
         self.port = self.port or _free_port()
         config = self.directory / "sshd_config"

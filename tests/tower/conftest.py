@@ -29,6 +29,18 @@ def auto_enable_custom_integrations() -> None:
     return
 
 
+@pytest.fixture(autouse=True)
+def never_drop_privileges_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run as root on a state directory of another user, the agent becomes that
+    user for good: in a test's own process that would be the test runner.
+    Such runs belong in a process of their own (tests/tower/test_trust.py)."""
+
+    def refuse(uid: int, gid: int, env: dict[str, str]) -> None:
+        pytest.fail(f"the agent would become uid {uid} inside the test process")
+
+    monkeypatch.setattr(agent, "drop_privileges", refuse, raising=False)
+
+
 def require_tool(*names: str) -> None:
     """Skip when a system tool is missing, unless the environment requires it."""
     missing = [name for name in names if shutil.which(name) is None]

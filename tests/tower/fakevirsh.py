@@ -12,8 +12,15 @@ State file (env FAKEVIRSH_STATE): {"domains": {NAME: {"state": "running" |
 "shut off", "reason": str, "xml": str, "agent_after": pings that fail before
 the agent answers, "shutdown_polls": domstate calls after an accepted shutdown
 before it is shut off (-1 = never), "acpi": whether ACPI is honoured}},
-"event_fails": `event` fails at once as when libvirt is unreachable}. `event`
-prints nothing otherwise (and never ends): the tower simulator has events.
+"event_fails": `event` fails at once as when libvirt is unreachable,
+"screenshot_no_file": `screenshot` says it saved a file but writes none}.
+`event` prints nothing otherwise (and never ends): the tower simulator has
+events.
+
+The domain is the value of `--domain` (as the agent passes it) or the first
+word that is not an option, as for real virsh. Like a virsh with translations
+installed, it prints states in German unless the locale is C: LC_ALL, else
+LC_MESSAGES, else LANG decides, and LANGUAGE=de is honoured in any locale but C.
 """
 
 from __future__ import annotations
@@ -29,6 +36,50 @@ from typing import Any
 AGENT_NOT_CONNECTED = (
     "error: Guest agent is not responding: QEMU guest agent is not connected\n"
 )
+
+
+# What virsh's German catalogue (po/de.po) says for the states it prints.
+GERMAN = {
+    "running": "laufend",
+    "shut off": "ausgeschaltet",
+    "paused": "pausiert",
+    "idle": "leerlaufend",
+    "in shutdown": "im Herunterfahren",
+    "crashed": "abgestürzt",
+    "pmsuspended": "pmsuspendiert",
+    "no state": "kein Status",
+}
+# Options of the commands the agent runs that take a value.
+VALUED = {"--mode", "--timeout", "--file", "--domain"}
+
+
+def _german(env: dict[str, str]) -> bool:
+    """Whether a virsh with translations would print German here (gettext's rules)."""
+    locale = next(
+        (env[k] for k in ("LC_ALL", "LC_MESSAGES", "LANG") if env.get(k)), "C"
+    )
+    if locale.split(".")[0] in ("C", "POSIX"):
+        return False
+    return locale.startswith("de") or env.get("LANGUAGE", "").startswith("de")
+
+
+def _split(rest: list[str]) -> tuple[dict[str, str], list[str]]:
+    """(options with their values, the other words) of one command's words."""
+    options: dict[str, str] = {}
+    words: list[str] = []
+    i = 0
+    while i < len(rest):
+        word = rest[i]
+        if word in VALUED and i + 1 < len(rest):
+            options[word] = rest[i + 1]
+            i += 2
+            continue
+        if word.startswith("--"):
+            options[word] = ""
+        else:
+            words.append(word)
+        i += 1
+    return options, words
 
 
 def _pci_addresses(xml: str) -> set[str]:
@@ -47,8 +98,9 @@ def _pci_addresses(xml: str) -> set[str]:
 class Fake:
     """One virsh process."""
 
-    def __init__(self, state: dict[str, Any]) -> None:
+    def __init__(self, state: dict[str, Any], german: bool = False) -> None:
         self.state = state
+        self.german = german
         self.out: list[str] = []
         self.err: list[str] = []
 
@@ -74,11 +126,8 @@ class Fake:
                 "".join(f"{n}\n" for n in sorted(self.state["domains"])) + "\n"
             )
             return 0
-        name = [a for a in rest if not a.startswith("--")]
-        if verb in ("qemu-agent-command", "shutdown"):
-            name = [rest[2]]
-        elif verb == "screenshot":
-            name = [rest[0]]
+        options, words = _split(rest)
+        name = [options["--domain"]] if "--domain" in options else words[:1]
         dom = self.dom(name[0])
         if dom is None:
             return self.missing(name[0])
@@ -94,7 +143,10 @@ class Fake:
                     )
                 else:
                     dom["pending_shutdown"] = polls - 1
-            self.out.append(f"{dom['state']} ({dom['reason']})\n\n")
+            state = dom["state"]
+            if self.german:
+                state = GERMAN.get(state, state)
+            self.out.append(f"{state} ({dom['reason']})\n\n")
             return 0
         if verb == "qemu-agent-command":
             if dom["state"] != "running":
@@ -109,7 +161,7 @@ class Fake:
             self.out.append('{"return":{}}\n\n')
             return 0
         if verb == "shutdown":
-            mode = rest[1]
+            mode = options["--mode"]
             if dom["state"] != "running":
                 self.err.append(
                     f"error: Failed to shutdown domain '{name[0]}'\n"
@@ -146,13 +198,13 @@ class Fake:
             self.out.append(f"Domain '{name[0]}' started\n\n")
             return 0
         if verb == "screenshot":
-            with Path(rest[2]).open("wb") as handle:
-                handle.write(
-                    bytes.fromhex(self.state.get("screenshot_hex", "89504e47"))
-                )
-            self.out.append(
-                f"Screenshot saved to {rest[2]}, with type of image/png\n\n"
-            )
+            target = options["--file"]
+            if not self.state.get("screenshot_no_file"):
+                with Path(target).open("wb") as handle:
+                    handle.write(
+                        bytes.fromhex(self.state.get("screenshot_hex", "89504e47"))
+                    )
+            self.out.append(f"Screenshot saved to {target}, with type of image/png\n\n")
             return 0
         self.err.append(f"error: unknown command: '{verb}'\n")
         return 1
@@ -165,6 +217,9 @@ def main(argv: list[str]) -> int:
     state_path = Path(os.environ["FAKEVIRSH_STATE"])
     with Path(os.environ["FAKEVIRSH_LOG"]).open("a", encoding="utf-8") as log:
         log.write(json.dumps(argv) + "\n")
+    if os.environ.get("FAKEVIRSH_UIDS"):  # who ran it (the privilege split tests)
+        with Path(os.environ["FAKEVIRSH_UIDS"]).open("a", encoding="utf-8") as log:
+            log.write(json.dumps({"uid": os.getuid(), "argv": argv}) + "\n")
     if len(argv) < 2 or argv[0] != "-c":
         sys.stderr.write("error: the stand-in needs -c URI\n")
         return 1
@@ -191,7 +246,7 @@ def main(argv: list[str]) -> int:
                 "No such file or directory\n"
             )
             return 1
-        fake = Fake(state)
+        fake = Fake(state, _german(dict(os.environ)))
         if len(args) == 1:
             rc = 0
             part: list[str] = []

@@ -66,7 +66,7 @@ def test_domstate_variants() -> None:
     assert agent.parse_domstate("running (booted)\n\n") == ("running", "booted")
     assert agent.parse_domstate("shut off (shutdown)") == ("shut_off", "shutdown")
     assert agent.parse_domstate("in shutdown") == ("in_shutdown", None)
-    assert agent.parse_domstate("") == ("", None)
+    assert agent.parse_domstate("") == ("no_state", None)
 
 
 def test_batch_output_with_a_failed_command() -> None:

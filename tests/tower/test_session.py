@@ -574,10 +574,12 @@ def test_requests_from_a_file_and_internal_errors(
     )
     assert run.rc == 0
     assert [m["type"] for m in run.lines] == ["hello", "status", "reply", "reply"]
-    assert run.lines[2]["error"] == {
-        "code": "internal",
-        "message": "RuntimeError: kaput",
-    }
+    error = run.lines[2]["error"]
+    assert error["code"] == "internal"
+    assert "kaput" not in error["message"]
+    log = (fake_tower.state_dir / "agent.log").read_text(encoding="utf-8")
+    assert f"internal error {error['message'].split()[2].rstrip(';')}" in log
+    assert "RuntimeError: kaput" in log
     assert run.lines[3]["ok"] is True
     assert run.lines[3]["age"] >= 0
 

@@ -144,7 +144,8 @@ def test_twenty_handoff_and_release_cycles(agent_tower: Tower, tmp_path: Path) -
     stops = tower.calls("shutdown", "gpu-node")
     assert len(stops) == 20
     assert all(
-        c.commands == [["shutdown", "--mode", "agent", "gpu-node"]] for c in stops
+        c.commands == [["shutdown", "--mode", "agent", "--domain", "gpu-node"]]
+        for c in stops
     )
     assert len(tower.unit_runs()) == 40
     assert all(u.exit_code == 0 for u in tower.unit_runs())

@@ -28,6 +28,9 @@ pytestmark = pytest.mark.system
 PING = '{"execute":"guest-ping"}'
 TIMESTAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}\+0000: "
 NAMES = ("gpu-node", "gaming-1", "gaming-2")
+# Domains whose names virsh could read as options: the agent passes every
+# domain as `--domain NAME`, which virsh takes as a value whatever it looks like.
+DASHED = ("--bogus", "-x")
 
 
 def conformance_specs() -> list[DomainSpec]:
@@ -36,9 +39,11 @@ def conformance_specs() -> list[DomainSpec]:
     specs = realistic_domains(
         gpu_node_running=False, agent_delay=0.0, shutdown_duration=0.0
     )
+    specs += [DomainSpec(name=name, agent_delay=0.0) for name in DASHED]
     for spec in specs:
         spec.domain_type = "test"
         spec.ignore_acpi = False
+        spec.shutdown_duration = 0.0
     return specs
 
 
@@ -162,6 +167,36 @@ STATIC: list[list[str]] = [
     ["echo ---x---"],
     ["echo -- ---x---"],
     ["-q", "list --all --name; echo x; domstate --reason gpu-node"],
+    # domains as the value of --domain (the agent's form), and the bare form
+    # that a name starting with `--` turns into an option error
+    *[["domstate", "--reason", "--domain", n] for n in (*DASHED, "gpu-node")],
+    *[["dumpxml", "--domain", n] for n in DASHED],
+    ["domstate", "--reason", "--bogus"],
+    ["domstate", "--reason", "-x"],
+    ["dumpxml", "--bogus"],
+    ["dumpxml", "--domain", "--"],
+    ["dumpxml", "--", "--bogus"],
+    ["domstate", "--domain=--bogus"],
+    ["domstate", "--reason", "--domain"],
+    ["domstate", "--domain", "--reason"],
+    ["domstate", "--reason", "--domain", "gpu-node", "--domain", "gpu-node"],
+    ["domstate", "--reason", "--domain", "gpu-node", "gaming-1"],
+    ["start", "--domain", "nosuch"],
+    ["shutdown", "--mode", "agent", "--domain", "nosuch"],
+    ["qemu-agent-command", "--timeout", "2", "--domain", "nosuch", PING],
+    ["qemu-agent-command", "--timeout", "2", "--domain", "--bogus"],
+    ["screenshot", "--domain", "nosuch", "--file", "/tmp/conformance-none.png"],
+    [
+        (
+            "echo @@gpu-handoff-0a1b2c-0 ; dumpxml '--domain' '--bogus' ; "
+            "echo @@gpu-handoff-0a1b2c-1 ; domstate '--reason' '--domain' '--bogus' ; "
+            "echo @@gpu-handoff-0a1b2c-2 ; domstate '--reason' '--domain' '-x' ; "
+            "echo @@gpu-handoff-0a1b2c-3 ; qemu-agent-command '--timeout' '2' "
+            "'--domain' 'nosuch' '{\"execute\":\"guest-ping\"}'"
+        )
+    ],
+    # the agent's former form: one such name made the whole batch a parse error
+    ["echo @@m-0 ; dumpxml '--bogus' ; echo @@m-1 ; domstate '--reason' 'gpu-node'"],
     # the agent's own batch form (tests/towersim/CONTRACT.md)
     [
         (
@@ -210,6 +245,28 @@ def test_lifecycle_matches_real_virsh(pair: Pair, tmp_path: Path) -> None:
         ["list", "--all"],
         ["-q", "shutdown", "gaming-2"],
         ["domstate", "--reason", "gaming-2"],
+    ]
+    for args in steps:
+        pair.same(*args)
+    pair.check()
+    assert png_size(shot) == (160, 100)
+
+
+def test_domain_options_through_a_lifecycle_match_real_virsh(
+    pair: Pair, tmp_path: Path
+) -> None:
+    """The agent's argument forms for a domain named like an option."""
+    shot = tmp_path / "dashed.png"
+    steps: list[list[str]] = [
+        ["start", "--domain", "--bogus"],
+        ["start", "--domain", "--bogus"],
+        ["domstate", "--reason", "--domain", "--bogus"],
+        ["dumpxml", "--domain", "--bogus"],
+        ["screenshot", "--domain", "--bogus", "--file", str(shot)],
+        ["list", "--all", "--name"],
+        ["shutdown", "--domain", "--bogus"],
+        ["domstate", "--reason", "--domain", "--bogus"],
+        ["list", "--all"],
     ]
     for args in steps:
         pair.same(*args)

@@ -10,6 +10,13 @@ open: requests answered, and the tower's state pushed as it changes.
 
 It never destroys a domain: every stop is a graceful shutdown, and a stop that
 does not finish in time leaves the domain running and fails the job.
+
+Trust: the state directory belongs to the user the agent runs as (Home
+Assistant's SSH user) and nobody else may write to it. Run as root (the libvirt
+hook, an administrator's command), the agent becomes that user before it
+touches the directory; every file in it is reached from a directory descriptor
+without following symbolic links, and runners act on what the configuration
+allows, never on what a record says.
 """
 
 from __future__ import annotations
@@ -24,15 +31,18 @@ import os
 import pwd
 import re
 import secrets
+import select
 import selectors
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import time
-from typing import IO, Any, Callable, Dict, List, Optional, Tuple
+import traceback
+from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple
 import xml.etree.ElementTree as ET
 
 # --- protocol: the Home Assistant side imports these ---------------------------
@@ -61,6 +71,9 @@ ERR_TOO_LARGE = "too_large"
 ERR_SCREENSHOT_FAILED = "screenshot_failed"
 ERR_EXISTS = "exists"
 ERR_INSTALL_FAILED = "install_failed"
+ERR_STATE_DIR_UNSAFE = "state_dir_unsafe"
+ERR_QUEUE_FULL = "queue_full"
+ERR_TOO_MANY_STREAMS = "too_many_streams"
 ERR_INTERNAL = "internal"
 
 ERROR_CODES = frozenset(
@@ -86,6 +99,9 @@ ERROR_CODES = frozenset(
         ERR_SCREENSHOT_FAILED,
         ERR_EXISTS,
         ERR_INSTALL_FAILED,
+        ERR_STATE_DIR_UNSAFE,
+        ERR_QUEUE_FULL,
+        ERR_TOO_MANY_STREAMS,
         ERR_INTERNAL,
     }
 )
@@ -146,12 +162,38 @@ MAX_JOBS = 50
 MAX_HOOK_REQUESTS = 20
 # A job whose runner has not taken its lock this long after creation is dead.
 QUEUED_GRACE_SECONDS = 60.0
+# Limits, each a configuration key with this default: jobs waiting for their
+# turn (each has a runner process waiting), and watch/session streams open at
+# once on one tower.
+MAX_QUEUED_JOBS_DEFAULT = 8
+MAX_STREAMS_DEFAULT = 8
+# A stream's client that takes nothing for this long is gone: the stream ends.
+WRITE_TIMEOUT_DEFAULT = 30.0
 
 # Finding codes reported by `status`.
 FINDING_ROM_BAR = "rom_bar_not_off"
 FINDING_NO_AGENT_CHANNEL = "no_agent_channel"
 FINDING_CLAIMED_BY_UNMANAGED = "claimed_by_unmanaged"
 FINDING_DOMAIN_MISSING = "domain_missing"
+
+# What virsh prints for each virDomainState (tools/virsh-domain-monitor.c,
+# virshDomainState; in the C locale, which the agent always runs virsh in) and
+# the value the agent reports. virsh's "idle" is VIR_DOMAIN_BLOCKED ("the domain
+# is blocked on resource"), so it is reported as "blocked"; "blocked" itself is
+# accepted too. Anything else (a future state, a translated word) is
+# "no_state", as virsh itself says for a state it does not know.
+DOMAIN_STATES = {
+    "no state": "no_state",
+    "running": "running",
+    "idle": "blocked",
+    "blocked": "blocked",
+    "paused": "paused",
+    "in shutdown": "in_shutdown",
+    "shut off": "shut_off",
+    "crashed": "crashed",
+    "pmsuspended": "pmsuspended",
+}
+UNKNOWN_STATE = "no_state"
 
 DEFAULT_CONFIG_PATH = "/etc/gpu-handoff/config.json"
 DEFAULT_PREFIX = "/usr/local"
@@ -190,6 +232,7 @@ JsonObj = Dict[str, Any]
 _READ_ERRORS = (OSError, ValueError)
 _SELECT_ERRORS = (ValueError, OSError, AttributeError)
 _NUMBER_ERRORS = (TypeError, ValueError)
+_STREAM_ERRORS = (OSError, ValueError, AttributeError)
 
 
 class AgentError(Exception):
@@ -258,6 +301,9 @@ class Config:
         self.session_refresh = float(
             data.get("session_refresh", SESSION_REFRESH_DEFAULT)
         )
+        self.max_queued_jobs = int(data.get("max_queued_jobs", MAX_QUEUED_JOBS_DEFAULT))
+        self.max_streams = int(data.get("max_streams", MAX_STREAMS_DEFAULT))
+        self.write_timeout = float(data.get("write_timeout", WRITE_TIMEOUT_DEFAULT))
         self.env = env
 
     @property
@@ -282,6 +328,9 @@ class Config:
             "screenshot_max_bytes": self.screenshot_max_bytes,
             "poll_interval": self.poll_interval,
             "session_refresh": self.session_refresh,
+            "max_queued_jobs": self.max_queued_jobs,
+            "max_streams": self.max_streams,
+            "write_timeout": self.write_timeout,
         }
 
 
@@ -305,6 +354,10 @@ def _check_domain_name(where: str, value: Any, problems: List[str]) -> None:
         problems.append(f"{where}: must be a non-empty string")
     elif "/" in value or any(ord(c) < 32 or ord(c) == 127 for c in value):
         problems.append(f"{where}: {value!r} is not a valid domain name")
+    elif value.startswith("-"):
+        problems.append(
+            f"{where}: {value!r} starts with '-' (virsh would read it as an option)"
+        )
     elif len(value) > 200:
         problems.append(f"{where}: longer than 200 characters")
 
@@ -327,6 +380,9 @@ def validate_config(data: Any) -> List[str]:
         "screenshot_max_bytes",
         "poll_interval",
         "session_refresh",
+        "max_queued_jobs",
+        "max_streams",
+        "write_timeout",
     }
     problems.extend(f"{key}: unknown key" for key in sorted(data) if key not in known)
     uri = data.get("libvirt_uri", "qemu:///system")
@@ -413,6 +469,19 @@ def validate_config(data: Any) -> List[str]:
         refresh = data["session_refresh"]
         if not _is_number(refresh) or refresh <= 0:
             problems.append("session_refresh: must be a positive number")
+    for key, high in (("max_queued_jobs", 100), ("max_streams", 64)):
+        if key in data:
+            value = data[key]
+            if (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or not 1 <= value <= high
+            ):
+                problems.append(f"{key}: must be an integer in 1..{high}")
+    if "write_timeout" in data:
+        timeout = data["write_timeout"]
+        if not _is_number(timeout) or not 0 < timeout <= 3600:
+            problems.append("write_timeout: must be a number in (0, 3600]")
     return problems
 
 
@@ -465,6 +534,54 @@ def virsh_quote(token: str) -> str:
     return "'" + token.replace("'", "'\\''") + "'"
 
 
+# Every domain goes to virsh as the value of `--domain`: virsh takes the word
+# after an option that needs a value as that value whatever it looks like,
+# while a bare word that starts with `--` (quoted or not: virsh removes quotes
+# first) is read as an option. A domain named `--bogus` is then a domain.
+def cmd_dumpxml(domain: str) -> List[str]:
+    return ["dumpxml", "--domain", domain]
+
+
+def cmd_domstate(domain: str) -> List[str]:
+    return ["domstate", "--reason", "--domain", domain]
+
+
+def cmd_ping(domain: str) -> List[str]:
+    return [
+        "qemu-agent-command",
+        "--timeout",
+        str(STATUS_PING_TIMEOUT),
+        "--domain",
+        domain,
+        GUEST_PING,
+    ]
+
+
+def cmd_shutdown(domain: str, mode: str) -> List[str]:
+    return ["shutdown", "--mode", mode, "--domain", domain]
+
+
+def cmd_start(domain: str) -> List[str]:
+    return ["start", "--domain", domain]
+
+
+def cmd_screenshot(domain: str, path: str) -> List[str]:
+    return ["screenshot", "--domain", domain, "--file", path]
+
+
+def virsh_environment(env: Dict[str, str]) -> Dict[str, str]:
+    """The caller's environment in the C locale: virsh translates states and
+    errors (`ausgeschaltet` for `shut off` on a German tower), and the agent
+    reads them."""
+    out = {
+        key: value
+        for key, value in env.items()
+        if not key.startswith("LC_") and key not in ("LANG", "LANGUAGE")
+    }
+    out["LC_ALL"] = "C"
+    return out
+
+
 class Virsh:
     """Runs virsh with argv lists; never through a shell; only allowed commands."""
 
@@ -477,7 +594,7 @@ class Virsh:
             raise AgentError(ERR_VIRSH_MISSING, f"virsh not found (looked in {where})")
         self.path = path
         self.uri = cfg.libvirt_uri
-        self.env = dict(cfg.env)
+        self.env = virsh_environment(cfg.env)
         self.calls = 0
 
     def argv(self, args: List[str]) -> List[str]:
@@ -562,12 +679,15 @@ def split_batch_output(text: str, nonce: str, count: int) -> List[str]:
 
 
 def parse_domstate(text: str) -> Tuple[str, Optional[str]]:
-    """`running (booted)` -> ("running", "booted"); `shut off` -> ("shut_off", None)."""
+    """`running (booted)` -> ("running", "booted"); `shut off` -> ("shut_off", None).
+
+    The state is one of DOMAIN_STATES' values, whatever virsh printed.
+    """
     text = text.strip().splitlines()[0].strip() if text.strip() else ""
     match = re.match(r"^(.*?)\s*(?:\((.*)\))?$", text)
     state = (match.group(1) if match else text).strip()
     reason = match.group(2) if match else None
-    return state.replace(" ", "_"), reason
+    return DOMAIN_STATES.get(state, UNKNOWN_STATE), reason
 
 
 def pci_address(elem: ET.Element) -> str:
@@ -697,19 +817,10 @@ def observe(cfg: Config, virsh: Virsh, ping: bool) -> Snapshot:
     managed = cfg.managed
     cmds: List[List[str]] = [["list", "--all", "--name"]]
     for name in managed:
-        cmds.append(["dumpxml", name])
-        cmds.append(["domstate", "--reason", name])
+        cmds.append(cmd_dumpxml(name))
+        cmds.append(cmd_domstate(name))
     if ping:
-        cmds.extend(
-            [
-                "qemu-agent-command",
-                "--timeout",
-                str(STATUS_PING_TIMEOUT),
-                name,
-                GUEST_PING,
-            ]
-            for name in managed
-        )
+        cmds.extend(cmd_ping(name) for name in managed)
     before = virsh.calls
     outs = virsh.batch(cmds)
     if not outs[0] and not any(outs[1:]):
@@ -733,8 +844,8 @@ def observe(cfg: Config, virsh: Virsh, ping: bool) -> Snapshot:
     if others:
         cmds = []
         for name in others:
-            cmds.append(["dumpxml", name])
-            cmds.append(["domstate", "--reason", name])
+            cmds.append(cmd_dumpxml(name))
+            cmds.append(cmd_domstate(name))
         outs = virsh.batch(cmds)
         for i, name in enumerate(others):
             snap.others[name] = _domain_record(name, outs[2 * i], outs[2 * i + 1], True)
@@ -812,68 +923,345 @@ def findings_for(cfg: Config, snap: Snapshot, cards: List[JsonObj]) -> List[Json
 
 
 # --- state directory -----------------------------------------------------------------
+#
+# The state directory belongs to the user the agent runs as, and nobody else
+# may write to it: the agent refuses it otherwise (state_dir_unsafe). Root never
+# works in it as root: act_as_state_owner() makes the process the directory's
+# owner first. Below it, every file is reached from a directory descriptor and
+# never through a symbolic link (O_NOFOLLOW), new files are made with O_EXCL and
+# their mode set on the descriptor, and only names the agent writes itself are
+# ever removed.
+
+STATE_DIR_MODE = 0o700
+STATE_FILE_MODE = 0o600
+MAX_STATE_FILE = 1 << 20
+CLAIMS_FILE = "claims.json"
+ALIASES_FILE = "aliases.json"
+MAX_ALIASES = 200
+AGENT_LOG = "agent.log"
+AGENT_LOG_MAX = 256 << 10
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_LINK_ERRNOS = (errno.ELOOP, errno.ENOTDIR)
+_NEW_FILE = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def _owner_of(path: str) -> Optional[Tuple[int, int]]:
+def _unsafe(message: str) -> AgentError:
+    return AgentError(ERR_STATE_DIR_UNSAFE, message)
+
+
+def check_state_dir_fd(fd: int, where: str) -> None:
+    """A state directory (or one below it) must be this user's, and only theirs
+    to write to."""
+    st = os.fstat(fd)
+    if not stat.S_ISDIR(st.st_mode):
+        raise _unsafe(f"{where} is not a directory")
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise _unsafe(
+            f"{where} belongs to uid {st.st_uid}, not to uid {uid} that runs the "
+            "agent: chown it to that user"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise _unsafe(
+            f"{where} is writable by its group or by others (mode {mode:04o}): "
+            f"chmod go-w {where}"
+        )
+
+
+def _open_subdir(parent: int, name: str, where: str, create: bool) -> Optional[int]:
+    for _ in range(2):
+        try:
+            fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
+        except FileNotFoundError:
+            if not create:
+                return None
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, STATE_DIR_MODE, dir_fd=parent)
+            continue
+        except OSError as err:
+            if err.errno in _LINK_ERRNOS:
+                raise _unsafe(
+                    f"{where} is not a directory (a symbolic link?); the agent "
+                    "made no such thing: remove it"
+                ) from None
+            raise
+        try:
+            check_state_dir_fd(fd, where)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    raise _unsafe(f"cannot make {where}")
+
+
+def open_state_dir(state_dir: str, sub: str = "", create: bool = True) -> Optional[int]:
+    """A descriptor of the checked state directory, or of its subdirectory
+    `sub`; None when it is missing and `create` is false."""
     try:
-        st = os.stat(path)
+        try:
+            top = os.open(state_dir, _DIR_FLAGS)
+        except FileNotFoundError:
+            if not create:
+                return None
+            os.makedirs(state_dir, mode=STATE_DIR_MODE, exist_ok=True)
+            top = os.open(state_dir, _DIR_FLAGS)
+    except OSError as err:
+        raise _unsafe(
+            f"cannot open the state directory {state_dir}: {err.strerror or err}"
+        ) from None
+    try:
+        check_state_dir_fd(top, state_dir)
+        if not sub:
+            return top
+        fd = _open_subdir(top, sub, os.path.join(state_dir, sub), create)
+    except BaseException:
+        os.close(top)
+        raise
+    os.close(top)
+    return fd
+
+
+@contextlib.contextmanager
+def state_dir_fd(state_dir: str, sub: str = "") -> Iterator[int]:
+    """The state directory (or `sub` below it), made if missing."""
+    fd = open_state_dir(state_dir, sub, create=True)
+    if fd is None:  # pragma: no cover - create=True makes it or raises
+        raise _unsafe(f"cannot make {os.path.join(state_dir, sub)}")
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def existing_state_fd(state_dir: str, sub: str = "") -> Iterator[Optional[int]]:
+    """The state directory (or `sub` below it) if it exists; else None."""
+    fd = open_state_dir(state_dir, sub, create=False)
+    try:
+        yield fd
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _exists_at(dfd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
+def _read_at(dfd: int, name: str) -> Optional[bytes]:
+    """A regular file's bytes (at most MAX_STATE_FILE); None otherwise."""
+    try:
+        fd = os.open(
+            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd
+        )
     except OSError:
         return None
-    return st.st_uid, st.st_gid
-
-
-def fix_owner(path: str, state_dir: str) -> None:
-    """Files root writes into state_dir belong to the state_dir's owner."""
-    if os.geteuid() != 0:
-        return
-    owner = _owner_of(state_dir)
-    if owner is None or owner == (0, 0):
-        return
-    with contextlib.suppress(OSError):
-        os.chown(path, owner[0], owner[1])
-
-
-def ensure_dir(path: str, state_dir: str) -> None:
-    if not os.path.isdir(path):
-        os.makedirs(path, exist_ok=True)
-        fix_owner(path, state_dir)
-
-
-def write_json_atomic(path: str, data: Any, state_dir: str) -> None:
-    directory = os.path.dirname(path)
-    ensure_dir(directory, state_dir)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=1, sort_keys=True)
-            handle.write("\n")
-        os.chmod(tmp, 0o644)
-        fix_owner(tmp, state_dir)
-        os.replace(tmp, path)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks: List[bytes] = []
+        size = 0
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > MAX_STATE_FILE:
+                return None
+            chunks.append(chunk)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_json_at(dfd: int, name: str) -> Optional[Any]:
+    data = _read_at(dfd, name)
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def write_json_at(dfd: int, name: str, data: Any) -> None:
+    """Replace `name` in the directory atomically: a new file made with O_EXCL,
+    its mode set on the descriptor, renamed over the old one (a symbolic link
+    there is replaced, never followed)."""
+    payload = (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
+    tmp = f".tmp-{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_EXCL | _NEW_FILE, STATE_FILE_MODE, dir_fd=dfd)
+    try:
+        try:
+            os.fchmod(fd, STATE_FILE_MODE)
+            _write_all(fd, payload)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dfd)
         raise
 
 
-def read_json(path: str) -> Optional[Any]:
+def open_file_at(dfd: int, name: str, flags: int, where: str) -> int:
+    """A regular file opened (made if missing) in the directory, mode 0600,
+    never through a symbolic link."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except _READ_ERRORS:
-        return None
+        fd = os.open(name, flags | _NEW_FILE, STATE_FILE_MODE, dir_fd=dfd)
+    except OSError as err:
+        if err.errno in _LINK_ERRNOS:
+            raise _unsafe(
+                f"{where} is a symbolic link; the agent made no such thing: remove it"
+            ) from None
+        if err.errno == errno.ENXIO:  # a FIFO or socket nobody reads
+            raise _unsafe(
+                f"{where} is not a regular file; the agent made no such thing"
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _unsafe(f"{where} is not a regular file; the agent made no such thing")
+    return fd
 
 
-def open_lock(path: str, state_dir: str) -> IO[str]:
-    existed = os.path.exists(path)
-    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held as a lock
-    if not existed:
-        fix_owner(path, state_dir)
-    return handle
+def open_lock_at(dfd: int, name: str, where: str) -> int:
+    """A lock file's descriptor (see open_file_at); flock it."""
+    return open_file_at(dfd, name, os.O_RDWR, where)
+
+
+def _split_state_path(path: str, state_dir: str) -> Tuple[str, str]:
+    """(subdirectory or "", name) of a file of the state directory."""
+    parts = os.path.relpath(path, state_dir).split(os.sep)
+    if len(parts) > 2 or any(p in ("", os.curdir, os.pardir) for p in parts):
+        raise AgentError(ERR_INTERNAL, f"{path} is not in the state directory")
+    return (parts[0] if len(parts) == 2 else ""), parts[-1]
+
+
+def write_json_atomic(path: str, data: Any, state_dir: str) -> None:
+    """write_json_at for a path in the state directory."""
+    sub, name = _split_state_path(path, state_dir)
+    with state_dir_fd(state_dir, sub) as dfd:
+        write_json_at(dfd, name, data)
+
+
+def act_as_state_owner(cfg: Config) -> None:
+    """As root, become the state directory's owner for good before touching it:
+    nothing its owner planted there (a symbolic link, a rewritten record) can
+    then make root do more than its owner could."""
+    if os.geteuid() != 0:
+        return
+    try:
+        st = os.stat(cfg.state_dir)
+    except OSError:
+        return  # made by root, for root (install makes it for its user)
+    if st.st_uid != 0:
+        drop_privileges(st.st_uid, st.st_gid, cfg.env)
+
+
+def drop_privileges(uid: int, gid: int, env: Dict[str, str]) -> None:
+    """Become `uid` for good: its groups, then its gid, then its uid."""
+    try:
+        account: Optional[pwd.struct_passwd] = pwd.getpwuid(uid)
+    except KeyError:
+        account = None
+    try:
+        if account is not None:
+            os.initgroups(account.pw_name, account.pw_gid)
+            os.setgid(account.pw_gid)
+        else:
+            os.setgroups([])
+            os.setgid(gid)
+        os.setuid(uid)
+    except OSError as err:
+        raise _unsafe(
+            f"cannot become uid {uid}, the state directory's owner: "
+            f"{err.strerror or err}"
+        ) from None
+    if (os.getuid(), os.geteuid()) != (uid, uid):  # pragma: no cover - setuid said so
+        raise _unsafe(f"could not become uid {uid}, the state directory's owner")
+    for key in (
+        "XDG_RUNTIME_DIR",
+        "XDG_CONFIG_HOME",
+        "XDG_CACHE_HOME",
+        "DBUS_SESSION_BUS_ADDRESS",
+    ):
+        env.pop(key, None)
+    if account is not None:
+        env["HOME"] = account.pw_dir
+        env["USER"] = env["LOGNAME"] = account.pw_name
+    runtime = f"/run/user/{uid}"
+    if os.path.isdir(runtime):  # its systemd user manager, if it lingers
+        env["XDG_RUNTIME_DIR"] = runtime
+
+
+def _append_log(dfd: int, text: str) -> None:
+    with contextlib.suppress(OSError):
+        if (
+            os.stat(AGENT_LOG, dir_fd=dfd, follow_symlinks=False).st_size
+            > AGENT_LOG_MAX
+        ):
+            os.replace(AGENT_LOG, AGENT_LOG + ".1", src_dir_fd=dfd, dst_dir_fd=dfd)
+    fd = open_file_at(dfd, AGENT_LOG, os.O_WRONLY | os.O_APPEND, AGENT_LOG)
+    try:
+        _write_all(fd, text.encode("utf-8", "replace"))
+    finally:
+        os.close(fd)
+
+
+def log_internal(cfg: Optional[Config], where: str, err: BaseException) -> str:
+    """Log an unexpected error on the tower; the incident id to answer with.
+
+    The log is STATE_DIR/agent.log (0600; past 256 KiB it moves to agent.log.1);
+    without a usable state directory, syslog (tag gpu-handoff). The client only
+    learns the incident id: never the exception's text.
+    """
+    incident = secrets.token_hex(4)
+    detail = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    text = (
+        f"{now_iso()} [{os.getpid()}] internal error {incident} in {where}:\n{detail}"
+    )
+    if cfg is not None:
+        try:
+            with existing_state_fd(cfg.state_dir) as dfd:
+                if dfd is not None:
+                    _append_log(dfd, text)
+                    return incident
+        except Exception:  # noqa: BLE001, S110 - syslog below, then
+            pass
+    try:
+        import syslog  # noqa: PLC0415 - only needed here
+
+        syslog.openlog("gpu-handoff", syslog.LOG_PID, syslog.LOG_USER)
+        for line in text.splitlines():
+            syslog.syslog(syslog.LOG_ERR, line)
+    except Exception:  # noqa: BLE001, S110 - nowhere left to log to
+        pass
+    return incident
+
+
+def internal_error(incident: str) -> JsonObj:
+    """The `error` a client gets for an unexpected error: a code and an id."""
+    return {
+        "code": ERR_INTERNAL,
+        "message": f"internal error {incident}; the details are in the tower's log",
+    }
 
 
 def claims_cache_path(cfg: Config) -> str:
-    return os.path.join(cfg.state_dir, "claims.json")
+    return os.path.join(cfg.state_dir, CLAIMS_FILE)
 
 
 # --- jobs -------------------------------------------------------------------------------
@@ -925,6 +1313,33 @@ def plan_job(cfg: Config, kind: str, target: Optional[str]) -> List[JsonObj]:
     return steps + _start_steps(cfg.gpu_node)
 
 
+def check_work(cfg: Config, kind: str, target: Optional[str]) -> None:
+    """The domains a job of this kind may act on: configured ones only."""
+    if kind in ("stop", "start"):
+        if target not in cfg.managed:
+            raise AgentError(
+                ERR_UNKNOWN_DOMAIN, f"{str(target)[:80]!r} is not a configured domain"
+            )
+    elif (kind == "handoff" or target is not None) and target not in cfg.gaming:
+        raise AgentError(
+            ERR_UNKNOWN_DOMAIN,
+            f"{str(target)[:80]!r} is not a configured gaming domain",
+        )
+
+
+def job_work(cfg: Config, job: JsonObj) -> Tuple[str, Optional[str]]:
+    """A job record's kind and domain, checked against the configuration."""
+    kind = job.get("kind")
+    args = job.get("args")
+    target = args.get("domain") if isinstance(args, dict) else None
+    if not isinstance(kind, str) or kind not in JOB_KINDS:
+        raise AgentError(ERR_BAD_REQUEST, f"{str(kind)[:40]!r} is not a job kind")
+    if target is not None and not isinstance(target, str):
+        raise AgentError(ERR_BAD_REQUEST, "the job's domain is not a string")
+    check_work(cfg, kind, target)
+    return kind, target
+
+
 def create_job(
     cfg: Config,
     kind: str,
@@ -949,23 +1364,29 @@ def create_job(
         "request_id": request_id,
         "runner": None,
     }
-    ensure_dir(cfg.state_dir, cfg.state_dir)
-    write_json_atomic(job_path(cfg, job_id), job, cfg.state_dir)
+    with state_dir_fd(cfg.state_dir, "jobs") as jfd:
+        write_json_at(jfd, job_id + ".json", job)
     prune_jobs(cfg)
     return job
 
 
 def list_job_ids(cfg: Config) -> List[str]:
-    try:
-        names = os.listdir(jobs_dir(cfg))
-    except OSError:
-        return []
+    with existing_state_fd(cfg.state_dir, "jobs") as jfd:
+        if jfd is None:
+            return []
+        names = os.listdir(jfd)
     ids = [
         n[: -len(".json")]
         for n in names
         if n.endswith(".json") and not n.startswith(".")
     ]
     return sorted(i for i in ids if JOB_ID_RE.match(i))
+
+
+def read_job(cfg: Config, job_id: str) -> Optional[Any]:
+    """A job record as stored (no liveness check); None if there is none."""
+    with existing_state_fd(cfg.state_dir, "jobs") as jfd:
+        return None if jfd is None else read_json_at(jfd, job_id + ".json")
 
 
 def _kept_for_request(job: JsonObj) -> bool:
@@ -979,72 +1400,131 @@ def _kept_for_request(job: JsonObj) -> bool:
     return time.time() - created < REQUEST_KEEP_SECONDS
 
 
-def prune_jobs(cfg: Config) -> None:
-    ids = list_job_ids(cfg)
-    for job_id in ids[: max(0, len(ids) - MAX_JOBS)]:
-        job = read_json(job_path(cfg, job_id))
-        if isinstance(job, dict) and (
-            job.get("state") in ("queued", "running") or _kept_for_request(job)
-        ):
+def read_aliases(cfg: Config) -> Dict[str, str]:
+    """Young request ids answered with another request's queued job: job ids."""
+    with existing_state_fd(cfg.state_dir) as sfd:
+        data = read_json_at(sfd, ALIASES_FILE) if sfd is not None else None
+    out: Dict[str, str] = {}
+    if not isinstance(data, dict):
+        return out
+    for request_id, entry in data.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("job"), str):
             continue
-        for suffix in (".json", ".lock", ".log"):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(jobs_dir(cfg), job_id + suffix))
+        try:
+            age = time.time() - float(entry.get("time") or 0)
+        except _NUMBER_ERRORS:
+            continue
+        if age < REQUEST_KEEP_SECONDS:
+            out[str(request_id)] = entry["job"]
+    return out
+
+
+def add_alias(cfg: Config, request_id: str, job_id: str) -> None:
+    """Remember that `request_id` was answered with `job_id` (under submit.lock)."""
+    with state_dir_fd(cfg.state_dir) as sfd:
+        data = read_json_at(sfd, ALIASES_FILE)
+        entries = data if isinstance(data, dict) else {}
+        young = read_aliases(cfg)
+        kept = {k: v for k, v in entries.items() if k in young}
+        kept[request_id] = {"job": job_id, "time": time.time()}
+        newest = sorted(kept, key=lambda k: float(kept[k]["time"]))[-MAX_ALIASES:]
+        write_json_at(sfd, ALIASES_FILE, {k: kept[k] for k in newest})
+
+
+def prune_jobs(cfg: Config) -> None:
+    """Keep the newest MAX_JOBS records (and any active or still asked-for one).
+
+    Only names the agent writes itself are removed: ID.json, ID.lock, ID.log.
+    """
+    ids = list_job_ids(cfg)
+    if len(ids) <= MAX_JOBS:
+        return
+    aliased = set(read_aliases(cfg).values())
+    with state_dir_fd(cfg.state_dir, "jobs") as jfd:
+        for job_id in ids[: len(ids) - MAX_JOBS]:
+            job = read_json_at(jfd, job_id + ".json")
+            if job_id in aliased or (
+                isinstance(job, dict)
+                and (
+                    job.get("state") in ("queued", "running") or _kept_for_request(job)
+                )
+            ):
+                continue
+            for suffix in (".json", ".lock", ".log"):
+                with contextlib.suppress(OSError):
+                    os.unlink(job_id + suffix, dir_fd=jfd)
 
 
 def _lock_is_free(path: str) -> bool:
+    """Whether no process holds the lock file at `path` (a link is not followed)."""
     try:
-        handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115
+        fd = os.open(path, os.O_RDWR | _NEW_FILE, STATE_FILE_MODE)
     except OSError:
         return False
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def load_job(cfg: Config, job_id: str) -> JsonObj:
-    """A job's record; a job whose runner died is reported (and stored) as failed."""
+    """A job's record; a job whose runner died is reported (and stored) as failed.
+
+    A runner holds jobs/ID.lock from before it reads its job until it has
+    written the job's end, and it waits for that lock rather than taking a busy
+    one for a rival's: so this probe may take it for an instant. Held: the
+    runner lives. Free: a job still queued and young has a runner starting (or
+    about to), anything else not finished lost its runner.
+    """
     if not JOB_ID_RE.match(job_id):
         raise AgentError(ERR_BAD_REQUEST, f"invalid job id {job_id!r}")
-    path = job_path(cfg, job_id)
-    job = read_json(path)
-    if not isinstance(job, dict):
-        raise AgentError(ERR_UNKNOWN_JOB, f"no job {job_id!r}")
-    if job.get("state") not in ("queued", "running"):
-        return job
-    lock_path = os.path.join(jobs_dir(cfg), job_id + ".lock")
-    young = time.time() - float(job.get("created_epoch") or 0) < QUEUED_GRACE_SECONDS
-    if job["state"] == "queued" and young and not os.path.exists(lock_path):
-        return job
-    try:
-        handle = open_lock(lock_path, cfg.state_dir)
-    except OSError:
-        return job
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return job  # the runner holds it: alive
-        # Lock free: the runner finished (re-read) or died.
-        job = read_json(path)
-        if not isinstance(job, dict):
+    name = job_id + ".json"
+    with existing_state_fd(cfg.state_dir, "jobs") as jfd:
+        job = read_json_at(jfd, name) if jfd is not None else None
+        if jfd is None or not isinstance(job, dict):
             raise AgentError(ERR_UNKNOWN_JOB, f"no job {job_id!r}")
-        if job.get("state") == "running" or (
-            job.get("state") == "queued" and not young
-        ):
-            job["state"] = "failed"
-            job["finished"] = now_iso()
-            job["error"] = {
-                "code": ERR_RUNNER_DIED,
-                "message": "the job's runner is gone before the job finished",
-            }
-            write_json_atomic(path, job, cfg.state_dir)
-        fcntl.flock(handle, fcntl.LOCK_UN)
+        if job.get("state") not in ("queued", "running"):
+            return job
+        lock_name = job_id + ".lock"
+        young = _young_job(job)
+        if job["state"] == "queued" and young and not _exists_at(jfd, lock_name):
+            return job
+        try:
+            lock = open_lock_at(jfd, lock_name, os.path.join(jobs_dir(cfg), lock_name))
+        except (OSError, AgentError):
+            return job
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return job  # the runner holds it: alive
+            job = read_json_at(jfd, name)
+            if not isinstance(job, dict):
+                raise AgentError(ERR_UNKNOWN_JOB, f"no job {job_id!r}")
+            if job.get("state") == "running" or (
+                job.get("state") == "queued" and not _young_job(job)
+            ):
+                job["state"] = "failed"
+                job["finished"] = now_iso()
+                job["error"] = {
+                    "code": ERR_RUNNER_DIED,
+                    "message": "the job's runner is gone before the job finished",
+                }
+                write_json_at(jfd, name, job)
+        finally:
+            os.close(lock)
     return job
+
+
+def _young_job(job: JsonObj) -> bool:
+    try:
+        created = float(job.get("created_epoch") or 0)
+    except _NUMBER_ERRORS:
+        return False
+    return time.time() - created < QUEUED_GRACE_SECONDS
 
 
 def job_summary(job: JsonObj) -> JsonObj:
@@ -1070,11 +1550,14 @@ def job_summary(job: JsonObj) -> JsonObj:
 
 
 def find_request(cfg: Config, request_id: str) -> Optional[str]:
-    """The id of the job record that carries this request id, if one exists."""
+    """The id of the job made for this request id (or that answered it)."""
     for job_id in reversed(list_job_ids(cfg)):
-        job = read_json(job_path(cfg, job_id))
+        job = read_job(cfg, job_id)
         if isinstance(job, dict) and job.get("request_id") == request_id:
             return job_id
+    aliased = read_aliases(cfg).get(request_id)
+    if aliased is not None and JOB_ID_RE.match(aliased) and read_job(cfg, aliased):
+        return aliased
     return None
 
 
@@ -1141,21 +1624,25 @@ def spawn_runner(cfg: Config, job: JsonObj) -> JsonObj:
                 ERR_SPAWN_FAILED,
                 f"systemd-run failed ({proc.returncode}): {proc.stderr.strip()}",
             )
-    log_path = os.path.join(jobs_dir(cfg), job_id + ".log")
-    with open(log_path, "ab") as log:
-        fix_owner(log_path, cfg.state_dir)
-        try:
-            child = subprocess.Popen(
-                program_argv(cfg, job_id),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                close_fds=True,
-                start_new_session=True,
-                env=cfg.env,
-            )
-        except OSError as err:
-            raise AgentError(ERR_SPAWN_FAILED, f"cannot start runner: {err}") from None
+    name = job_id + ".log"
+    with state_dir_fd(cfg.state_dir, "jobs") as jfd:
+        log = open_file_at(
+            jfd, name, os.O_WRONLY | os.O_APPEND, os.path.join(jobs_dir(cfg), name)
+        )
+    try:
+        child = subprocess.Popen(
+            program_argv(cfg, job_id),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            close_fds=True,
+            start_new_session=True,
+            env=cfg.env,
+        )
+    except OSError as err:
+        raise AgentError(ERR_SPAWN_FAILED, f"cannot start runner: {err}") from None
+    finally:
+        os.close(log)
     reap_runners()
     _RUNNERS.append(child)
     return {"mode": "process", "pid": child.pid}
@@ -1192,6 +1679,28 @@ def _create_and_spawn(
     return _submitted(job, runner)
 
 
+def queued_jobs(cfg: Config) -> List[JsonObj]:
+    """The jobs still waiting for their turn, newest first (liveness checked)."""
+    out = []
+    for job_id in reversed(list_job_ids(cfg)):
+        try:
+            job = load_job(cfg, job_id)
+        except AgentError:
+            continue
+        if job.get("state") == "queued":
+            out.append(job)
+    return out
+
+
+def _same_work(job: JsonObj, kind: str, target: Optional[str]) -> bool:
+    args = job.get("args")
+    return (
+        job.get("kind") == kind
+        and isinstance(args, dict)
+        and args.get("domain") == target
+    )
+
+
 def submit_job(
     cfg: Config,
     kind: str,
@@ -1202,20 +1711,37 @@ def submit_job(
     """Create a job and start its runner: (the reply's `job`, whether it existed).
 
     A request id that a job record already carries creates nothing: that job
-    is answered. Looking up, creating and spawning hold submit.lock, so two
-    processes (sessions, one-shot commands) with the same id make one job.
+    is answered. Neither does the same work (kind and domain) as a job still
+    queued: that job is answered (and the request id remembered for it). A
+    queue of max_queued_jobs is full: refused. All of it holds submit.lock, so
+    processes asking at once (sessions, one-shot commands, the hook) agree.
     """
-    if request_id is None:
-        return _create_and_spawn(cfg, kind, target, requested_by, None), False
-    ensure_dir(cfg.state_dir, cfg.state_dir)
-    lock = open_lock(os.path.join(cfg.state_dir, "submit.lock"), cfg.state_dir)
-    with lock:
+    with state_dir_fd(cfg.state_dir) as sfd:
+        lock = open_lock_at(
+            sfd, "submit.lock", os.path.join(cfg.state_dir, "submit.lock")
+        )
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        existing = find_request(cfg, request_id)
-        if existing is not None:
-            job = load_job(cfg, existing)
-            return _submitted(job, job.get("runner")), True
+        if request_id is not None:
+            existing = find_request(cfg, request_id)
+            if existing is not None:
+                job = load_job(cfg, existing)
+                return _submitted(job, job.get("runner")), True
+        queued = queued_jobs(cfg)
+        same = next((job for job in queued if _same_work(job, kind, target)), None)
+        if same is not None:
+            if request_id is not None:
+                add_alias(cfg, request_id, same["id"])
+            return _submitted(same, same.get("runner")), True
+        if len(queued) >= cfg.max_queued_jobs:
+            raise AgentError(
+                ERR_QUEUE_FULL,
+                f"{len(queued)} jobs wait for their turn already "
+                f"(max_queued_jobs = {cfg.max_queued_jobs}); ask again once one has started",
+            )
         return _create_and_spawn(cfg, kind, target, requested_by, request_id), False
+    finally:
+        os.close(lock)
 
 
 class JobRunner:
@@ -1250,21 +1776,13 @@ class JobRunner:
                 self.end(step, "skipped", detail)
 
     def state_of(self, domain: str) -> str:
-        result = self.virsh.run(["domstate", "--reason", domain])
+        result = self.virsh.run(cmd_domstate(domain))
         if result.rc != 0:
             raise AgentError(ERR_DOMAIN_MISSING, result.error_text())
         return parse_domstate(result.out)[0]
 
     def agent_ready(self, domain: str) -> bool:
-        result = self.virsh.run(
-            [
-                "qemu-agent-command",
-                "--timeout",
-                str(STATUS_PING_TIMEOUT),
-                domain,
-                GUEST_PING,
-            ]
-        )
+        result = self.virsh.run(cmd_ping(domain))
         return result.rc == 0 and '"return"' in result.out
 
     def run(self) -> None:
@@ -1301,7 +1819,7 @@ class JobRunner:
         self.begin(index)
         refusals = []
         for mode in self.cfg.shutdown_modes:
-            result = self.virsh.run(["shutdown", "--mode", mode, domain])
+            result = self.virsh.run(cmd_shutdown(domain, mode))
             if result.rc == 0:
                 self.end(step, "ok", f"shutdown --mode {mode} accepted")
                 return
@@ -1369,7 +1887,7 @@ class JobRunner:
     def step_start(self, index: int, step: JsonObj) -> None:
         domain = step["domain"]
         self.begin(index)
-        result = self.virsh.run(["start", domain])
+        result = self.virsh.run(cmd_start(domain))
         if result.rc == 0:
             self.end(step, "ok", "started")
             return
@@ -1382,58 +1900,93 @@ class JobRunner:
 
 
 def run_job(cfg: Config, job_id: str) -> int:
-    """The detached runner: one job, serialised per tower by a flock."""
-    path = job_path(cfg, job_id)
-    lock = open_lock(os.path.join(jobs_dir(cfg), job_id + ".lock"), cfg.state_dir)
-    with lock:
+    """The detached runner: one job, serialised per tower by a flock.
+
+    It waits for its job's lock (a `job`, `jobs` or `status` probe holds it for
+    an instant; a rival runner until its job is over: then the job is no longer
+    queued and this runner has nothing to do). It runs only queued work that
+    the configuration allows, with steps made anew from the job's kind and
+    domain: never the steps or domains a record lists.
+    """
+    name = job_id + ".json"
+    with state_dir_fd(cfg.state_dir, "jobs") as jfd:
+        lock = open_lock_at(
+            jfd, job_id + ".lock", os.path.join(jobs_dir(cfg), job_id + ".lock")
+        )
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return 0  # another runner has it
-        job = read_json(path)
-        if not isinstance(job, dict) or job.get("state") != "queued":
-            return 0
-        job["runner"] = {"pid": os.getpid()}
-        write_json_atomic(path, job, cfg.state_dir)
-        tower = open_lock(os.path.join(cfg.state_dir, "tower.lock"), cfg.state_dir)
-        with tower:
-            fcntl.flock(tower, fcntl.LOCK_EX)
-            job["state"] = "running"
-            job["started"] = now_iso()
-            write_json_atomic(path, job, cfg.state_dir)
-            runner: Optional[JobRunner] = None
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            job = read_json_at(jfd, name)
+            if not isinstance(job, dict) or job.get("state") != "queued":
+                return 0  # another runner ran it, or no such job
             try:
-                runner = JobRunner(cfg, job, Virsh(cfg))
-                runner.run()
-                job["state"] = "succeeded"
+                kind, target = job_work(cfg, job)
             except AgentError as err:
                 job["state"] = "failed"
+                job["finished"] = now_iso()
                 job["error"] = {"code": err.code, "message": err.message}
-            except Exception as err:  # noqa: BLE001 - recorded in the job
+                write_json_at(jfd, name, job)
+                return 1
+            job["steps"] = plan_job(cfg, kind, target)
+            job["step"] = None
+            job["runner"] = {"pid": os.getpid()}
+            write_json_at(jfd, name, job)
+            try:
+                with state_dir_fd(cfg.state_dir) as sfd:
+                    tower = open_lock_at(
+                        sfd, "tower.lock", os.path.join(cfg.state_dir, "tower.lock")
+                    )
+            except AgentError as err:
                 job["state"] = "failed"
-                job["error"] = {
-                    "code": ERR_INTERNAL,
-                    "message": f"{type(err).__name__}: {err}",
-                }
-            job["finished"] = now_iso()
-            write_json_atomic(path, job, cfg.state_dir)
+                job["finished"] = now_iso()
+                job["error"] = {"code": err.code, "message": err.message}
+                write_json_at(jfd, name, job)
+                return 1
+            try:
+                fcntl.flock(tower, fcntl.LOCK_EX)
+                job["state"] = "running"
+                job["started"] = now_iso()
+                write_json_at(jfd, name, job)
+                try:
+                    JobRunner(cfg, job, Virsh(cfg)).run()
+                    job["state"] = "succeeded"
+                except AgentError as err:
+                    job["state"] = "failed"
+                    job["error"] = {"code": err.code, "message": err.message}
+                except Exception as err:  # noqa: BLE001 - logged, recorded in the job
+                    job["state"] = "failed"
+                    job["error"] = internal_error(
+                        log_internal(cfg, f"job {job_id}", err)
+                    )
+                job["finished"] = now_iso()
+                write_json_at(jfd, name, job)
+            finally:
+                os.close(tower)
+        finally:
+            os.close(lock)
     return 0 if job["state"] == "succeeded" else 1
 
 
 # --- verbs --------------------------------------------------------------------------------
 
 
+# The hook's request records: requests/JOBID-DOMAIN.json (JOBID as new_job_id).
+REQUEST_FILE_RE = re.compile(r"^[0-9]{8}-[0-9]{6}-[0-9]{6}-[0-9a-f]{6}-.+\.json$")
+
+
+def _request_names(rfd: int) -> List[str]:
+    """The request records in requests/, oldest first: only names the hook writes."""
+    return sorted(n for n in os.listdir(rfd) if REQUEST_FILE_RE.match(n))
+
+
 def hook_requests(cfg: Config) -> List[JsonObj]:
-    directory = os.path.join(cfg.state_dir, "requests")
-    try:
-        names = sorted(n for n in os.listdir(directory) if n.endswith(".json"))
-    except OSError:
-        return []
-    out = []
-    for name in names[-MAX_HOOK_REQUESTS:]:
-        data = read_json(os.path.join(directory, name))
-        if isinstance(data, dict):
-            out.append(data)
+    out: List[JsonObj] = []
+    with existing_state_fd(cfg.state_dir, "requests") as rfd:
+        if rfd is None:
+            return out
+        for name in _request_names(rfd)[-MAX_HOOK_REQUESTS:]:
+            data = read_json_at(rfd, name)
+            if isinstance(data, dict):
+                out.append(data)
     return out
 
 
@@ -1446,28 +1999,25 @@ def status_body(cfg: Config, virsh: Optional[Virsh] = None) -> JsonObj:
     for job_id in list_job_ids(cfg):
         try:
             job = load_job(cfg, job_id)
-        except AgentError:
+            if job.get("state") in ("queued", "running"):
+                active.append(job_summary(job))
+        except _JOB_ERRORS:
             continue
-        if job["state"] in ("queued", "running"):
-            active.append(job_summary(job))
     requests = hook_requests(cfg)
     snap = observe(cfg, virsh, ping=True)
     cards = card_table(cfg, snap)
     found = findings_for(cfg, snap, cards)
     gpu = snap.domains[cfg.gpu_node]
-    try:
-        ensure_dir(cfg.state_dir, cfg.state_dir)
-        write_json_atomic(
-            claims_cache_path(cfg),
+    with state_dir_fd(cfg.state_dir) as sfd:
+        write_json_at(
+            sfd,
+            CLAIMS_FILE,
             {
                 "gpu_node": cfg.gpu_node,
                 "addresses": sorted(d["address"] for d in gpu["hostdevs"]),
                 "written": now_iso(),
             },
-            cfg.state_dir,
         )
-    except OSError:
-        pass
     domains = []
     for name in cfg.managed:
         dom = dict(snap.domains[name])
@@ -1495,7 +2045,7 @@ def verb_screenshot(cfg: Config, domain: str) -> JsonObj:
     tmpdir = tempfile.mkdtemp(prefix="gpu-handoff-shot-")
     try:
         target = os.path.join(tmpdir, "screen")
-        result = virsh.run(["screenshot", domain, "--file", target])
+        result = virsh.run(cmd_screenshot(domain, target))
         if result.rc != 0:
             raise AgentError(ERR_SCREENSHOT_FAILED, result.error_text())
         match = re.search(r"with type of (\S+?)\.?$", result.out.strip())
@@ -1523,6 +2073,8 @@ def verb_hook(cfg: Config, args: List[str], xml_text: str) -> None:
 
     libvirt writes the domain XML to stdin and, for some operations, reads the
     hook's stdout as new XML: so stdin is always read and stdout never written.
+    libvirtd runs it as root: it becomes the state directory's owner before it
+    reads or writes anything there, and so does the runner it starts.
     """
     if len(args) < 3:
         return
@@ -1533,13 +2085,14 @@ def verb_hook(cfg: Config, args: List[str], xml_text: str) -> None:
         wanted = {d["address"] for d in parse_domain_xml(xml_text)["hostdevs"]}
     except ET.ParseError:
         return
-    cache = read_json(claims_cache_path(cfg))
+    act_as_state_owner(cfg)
+    with existing_state_fd(cfg.state_dir) as sfd:
+        cache = read_json_at(sfd, CLAIMS_FILE) if sfd is not None else None
     if not isinstance(cache, dict) or cache.get("gpu_node") != cfg.gpu_node:
         return
     shared = sorted(wanted & set(cache.get("addresses") or []))
     if not shared:
         return
-    ensure_dir(cfg.state_dir, cfg.state_dir)
     request: JsonObj = {
         "domain": domain,
         "operation": f"{operation} {subop}",
@@ -1547,37 +2100,83 @@ def verb_hook(cfg: Config, args: List[str], xml_text: str) -> None:
         "time": now_iso(),
         "job": None,
     }
-    name = f"{new_job_id()}-{domain}".replace("/", "_")
-    request_path = os.path.join(cfg.state_dir, "requests", name + ".json")
     try:
         submitted, _ = submit_job(cfg, "stop", cfg.gpu_node, "hook")
         request["job"] = submitted["id"]
     except AgentError as err:
         request["error"] = {"code": err.code, "message": err.message}
-    write_json_atomic(request_path, request, cfg.state_dir)
-    directory = os.path.dirname(request_path)
-    names = sorted(os.listdir(directory))
-    for old in names[: max(0, len(names) - MAX_HOOK_REQUESTS)]:
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(directory, old))
+    with state_dir_fd(cfg.state_dir, "requests") as rfd:
+        write_json_at(rfd, f"{new_job_id()}-{domain}.json", request)
+        names = _request_names(rfd)
+        for old in names[: max(0, len(names) - MAX_HOOK_REQUESTS)]:
+            with contextlib.suppress(OSError):
+                os.unlink(old, dir_fd=rfd)
 
 
 class StreamClosedError(Exception):
-    """The client of `watch` or `session` went away."""
+    """The client went away, or took nothing for write_timeout seconds."""
 
 
-def _emit(stdout: IO[str], obj: JsonObj) -> None:
+def _stream_fd(stream: IO[str]) -> Optional[int]:
+    """The descriptor of a pipe or socket behind `stream` (flushed), else None."""
     try:
-        stdout.write(json.dumps(obj, sort_keys=True) + "\n")
-        stdout.flush()
-    except (BrokenPipeError, ValueError) as err:
+        fd = stream.fileno()
+        mode = os.fstat(fd).st_mode
+    except _STREAM_ERRORS:
+        return None
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        return None
+    stream.flush()
+    return fd
+
+
+def _write_bounded(fd: int, data: bytes, timeout: float) -> None:
+    """Write all of `data`, giving up once the reader took nothing for `timeout` s."""
+    blocking = os.get_blocking(fd)
+    os.set_blocking(fd, False)
+    try:
+        view = memoryview(data)
+        since = time.monotonic()
+        while view:
+            try:
+                written = os.write(fd, view)
+            except BlockingIOError:
+                written = 0
+            if written:
+                view = view[written:]
+                since = time.monotonic()
+                continue
+            left = since + timeout - time.monotonic()
+            if left <= 0:
+                raise StreamClosedError(f"the client took nothing for {timeout:g} s")
+            select.select([], [fd], [], left)
+    finally:
+        with contextlib.suppress(OSError):
+            os.set_blocking(fd, blocking)
+
+
+def _emit(
+    stdout: IO[str], obj: JsonObj, timeout: float = WRITE_TIMEOUT_DEFAULT
+) -> None:
+    """One JSON line to the client; StreamClosedError once it is gone or stalled.
+
+    To a pipe or socket (sshd's), bytes go straight to the descriptor, never
+    waiting more than `timeout` seconds for the client to take some.
+    """
+    text = json.dumps(obj, sort_keys=True) + "\n"
+    try:
+        fd = _stream_fd(stdout)
+        if fd is None:
+            stdout.write(text)
+            stdout.flush()
+        else:
+            _write_bounded(fd, text.encode(), timeout)
+    except StreamClosedError:
+        _discard_output(stdout)
+        raise
+    except _STREAM_ERRORS as err:
         _discard_output(stdout)
         raise StreamClosedError from err
-    except OSError as err:
-        if err.errno in (errno.EPIPE, errno.EBADF):
-            _discard_output(stdout)
-            raise StreamClosedError from err
-        raise
 
 
 def _discard_output(stdout: IO[str]) -> None:
@@ -1601,11 +2200,36 @@ def message(kind: str, **fields: Any) -> JsonObj:
     return out
 
 
+def _dies_with_parent() -> Optional[Callable[[], None]]:
+    """A preexec_fn that has the child sent SIGTERM when this process ends
+    (Linux's PR_SET_PDEATHSIG; None elsewhere): a stream killed outright
+    leaves no `virsh event` behind."""
+    try:
+        import ctypes  # noqa: PLC0415 - only where it exists
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (ImportError, OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # it ended before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
+PR_SET_PDEATHSIG = 1
+
+
 class EventChild:
     """`virsh event --loop --all --timestamp`, read without blocking.
 
     `watch` and `session` share it: they read when its pipe is readable, get
-    the events of the complete lines so far, and why it ended once it has.
+    the events of the complete lines so far, and why it ended once it has. It
+    ends with the stream: closed by it, or sent SIGTERM when the stream's
+    process ends any other way.
     """
 
     def __init__(self, virsh: Virsh) -> None:
@@ -1616,6 +2240,7 @@ class EventChild:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env=virsh.env,
+                preexec_fn=_dies_with_parent(),  # noqa: PLW1509 - one call, async-signal-safe enough
             )
         except OSError as err:
             raise AgentError(
@@ -1671,32 +2296,100 @@ class JobScanner:
     def scan(self) -> List[JsonObj]:
         messages: List[JsonObj] = []
         seen: Dict[str, Tuple[str, int, int, int]] = {}
-        for job_id in list_job_ids(self.cfg)[-MAX_JOBS:]:
-            path = job_path(self.cfg, job_id)
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            job = read_json(path)
-            if not isinstance(job, dict):
-                continue
-            # Records are replaced, never rewritten in place: a new inode or
-            # size tells a change that fell in the same mtime tick.
-            key = (str(job.get("state")), st.st_mtime_ns, st.st_ino, st.st_size)
-            seen[job_id] = key
-            if self.seen.get(job_id) == key:
-                continue
-            try:
-                messages.append(
-                    message("job", job=job_summary(job), steps=job["steps"])
-                )
-            except _JOB_ERRORS:
-                continue
+        ids = list_job_ids(self.cfg)[-MAX_JOBS:]
+        with existing_state_fd(self.cfg.state_dir, "jobs") as jfd:
+            if jfd is None:
+                self.seen = seen
+                return messages
+            for job_id in ids:
+                name = job_id + ".json"
+                try:
+                    st = os.stat(name, dir_fd=jfd, follow_symlinks=False)
+                except OSError:
+                    continue
+                job = read_json_at(jfd, name)
+                if not isinstance(job, dict):
+                    continue
+                # Records are replaced, never rewritten in place: a new inode
+                # or size tells a change that fell in the same mtime tick.
+                key = (str(job.get("state")), st.st_mtime_ns, st.st_ino, st.st_size)
+                seen[job_id] = key
+                if self.seen.get(job_id) == key:
+                    continue
+                try:
+                    messages.append(
+                        message("job", job=job_summary(job), steps=job["steps"])
+                    )
+                except _JOB_ERRORS:
+                    continue
         self.seen = seen
         return messages
 
 
+@contextlib.contextmanager
+def stream_slot(cfg: Config) -> Iterator[None]:
+    """One of max_streams slots, held while a `watch` or `session` runs.
+
+    A slot is a flock on streams/slot-N.lock: a stream that ends, however it
+    ends, frees its slot. None free: too_many_streams.
+    """
+    held: Optional[int] = None
+    with state_dir_fd(cfg.state_dir, "streams") as dfd:
+        for index in range(cfg.max_streams):
+            name = f"slot-{index}.lock"
+            fd = open_lock_at(dfd, name, os.path.join(cfg.state_dir, "streams", name))
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            held = fd
+            break
+    if held is None:
+        raise AgentError(
+            ERR_TOO_MANY_STREAMS,
+            f"{cfg.max_streams} watch and session streams are open on this tower "
+            "already (max_streams); close one first",
+        )
+    try:
+        yield
+    finally:
+        os.close(held)
+
+
+class StreamEndError(BaseException):
+    """SIGTERM or SIGHUP: a stream ends as at the end of its input.
+
+    A BaseException, so that no handler of a single request catches it.
+    """
+
+
+def _end_stream(signum: int, frame: Any) -> None:
+    raise StreamEndError
+
+
+@contextlib.contextmanager
+def ending_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP end a stream cleanly (its `virsh event` with it)."""
+    previous: Dict[signal.Signals, Any] = {}
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            previous[signum] = signal.signal(signum, _end_stream)
+        except ValueError:  # not the main thread (tests): no handlers
+            break
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def verb_watch(cfg: Config, stdin: IO[str], stdout: IO[str]) -> int:
+    with stream_slot(cfg):
+        return _watch(cfg, stdin, stdout)
+
+
+def _watch(cfg: Config, stdin: IO[str], stdout: IO[str]) -> int:
     child = EventChild(Virsh(cfg))
     sel = selectors.DefaultSelector()
     sel.register(child.stdout, selectors.EVENT_READ, "virsh")
@@ -1705,31 +2398,33 @@ def verb_watch(cfg: Config, stdin: IO[str], stdout: IO[str]) -> int:
         sel.register(stdin, selectors.EVENT_READ, "stdin")
     jobs = JobScanner(cfg)
     managed = set(cfg.managed)
+    timeout = cfg.write_timeout
     code = 0
     try:
-        jobs.scan()
-        _emit(stdout, reply_ok(type="watching", domains=cfg.managed))
-        running = True
-        while running:
-            for key, _ in sel.select(timeout=min(cfg.poll_interval, 0.5)):
-                if key.data == "stdin":
-                    data = os.read(key.fd, 4096)
-                    if not data:
+        with ending_signals():
+            jobs.scan()
+            _emit(stdout, reply_ok(type="watching", domains=cfg.managed), timeout)
+            running = True
+            while running:
+                for key, _ in sel.select(timeout=min(cfg.poll_interval, 0.5)):
+                    if key.data == "stdin":
+                        data = os.read(key.fd, 4096)
+                        if not data:
+                            running = False
+                        continue
+                    events, error = child.read()
+                    for event in events:
+                        if event["domain"] in managed:
+                            _emit(stdout, message("event", **event), timeout)
+                    if error is not None:
+                        _emit(stdout, message("error", error=error), timeout)
+                        code = 1
                         running = False
-                    continue
-                events, error = child.read()
-                for event in events:
-                    if event["domain"] in managed:
-                        _emit(stdout, message("event", **event))
-                if error is not None:
-                    _emit(stdout, message("error", error=error))
-                    code = 1
-                    running = False
-                    break
-            if running:
-                for line in jobs.scan():
-                    _emit(stdout, line)
-    except StreamClosedError:
+                        break
+                if running:
+                    for line in jobs.scan():
+                        _emit(stdout, line, timeout)
+    except (StreamClosedError, StreamEndError):
         code = 0
     finally:
         sel.close()
@@ -1738,17 +2433,6 @@ def verb_watch(cfg: Config, stdin: IO[str], stdout: IO[str]) -> int:
 
 
 # --- session ---------------------------------------------------------------------------------
-
-
-class SessionEndError(BaseException):
-    """SIGTERM or SIGHUP: the session ends as at the end of its input.
-
-    A BaseException, so that no handler of a single request catches it.
-    """
-
-
-def _end_session(signum: int, frame: Any) -> None:
-    raise SessionEndError
 
 
 def _session_id(value: Any) -> bool:
@@ -1779,18 +2463,16 @@ def parse_session_line(line: bytes) -> JsonObj:
 
 def _requests_state(cfg: Config) -> Tuple[Tuple[str, int, int], ...]:
     """Names, mtimes and sizes of the hook requests: changes when they do."""
-    directory = os.path.join(cfg.state_dir, "requests")
-    try:
-        names = sorted(n for n in os.listdir(directory) if n.endswith(".json"))
-    except OSError:
-        return ()
     out = []
-    for name in names:
-        try:
-            st = os.stat(os.path.join(directory, name))
-        except OSError:
-            continue
-        out.append((name, st.st_mtime_ns, st.st_size))
+    with existing_state_fd(cfg.state_dir, "requests") as rfd:
+        if rfd is None:
+            return ()
+        for name in _request_names(rfd):
+            try:
+                st = os.stat(name, dir_fd=rfd, follow_symlinks=False)
+            except OSError:
+                continue
+            out.append((name, st.st_mtime_ns, st.st_size))
     return tuple(out)
 
 
@@ -1828,33 +2510,28 @@ class Session:
         self.open = True
 
     def send(self, obj: JsonObj) -> None:
-        _emit(self.stdout, obj)
+        _emit(self.stdout, obj, self.cfg.write_timeout)
 
     def run(self) -> int:
-        previous: Dict[signal.Signals, Any] = {}
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            try:
-                previous[signum] = signal.signal(signum, _end_session)
-            except ValueError:  # not the main thread (tests): no handlers
-                break
         try:
-            self.jobs.scan()  # the records as they are now: pushed when they change
-            # Listen before the first status, so no change falls in between.
-            failure = self.start_events()
-            self.send(
-                message("hello", ok=True, version=VERSION, verbs=sorted(SESSION_VERBS))
-            )
-            self.recompute(force=True, drain=False)
-            if failure is not None:
-                self.send(message("error", source="events", error=failure))
-            self.attach_stdin()
-            while self.open:
-                self.step()
-        except (StreamClosedError, SessionEndError):
+            with ending_signals():
+                self.jobs.scan()  # the records as they are now: pushed when they change
+                # Listen before the first status, so no change falls in between.
+                failure = self.start_events()
+                self.send(
+                    message(
+                        "hello", ok=True, version=VERSION, verbs=sorted(SESSION_VERBS)
+                    )
+                )
+                self.recompute(force=True, drain=False)
+                if failure is not None:
+                    self.send(message("error", source="events", error=failure))
+                self.attach_stdin()
+                while self.open:
+                    self.step()
+        except (StreamClosedError, StreamEndError):
             pass
         finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
             self.stop_events()
             self.sel.close()
             reap_runners()
@@ -2004,8 +2681,9 @@ class Session:
             answer = reply_error(err.code, err.message)
         except StreamClosedError:
             raise
-        except Exception as err:  # noqa: BLE001 - answered; the session goes on
-            answer = reply_error(ERR_INTERNAL, f"{type(err).__name__}: {err}")
+        except Exception as err:  # noqa: BLE001 - logged, answered; the session goes on
+            incident = log_internal(self.cfg, "a session request", err)
+            answer = reply_error(**internal_error(incident))
         self.send(self.reply(ident, answer))
 
     def answer(self, request: JsonObj) -> JsonObj:
@@ -2055,8 +2733,8 @@ class Session:
             body = status_body(self.cfg, self.virsh)
         except AgentError as err:
             failure: Optional[JsonObj] = {"code": err.code, "message": err.message}
-        except Exception as err:  # noqa: BLE001 - reported; the session goes on
-            failure = {"code": ERR_INTERNAL, "message": f"{type(err).__name__}: {err}"}
+        except Exception as err:  # noqa: BLE001 - logged, reported; the session goes on
+            failure = internal_error(log_internal(self.cfg, "a session's status", err))
         else:
             failure = None
         self.computed_at = time.monotonic()
@@ -2068,7 +2746,7 @@ class Session:
                 self.read_events(self.events)
             self.scan_jobs()
         if failure is not None:
-            if failure != self.failure:
+            if not _same_failure(failure, self.failure):
                 self.send(message("error", source="status", error=failure))
             self.failure = failure
             self.body = None
@@ -2091,10 +2769,19 @@ class Session:
         return reply_ok(age=round(time.monotonic() - self.computed_at, 3), **self.body)
 
 
+def _same_failure(new: JsonObj, old: Optional[JsonObj]) -> bool:
+    """Whether a status failure was pushed already (an internal error's incident
+    id changes every time: its code is what counts)."""
+    if old is None or new["code"] != old["code"]:
+        return False
+    return new["code"] == ERR_INTERNAL or new == old
+
+
 def verb_session(
     cfg: Config, stdin: IO[str], stdout: IO[str], requested_by: str
 ) -> int:
-    return Session(cfg, stdin, stdout, requested_by).run()
+    with stream_slot(cfg):
+        return Session(cfg, stdin, stdout, requested_by).run()
 
 
 # --- requests (serve, the command line, sessions) -------------------------------------------
@@ -2132,14 +2819,12 @@ def check_request(cfg: Config, verb: str, args: List[str]) -> None:
         raise AgentError(
             ERR_BAD_REQUEST, f"{verb} takes {low}..{high} arguments, got {len(args)}"
         )
-    if verb in ("stop", "start", "screenshot") and args[0] not in cfg.managed:
+    if verb == "screenshot" and args[0] not in cfg.managed:
         raise AgentError(
             ERR_UNKNOWN_DOMAIN, f"{args[0][:80]!r} is not a configured domain"
         )
-    if verb in ("handoff", "release") and args and args[0] not in cfg.gaming:
-        raise AgentError(
-            ERR_UNKNOWN_DOMAIN, f"{args[0][:80]!r} is not a configured gaming domain"
-        )
+    if verb in JOB_VERBS:
+        check_work(cfg, verb, args[0] if args else None)
     if verb == "job":
         if not JOB_ID_RE.fullmatch(args[0]):
             raise AgentError(ERR_BAD_REQUEST, "invalid job id")
@@ -2219,6 +2904,45 @@ def parse_serve_request(
 
 
 # --- install ------------------------------------------------------------------------------
+
+
+def _status_or_error(cfg: Config) -> JsonObj:
+    try:
+        return verb_status(cfg)
+    except AgentError as error:
+        return reply_error(error.code, error.message)
+
+
+def _as_account(account: pwd.struct_passwd, work: Callable[[], JsonObj]) -> JsonObj:
+    """`work`'s reply, computed in a child process that is `account` (root only)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child, measured by its result
+        try:
+            os.close(read_fd)
+            try:
+                drop_privileges(account.pw_uid, account.pw_gid, {})
+                result = work()
+            except AgentError as error:
+                result = reply_error(error.code, error.message)
+            except Exception as error:  # noqa: BLE001 - reported to the parent
+                result = reply_error(ERR_INTERNAL, f"{type(error).__name__}: {error}")
+            _write_all(write_fd, json.dumps(result).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(pid, 0)
+    try:
+        answer: Any = json.loads(data)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        return reply_error(
+            ERR_INTERNAL, "the status check as the SSH user said nothing"
+        )
+    return answer
 
 
 def _rooted(root: str, path: str) -> str:
@@ -2318,9 +3042,14 @@ def verb_install(
         written.append(real_config)
         real_state = _rooted(root, opts["state_dir"])
         os.makedirs(real_state, exist_ok=True)
-        if os.geteuid() == 0:
-            os.chown(real_state, account.pw_uid, account.pw_gid)
-        os.chmod(real_state, 0o755)  # noqa: S103 - programs and the state dir are world-readable
+        # The SSH user's alone: nobody else may write to it (or read it).
+        state_fd = os.open(real_state, _DIR_FLAGS)
+        try:
+            if os.geteuid() == 0:
+                os.fchown(state_fd, account.pw_uid, account.pw_gid)
+            os.fchmod(state_fd, STATE_DIR_MODE)
+        finally:
+            os.close(state_fd)
         written.append(real_state)
         real_hook = _rooted(root, HOOK_PATH)
         os.makedirs(os.path.dirname(real_hook), exist_ok=True)
@@ -2336,18 +3065,18 @@ def verb_install(
     # Check the tower with the configuration just written (relocated under --root).
     check_data = dict(data)
     check_data["state_dir"] = _rooted(root, opts["state_dir"])
-    check_cfg = Config(real_config, check_data, env)
+    check_cfg = Config(real_config, check_data, dict(env))
     findings: List[JsonObj] = []
     status_error: Optional[JsonObj] = None
-    try:
-        status = verb_status(check_cfg)
+    # As the SSH user (root never works in its state directory).
+    if os.geteuid() == 0 and account.pw_uid != 0:
+        status = _as_account(account, lambda: verb_status(check_cfg))
+    else:
+        status = _status_or_error(check_cfg)
+    if status.get("ok"):
         findings = status["findings"]
-        if os.geteuid() == 0:
-            for path in (claims_cache_path(check_cfg),):
-                if os.path.exists(path):
-                    os.chown(path, account.pw_uid, account.pw_gid)
-    except AgentError as error:
-        status_error = {"code": error.code, "message": error.message}
+    else:
+        status_error = status["error"]
     key_line = (
         f'restrict,command="{program} --config {config_path} serve" '
         "<public key of Home Assistant>"
@@ -2410,11 +3139,8 @@ def _dispatch(
 
 
 def version_reply() -> JsonObj:
-    return reply_ok(
-        version=VERSION,
-        python=".".join(str(v) for v in sys.version_info[:3]),
-        verbs=sorted(SERVE_VERBS),
-    )
+    """The protocol (in every reply), the agent's version and its verbs."""
+    return reply_ok(version=VERSION, verbs=sorted(SERVE_VERBS))
 
 
 def _run_verb(
@@ -2426,8 +3152,14 @@ def _run_verb(
     stdin: IO[str],
     stdout: IO[str],
     stderr: IO[str],
+    loaded: List[Config],
 ) -> Tuple[Optional[JsonObj], int]:
-    """Any verb; (reply to print, or None when it printed itself; exit code)."""
+    """Any verb; (reply to print, or None when it printed itself; exit code).
+
+    The configuration, once loaded, is appended to `loaded` (for the log of an
+    unexpected error). Run as root, every verb that uses the state directory
+    first becomes its owner (act_as_state_owner).
+    """
     path = config_path_from(config_option, env)
     if verb == "version":
         if args:
@@ -2441,9 +3173,12 @@ def _run_verb(
             xml_text = "" if stdin.isatty() else stdin.read()
             verb_hook(load_config(path, env), args, xml_text)
         except Exception as err:  # noqa: BLE001 - a hook must never fail libvirt
-            stderr.write(f"gpu-handoff hook: {err}\n")
+            # To libvirtd's log, on the tower; never to stdout (read as XML).
+            with contextlib.suppress(*_STREAM_ERRORS):
+                stderr.write(f"gpu-handoff hook: {err}\n")
         return None, 0
     cfg = load_config(path, env)
+    loaded.append(cfg)
     if verb == "check-config":
         return reply_ok(config=cfg.as_json()), 0
     if verb == "run-job":
@@ -2453,6 +3188,7 @@ def _run_verb(
             raise AgentError(ERR_BAD_REQUEST, "invalid job id")
         if len(args) == 3:
             cfg.state_dir = args[2]
+        act_as_state_owner(cfg)
         return None, run_job(cfg, args[0])
     if verb == "serve":
         if args:
@@ -2460,6 +3196,7 @@ def _run_verb(
         verb, args, request_id = parse_serve_request(
             cfg, env.get("SSH_ORIGINAL_COMMAND")
         )
+        act_as_state_owner(cfg)
         return _dispatch(
             verb=verb,
             args=args,
@@ -2472,6 +3209,7 @@ def _run_verb(
     if verb in SERVE_VERBS:
         args, request_id = split_request_option(verb, args)
         check_request(cfg, verb, args)
+        act_as_state_owner(cfg)
         return _dispatch(
             verb=verb,
             args=args,
@@ -2521,6 +3259,7 @@ def main(
     if not argv:
         return answer(reply_error(ERR_BAD_REQUEST, "no verb given\n" + USAGE))
     verb, args = argv[0], argv[1:]
+    loaded: List[Config] = []
     try:
         reply, code = _run_verb(
             verb=verb,
@@ -2530,11 +3269,13 @@ def main(
             stdin=stdin,
             stdout=stdout,
             stderr=stderr,
+            loaded=loaded,
         )
     except AgentError as err:
         return answer(reply_error(err.code, err.message))
-    except Exception as err:  # noqa: BLE001 - answered, never a traceback
-        return answer(reply_error(ERR_INTERNAL, f"{type(err).__name__}: {err}"))
+    except Exception as err:  # noqa: BLE001 - logged on the tower, answered with a code
+        incident = log_internal(loaded[0] if loaded else None, f"verb {verb[:40]}", err)
+        return answer(reply_error(**internal_error(incident)))
     if reply is None:
         return code
     return answer(reply)
