@@ -312,3 +312,33 @@ async def test_a_node_that_never_turns_ready_fails_the_return(
     assert failed[0].data["code"] == "node_not_ready"
     assert sim.is_running("gpu-node")
     assert cordoned(cluster)
+
+
+async def test_a_request_lost_before_it_arrived_is_asked_again(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The connection drops before the handoff request reaches the agent:
+    the look-up by request id finds no job, so the request is sent again
+    under the same id, and the tower runs exactly one job."""
+    original = TowerSession.request
+    lost: list[str] = []
+
+    async def lost_on_the_way(
+        self: TowerSession, verb: str, *args: str, **kwargs: Any
+    ) -> Any:
+        if verb == "handoff" and not lost:
+            lost.append(kwargs["request_id"])
+            raise TowerConnectionError("connection lost before the request")
+        return await original(self, verb, *args, **kwargs)
+
+    monkeypatch.setattr(TowerSession, "request", lost_on_the_way)
+    await setup_entry(hass, entry)
+    await switch(hass, "turn_on", SWITCH_1)
+    await _settled_after_handoff(hass, entry, sim)
+    handoffs = [job for job in await _jobs(entry) if job.kind is JobKind.HANDOFF]
+    assert [job.request_id for job in handoffs] == lost

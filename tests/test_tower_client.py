@@ -321,6 +321,18 @@ async def test_request_timeout(tmp_path: Path, socket_enabled: None) -> None:
             _echo({"protocol": PROTOCOL, "type": "status", "status": {}}),
             AgentVersionError,
         ),
+        (
+            _echo(
+                {
+                    "protocol": PROTOCOL,
+                    "type": "event",
+                    "time": "t",
+                    "domain": "gpu-node",
+                    "event": "lifecycle",
+                }
+            ),
+            AgentVersionError,
+        ),
     ],
 )
 async def test_a_session_that_is_not_the_agents(
@@ -364,3 +376,12 @@ async def test_a_reply_that_never_comes(tmp_path: Path, socket_enabled: None) ->
     finally:
         await tower.close()
         server.stop()
+
+
+async def test_a_request_lookup_answers_none_or_refuses(client: TowerClient) -> None:
+    """A request id nobody asked for finds no job; a malformed one is refused
+    by the agent, and that refusal is not taken for 'no job'."""
+    assert await client.find_request("ha-nobody-asked-for-this") is None
+    with pytest.raises(AgentCommandError) as err:
+        await client.find_request("no")
+    assert err.value.code == "bad_request"
