@@ -402,7 +402,9 @@ class OperationRunner:
                     await asyncio.sleep(JOB_POLL)
                     continue
                 read_under = session
-            pushed = self._records.get(job_id)
+                # What was read is newer than anything pushed before it.
+                self._records.pop(job_id, None)
+            pushed = self._records.get(job_id) if session is not None else None
             if pushed is not None:
                 record = pushed
             self._show(record)

@@ -1,0 +1,1 @@
+"""The chaos soak: the whole product under seeded faults (tests/chaos/harness.py)."""

@@ -1,0 +1,1841 @@
+"""The chaos soak's harness: the whole product through many handoff and return
+cycles, faults injected at random moments, invariants checked all along.
+
+The rig is the product with its real parts, as in the end-to-end stories:
+Home Assistant with the integration (the test instance; its storage survives
+a restart, which is an unload and a setup of the same entry), a real sshd
+forcing the real agent, the tower simulator (guests 100x faster than real
+ones) behind a ``virsh`` wrapper that can make libvirt unavailable, the
+Kubernetes API emulator behind a TCP proxy that can make it unreachable, two
+gaming VMs, pods with and without a PodDisruptionBudget, a kubelet stand-in
+(the GPU node's Kubernetes node turns Ready shortly after its VM runs and
+NotReady when it stops) and a ReplicaSet stand-in (evicted workload pods come
+back once the GPU node serves again).
+
+Each cycle draws, from ``random.Random(f"...:{seed}:{cycle}")`` alone, one
+request and 0-3 faults, each bound to a moment of the operation: ``before``
+the request is sent, while ``draining``, at ``job`` (the drain is done and the
+tower job's request id stored, the job not yet asked for), ``mid_job`` (the
+tower job runs) or at ``node_return`` (waiting for the GPU node's Kubernetes
+node). The same seed and cycle give the same request and the same faults at
+the same moments; a moment the operation never reaches leaves its fault
+unfired ("unreached" in the summary).
+
+Invariants and how they are observed:
+
+- ``destroy_sent``: the simulator records every virsh command; none may be a
+  ``destroy`` or ``reset`` (the simulator refuses them, but asking is the bug).
+- ``stop_before_guest_agent``: no ``shutdown`` reaches a running domain whose
+  guest agent is not connected at that instant (the command's time replayed
+  in the simulator's world).
+- ``pod_left_without_eviction``, ``unmanaged_pod_evicted``: a listener on the
+  emulator's store sees every pod of the GPU node start terminating or go;
+  each needs an eviction the API server accepted (its recorded requests), and
+  no accepted eviction may name a pod nothing recreates (the option is off).
+- ``operator_cordon_lifted``: the same listener sees every change of the
+  Node; while the operator's cordon is on, nothing may make it schedulable.
+- ``own_cordon_outlives``: once settled with the GPU node serving (running,
+  Ready), GPU Handoff's marked cordon must be gone (the safety net may take
+  one poll interval).
+- ``rollback_under_running_job``: the same listener notes when GPU Handoff's
+  cordon is lifted; no tower job that may stop the GPU node (a handoff, a
+  stop of the GPU node) may have been running at that instant (the job
+  records' start and end times).
+- ``duplicate_job``, ``overlapping_jobs``, ``unfinished_job``: the agent's job
+  records (read with its ``jobs`` verb, which settles dead runners, and as
+  files for the running intervals), kept across pruning: one job per request
+  id, no two jobs running at once on the tower, none left queued or running.
+- ``unsettled``, ``half_state``, ``silent_failure``, ``switch_wrong``: every
+  cycle must end idle within a bound, with a requested gaming VM running or
+  the GPU node serving; a request not fulfilled must have been reported (a
+  ``handoff_failed`` event, ``last_error``, and a repair where the user must
+  act); a switch never shows a request nothing works on.
+- ``leaked_process``, ``leaked_runner``, ``lock_held``, ``leaked_task``: once
+  settled, no agent process but the session (and its ``virsh event``), no job
+  runner or loaded unit, no job lock held, no operation task of Home Assistant.
+- ``loop_blocked``: a task sleeping 10 ms at a time measures how late Home
+  Assistant's event loop wakes it; the largest lag per cycle must stay under
+  ``LAG_LIMIT`` (the harness itself does its blocking work in threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+import contextlib
+from dataclasses import dataclass, field
+import datetime as dt
+import fcntl
+import itertools
+import json
+import os
+from pathlib import Path
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Final
+
+from homeassistant.config_entries import ConfigEntryState
+from homeassistant.core import Event, HomeAssistant, callback
+from homeassistant.exceptions import HomeAssistantError
+from homeassistant.helpers import issue_registry as ir
+from pytest_homeassistant_custom_component.common import MockConfigEntry
+import yaml
+
+from custom_components.gpu_handoff.cluster_client import CORDON_ANNOTATION
+from custom_components.gpu_handoff.const import (
+    CONF_AUTO_RETURN,
+    CONF_DRAIN_TIMEOUT,
+    CONF_KUBECONFIG,
+    CONF_SCAN_INTERVAL,
+    DOMAIN,
+    EVENT_CARDS_RETURNED,
+    EVENT_HANDOFF_FAILED,
+    EVENT_HANDOFF_STARTED,
+    EVENT_HANDOFF_STEP,
+    EVENT_HANDOFF_SUCCEEDED,
+)
+from tests.conftest import gaming_subentries, tower_entry_data
+from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.support.simtower import write_agent_config
+from tests.support.sshd import Sshd
+from tests.support.testdriver import AGENT
+from tests.towersim import Tower, model as sim_model, realistic_tower
+
+# --- the rig's pace ------------------------------------------------------------
+
+TIME_SCALE: Final = 0.01  # simulated seconds per real one: guests 100x faster
+DEFAULT_AGENT_DELAY: Final = 30.0  # simulated seconds (0.3 s real)
+DEFAULT_SHUTDOWN: Final = 10.0  # simulated seconds (0.1 s real)
+# The agent's own timeouts (real seconds): short, so faults end in seconds.
+AGENT_TIMEOUTS: Final = {"agent": 3.0, "shutdown": 3.0, "start": 10.0}
+DRAIN_TIMEOUT: Final = 8  # the option, seconds
+SCAN_INTERVAL: Final = 30  # the option's default
+KUBELET_READY_AFTER: Final = 0.3
+SETTLE_BOUND: Final = 60.0  # a cycle must be idle this long after it began
+QUIET: Final = 1.0  # idle this long without a break counts as settled
+CORDON_NET_BOUND: Final = SCAN_INTERVAL + 10.0  # the safety net runs on the poll
+LEAK_GRACE: Final = 5.0
+SWITCH_GRACE: Final = 6.0  # the agent session's refresh (5 s) and a little
+ONE_SHOT_AGE: Final = 15.0  # a one-shot agent process older than this leaked
+LAG_LIMIT: Final = float(os.environ.get("GPU_HANDOFF_CHAOS_LAG_LIMIT", "0.5"))
+
+GPU: Final = "gpu-node"
+GAMING: Final = ("gaming-1", "gaming-2")
+SWITCHES: Final = {vm: f"switch.gaming_station_{vm[-1]}" for vm in GAMING}
+
+# --- what a cycle may do ----------------------------------------------------------
+
+# Requests: a switch on or off, both players starting or quitting, a VM
+# started by hand on the tower, the return_cards action, the start_handoff
+# action (waiting for its answer).
+REQUESTS: Final = (
+    "on",
+    "off",
+    "both_on",
+    "both_off",
+    "hand",
+    "return_cards",
+    "start_handoff",
+)
+REQUEST_WEIGHTS: Final = (20, 25, 8, 12, 10, 5, 20)
+WITH_VM: Final = frozenset({"on", "off", "hand", "start_handoff"})
+HANDOFF_REQUESTS: Final = frozenset({"on", "both_on", "hand", "start_handoff"})
+HANDOFF_MOMENTS: Final = ("before", "draining", "job", "mid_job")
+RETURN_MOMENTS: Final = ("before", "job", "mid_job", "node_return")
+MOMENTS: Final = ("before", "draining", "job", "mid_job", "node_return")
+
+FAULTS: Final = (
+    "ssh_cut",  # the SSH connection dies (its sshd processes are killed)
+    "agent_killed",  # the agent's session process is killed (TERM or KILL)
+    "ha_reload",  # Home Assistant reloads the config entry
+    "ha_restart",  # Home Assistant stops and starts again on the same storage
+    "libvirt_down",  # libvirt unavailable for a while
+    "guest_agent",  # a guest agent late or never up (the domain's next boot)
+    "guest_shutdown",  # a guest shutdown slow, or ignored
+    "pdb_refusing",  # the PodDisruptionBudget refuses for a while
+    "eviction_error",  # evictions answered 500/503 or 504 (timed out)
+    "api_down",  # the API server unreachable for a while
+    "operator_cordon",  # an operator places or removes a cordon
+    "unmanaged_pod",  # a pod nothing recreates appears on the GPU node
+)
+FAULT_COUNT_WEIGHTS: Final = (2, 4, 3, 2)  # 0, 1, 2 or 3 faults
+
+# Failures the user must act on get a repair issue (controller._failed).
+USER_ACTS: Final = frozenset(
+    {
+        "agent_timeout",
+        "shutdown_refused",
+        "shutdown_timeout",
+        "devices_busy",
+        "start_failed",
+        "runner_died",
+        "DrainError",
+        "unmanaged_pods",
+        "cordoned_by_operator",
+        "node_not_ready",
+    }
+)
+FORCED: Final = frozenset({"destroy", "reset"})
+
+# The demo cluster's workloads on the GPU node (tests/k8semu/seed.py) that a
+# ReplicaSet recreates: (ReplicaSet, its pods' labels).
+WORKLOADS: Final = {
+    "llm-inference-5d9c8b7f6": {
+        "app": "llm-inference",
+        "pod-template-hash": "5d9c8b7f6",
+    },
+    "trainer-7c6d5e4f3": {"app": "trainer", "pod-template-hash": "7c6d5e4f3"},
+}
+WORKLOAD_NS: Final = "ai"
+PDB: Final = ("trainer", "ai")
+
+
+# --- plans ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault, the moment it strikes, and its parameters."""
+
+    kind: str
+    moment: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict(self.params).get(key, default)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "moment": self.moment, **dict(self.params)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one cycle does: a request and the faults that strike."""
+
+    seed: int
+    cycle: int
+    request: str
+    vm: str | None = None
+    faults: tuple[Fault, ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "cycle": self.cycle,
+            "request": self.request,
+            "vm": self.vm,
+            "faults": [fault.as_json() for fault in self.faults],
+        }
+
+
+def _fault(rng: random.Random, kind: str, moment: str, vm: str | None) -> Fault:
+    params: dict[str, Any] = {}
+    if kind == "agent_killed":
+        params["signal"] = rng.choice(("TERM", "KILL"))
+    elif kind == "ha_restart":
+        params["down"] = round(rng.uniform(0.0, 1.0), 1)
+    elif kind == "libvirt_down":
+        params["seconds"] = round(rng.uniform(0.5, 4.0), 1)
+    elif kind in ("guest_agent", "guest_shutdown"):
+        params["target"] = rng.choice((GPU, vm or rng.choice(GAMING)))
+        params["mode"] = rng.choice(
+            ("late", "never") if kind == "guest_agent" else ("slow", "ignored")
+        )
+        params["seconds"] = round(rng.uniform(1.0, 2.5), 1)
+    elif kind == "pdb_refusing":
+        params["seconds"] = round(rng.uniform(1.0, 12.0), 1)
+    elif kind == "eviction_error":
+        params["count"] = rng.randint(1, 3)
+        params["status"] = rng.choice((500, 503, 504))
+    elif kind == "api_down":
+        params["seconds"] = round(rng.uniform(1.0, 6.0), 1)
+    elif kind == "operator_cordon":
+        params["action"] = rng.choice(("place", "remove"))
+    return Fault(kind, moment, tuple(sorted(params.items())))
+
+
+def plan_cycle(seed: int, cycle: int) -> Plan:
+    """The request and faults of ``cycle``, from the seed and the cycle alone."""
+    rng = random.Random(f"gpu-handoff-chaos:{seed}:{cycle}")  # noqa: S311
+    request = rng.choices(REQUESTS, weights=REQUEST_WEIGHTS)[0]
+    vm = rng.choice(GAMING) if request in WITH_VM else None
+    moments = HANDOFF_MOMENTS if request in HANDOFF_REQUESTS else RETURN_MOMENTS
+    count = rng.choices(range(len(FAULT_COUNT_WEIGHTS)), FAULT_COUNT_WEIGHTS)[0]
+    kinds = rng.sample(FAULTS, count)
+    faults = tuple(_fault(rng, kind, rng.choice(moments), vm) for kind in kinds)
+    return Plan(seed, cycle, request, vm, faults)
+
+
+# --- results ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Violation:
+    """An invariant that did not hold, and how to replay it."""
+
+    seed: int
+    cycle: int
+    invariant: str
+    detail: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "cycle": self.cycle,
+            "invariant": self.invariant,
+            "detail": self.detail,
+            "replay": f"scripts/chaos --cycles {self.cycle} --seed {self.seed}",
+        }
+
+
+@dataclass
+class Ask:
+    """One request of a cycle as it was sent, and what became of it."""
+
+    vm: str  # the gaming VM, or the GPU node for return_cards
+    want: str  # on | off | return
+    how: str  # the request kind
+    status: str = "pending"  # accepted | refused | unavailable | cancelled | ...
+    detail: str = ""
+    response: Any = None
+
+
+@dataclass
+class Seen:
+    """An event of Home Assistant's bus during a cycle."""
+
+    at: float
+    type: str
+    data: dict[str, Any]
+
+
+@dataclass
+class Proc:
+    """A process of the rig, from /proc."""
+
+    pid: int
+    ppid: int
+    age: float
+    argv: list[str]
+    command: str | None  # SSH_ORIGINAL_COMMAND: what a forced agent runs
+
+    @property
+    def verb(self) -> str:
+        return (self.command or "").split(" ", 1)[0]
+
+
+class LoopLag:
+    """How late a task sleeping 10 ms at a time wakes (as in tests/bench)."""
+
+    PERIOD = 0.01
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name="chaos loop lag"
+        )
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(self.PERIOD)
+            self.samples.append(max(0.0, loop.time() - before - self.PERIOD))
+
+    def take(self) -> list[float]:
+        samples, self.samples = self.samples, []
+        return samples
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+# --- the API server's reachability ----------------------------------------------------
+
+
+class ApiProxy:
+    """A TCP proxy in front of the emulator: while ``down``, every connection
+    through it is cut and new ones are closed at once (TLS passes through)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = 0
+        self.down = False
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    def _track(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        if self.down:
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(
+                "127.0.0.1", self.upstream_port
+            )
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers.update((writer, up_writer))
+        self._track(self._pipe(reader, up_writer))
+        self._track(self._pipe(up_reader, writer))
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except OSError, asyncio.IncompleteReadError:
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.transport.abort()
+
+    def set_down(self, down: bool) -> None:
+        self.down = down
+        if down:
+            for writer in list(self._writers):
+                writer.transport.abort()
+            self._writers.clear()
+
+    async def close(self) -> None:
+        self.set_down(True)
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+# --- processes ------------------------------------------------------------------------
+
+
+def _proc_table(marker: str) -> list[Proc]:
+    """Live processes whose command line mentions ``marker`` (the rig's
+    directory: its agent configuration, simulator and units)."""
+    clock = os.sysconf("SC_CLK_TCK")
+    try:
+        uptime = float(Path("/proc/uptime").read_text(encoding="utf-8").split()[0])
+    except OSError:
+        uptime = 0.0
+    found: list[Proc] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = entry.joinpath("cmdline").read_bytes().split(b"\0")
+            text = [part.decode(errors="replace") for part in argv if part]
+            if not any(marker in part for part in text):
+                continue
+            stat = entry.joinpath("stat").read_text(encoding="utf-8")
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] == "Z":
+                continue
+            environ = entry.joinpath("environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        command = next(
+            (
+                item.split(b"=", 1)[1].decode(errors="replace")
+                for item in environ
+                if item.startswith(b"SSH_ORIGINAL_COMMAND=")
+            ),
+            None,
+        )
+        found.append(
+            Proc(
+                pid=int(entry.name),
+                ppid=int(fields[1]),
+                age=uptime - int(fields[19]) / clock,
+                argv=text,
+                command=command,
+            )
+        )
+    return found
+
+
+def _children() -> dict[int, list[int]]:
+    table: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text(encoding="utf-8").rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        table.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return table
+
+
+def _descendants(pid: int) -> list[int]:
+    children = _children()
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text(encoding="utf-8").strip()
+    except OSError:
+        return ""
+
+
+def _epoch(stamp: str) -> float:
+    """An agent timestamp (``2026-12-01T02:10:34.318Z``) as epoch seconds."""
+    return dt.datetime.fromisoformat(stamp).timestamp()
+
+
+def _lock_free(path: Path) -> bool:
+    try:
+        handle = path.open("a+", encoding="utf-8")
+    except OSError:
+        return True
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return True
+
+
+# --- the rig ------------------------------------------------------------------------
+
+
+VIRSH_WRAPPER = """#!/bin/sh
+# libvirt for the chaos soak: unavailable while {down} exists.
+if [ -e {down} ]; then
+  echo "error: failed to connect to the hypervisor" >&2
+  echo "error: Failed to connect socket to '/run/libvirt/virtqemud-sock': Connection refused" >&2
+  exit 1
+fi
+exec {virsh} "$@"
+"""
+
+
+@dataclass
+class CycleRecord:
+    """One cycle as it went, for the summary."""
+
+    plan: Plan
+    seconds: float = 0.0
+    lag_max: float = 0.0
+    outcome: str = ""
+    fired: list[str] = field(default_factory=list)
+    unreached: list[str] = field(default_factory=list)
+    asks: list[Ask] = field(default_factory=list)
+
+
+class ChaosRig:
+    """The whole product, its faults and its invariants, for one run."""
+
+    def __init__(
+        self,
+        hass: HomeAssistant,
+        cluster: K8sEmulator,
+        root: Path,
+        *,
+        seed: int,
+        agent: Path = AGENT,
+        settle_bound: float = SETTLE_BOUND,
+        cordon_bound: float = CORDON_NET_BOUND,
+        recover: bool = True,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.hass = hass
+        self.recover = recover
+        self.cordon_bound = cordon_bound
+        self.cluster = cluster
+        self.root = root
+        self.seed = seed
+        self.agent = agent
+        self.settle_bound = settle_bound
+        self.log = log or (lambda text: None)
+        self.sim: Tower
+        self.sshd: Sshd
+        self.proxy: ApiProxy
+        self.entry: MockConfigEntry
+        self.config: Path
+        self.state_dir: Path
+        self.down_flag = root / "libvirt-down"
+        self.cycle = 0
+        self.violations: list[Violation] = []
+        self.records: list[CycleRecord] = []
+        self.lag = LoopLag()
+        self._unsubscribe: list[Callable[[], None]] = []
+        self._kubelet: asyncio.Task[None] | None = None
+        self._instrumented: object = None
+        self._pending: dict[str, list[Fault]] = {}
+        self._fired: list[str] = []
+        self._fault_tasks: list[asyncio.Task[None]] = []
+        self._request_tasks: list[asyncio.Task[None]] = []
+        self._events: list[Seen] = []
+        self._restarts: list[float] = []
+        self._restart_lock = asyncio.Lock()
+        self._restores: list[tuple[int, str, str, Any]] = []
+        self.operator_cordon = False
+        self._harness_writing = False
+        self._harness_removed: set[str] = set()
+        self._unmanaged: set[tuple[str, str]] = set()
+        self._left: list[tuple[int, str, str, str, str]] = []
+        self._lifts: list[tuple[int, float]] = []  # (cycle, epoch): our cordon lifted
+        self._requests_seen = 0
+        self._accepted_evictions: set[tuple[str, str]] = set()
+        self._commands_offset = 0
+        self._jobs: dict[str, dict[str, Any]] = {}
+        self._listener_errors: list[str] = []
+        self._pod_counter = 0
+
+    # --- life cycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Tower, agent, sshd, proxy, kubelet, the entry; the first settle."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.sim = await asyncio.to_thread(
+            realistic_tower, self.root / "sim", time_scale=TIME_SCALE
+        )
+        virsh = self.root / "virsh"
+        virsh.write_text(
+            VIRSH_WRAPPER.format(
+                down=shlex.quote(str(self.down_flag)),
+                virsh=shlex.quote(str(self.sim.virsh)),
+            ),
+            encoding="utf-8",
+        )
+        virsh.chmod(0o755)
+        self.config = write_agent_config(
+            self.sim, self.root / "agent", **AGENT_TIMEOUTS
+        )
+        data = json.loads(self.config.read_text(encoding="utf-8"))
+        data["commands"]["virsh"] = str(virsh)
+        self.config.write_text(json.dumps(data), encoding="utf-8")
+        self.state_dir = Path(data["state_dir"])
+        command = [sys.executable, str(self.agent), "--config", str(self.config)]
+        self.sshd = await asyncio.to_thread(
+            Sshd(self.root / "sshd", [*command, "serve"]).start
+        )
+        self.proxy = ApiProxy(self.cluster.port)
+        await self.proxy.start()
+        self.cluster.store.listeners.append(self._on_store)
+        self._set_pdb(min_available=0)
+        self.lag.start()
+        self._kubelet = asyncio.get_running_loop().create_task(
+            self._follow_gpu_node(), name="chaos kubelet"
+        )
+        for event in (
+            EVENT_HANDOFF_STARTED,
+            EVENT_HANDOFF_STEP,
+            EVENT_HANDOFF_SUCCEEDED,
+            EVENT_HANDOFF_FAILED,
+            EVENT_CARDS_RETURNED,
+        ):
+            self._unsubscribe.append(self.hass.bus.async_listen(event, self._on_event))
+        self.entry = self._add_entry()
+        assert await self.hass.config_entries.async_setup(self.entry.entry_id)
+        await self.hass.async_block_till_done()
+        self._instrument()
+
+    def _add_entry(self) -> MockConfigEntry:
+        kubeconfig = self.cluster.kubeconfig()
+        kubeconfig["clusters"][0]["cluster"]["server"] = (
+            f"https://127.0.0.1:{self.proxy.port}"
+        )
+        entry = MockConfigEntry(
+            domain=DOMAIN,
+            title="tower",
+            unique_id=f"127.0.0.1:{self.sshd.port}",
+            data=tower_entry_data(self.sshd)
+            | {CONF_KUBECONFIG: yaml.safe_dump(kubeconfig, sort_keys=False)},
+            options={
+                CONF_SCAN_INTERVAL: SCAN_INTERVAL,
+                CONF_DRAIN_TIMEOUT: DRAIN_TIMEOUT,
+                CONF_AUTO_RETURN: True,
+            },
+            subentries_data=gaming_subentries(1, 2),
+        )
+        entry.add_to_hass(self.hass)
+        return entry
+
+    async def close(self) -> None:
+        """Stop everything this rig started (the emulator is the fixture's)."""
+        for task in [*self._fault_tasks, *self._request_tasks]:
+            task.cancel()
+        await asyncio.gather(
+            *self._fault_tasks, *self._request_tasks, return_exceptions=True
+        )
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        with contextlib.suppress(Exception):
+            if self.entry.state is ConfigEntryState.LOADED:
+                await self.hass.config_entries.async_unload(self.entry.entry_id)
+                await self.hass.async_block_till_done()
+        if self._kubelet is not None:
+            self._kubelet.cancel()
+            await asyncio.gather(self._kubelet, return_exceptions=True)
+        await self.lag.stop()
+        with contextlib.suppress(ValueError):
+            self.cluster.store.listeners.remove(self._on_store)
+        await self.proxy.close()
+        await asyncio.to_thread(self.sshd.stop)
+        self.down_flag.unlink(missing_ok=True)
+        await asyncio.to_thread(self.sim.close)
+        await asyncio.to_thread(self._kill_rig_processes)
+
+    def _kill_rig_processes(self) -> None:
+        """Whatever of the rig still runs (an agent a fault orphaned)."""
+        _signal([p.pid for p in _proc_table(str(self.root))], signal.SIGKILL)
+
+    # --- observation: the bus, the store, the GPU node ------------------------------------
+
+    @callback
+    def _on_event(self, event: Event) -> None:
+        data = dict(event.data)
+        self._events.append(Seen(time.monotonic(), event.event_type, data))
+        if event.event_type == EVENT_HANDOFF_STEP:
+            step = str(data.get("step") or "")
+            if step == "draining":
+                self._moment("draining")
+            elif step == "waiting_for_node":
+                self._moment("node_return")
+            elif step != "uncordoning":
+                self._moment("mid_job")
+
+    def _instrument(self) -> None:
+        """Know the moment a tower job's request id is stored, before it is
+        asked for (the controller's ``save_job``, wrapped on the instance)."""
+        if self.entry.state is not ConfigEntryState.LOADED:
+            return
+        controller = self.entry.runtime_data.controller
+        if controller is self._instrumented:
+            return
+        self._instrumented = controller
+        original = controller.save_job
+
+        async def save_job(job: Any) -> None:
+            await original(job)
+            if job is not None and job.job_id is None:
+                self._moment("job")
+
+        controller.save_job = save_job  # type: ignore[method-assign]
+
+    def _on_store(self, event: Any) -> None:
+        """Every change the emulator stores (called inside its write)."""
+        try:
+            kind = event.resource.kind
+            if kind == "Node":
+                self._node_changed(event)
+            elif kind == "Pod":
+                self._pod_changed(event)
+        except Exception:  # noqa: BLE001 - never break the emulator's write
+            self._listener_errors.append(traceback.format_exc())
+
+    def _node_changed(self, event: Any) -> None:
+        new, old = event.new, event.old
+        if new is None or new["metadata"]["name"] != GPU_NODE:
+            return
+        if (
+            old is not None
+            and (old.get("spec") or {}).get("unschedulable")
+            and CORDON_ANNOTATION in (old["metadata"].get("annotations") or {})
+            and not (new.get("spec") or {}).get("unschedulable")
+            and not self._harness_writing
+        ):
+            self._lifts.append((self.cycle, time.time()))
+        if (
+            self.operator_cordon
+            and not self._harness_writing
+            and not (new.get("spec") or {}).get("unschedulable")
+        ):
+            mark = (new["metadata"].get("annotations") or {}).get(CORDON_ANNOTATION)
+            self._violate(
+                "operator_cordon_lifted",
+                f"the GPU node was made schedulable under the operator's cordon "
+                f"(mark {mark!r}) during {self._phase_text()}",
+            )
+
+    def _pod_changed(self, event: Any) -> None:
+        old, new = event.old, event.new
+        pod = new if new is not None else old
+        if (pod.get("spec") or {}).get("nodeName") != GPU_NODE:
+            return
+        meta = pod["metadata"]
+        uid = meta["uid"]
+        if uid in self._harness_removed:
+            return
+        leaving = new is None or (
+            meta.get("deletionTimestamp")
+            and not (old or {}).get("metadata", {}).get("deletionTimestamp")
+        )
+        if leaving and not any(item[3] == uid for item in self._left):
+            self._left.append(
+                (
+                    self.cycle,
+                    meta["namespace"],
+                    meta["name"],
+                    uid,
+                    "deleted" if new is None else "terminating",
+                )
+            )
+
+    async def _follow_gpu_node(self) -> None:
+        """The kubelet stand-in: Ready a moment after the VM runs, NotReady
+        as soon as it stops."""
+        up = True
+        since: float | None = None
+        while True:
+            try:
+                running = await asyncio.to_thread(self.sim.is_running, GPU)
+            except OSError, ValueError, KeyError:
+                await asyncio.sleep(0.05)
+                continue
+            now = time.monotonic()
+            if running and not up:
+                since = since or now
+                if now - since >= KUBELET_READY_AFTER:
+                    self.cluster.set_node_up(GPU_NODE, True)
+                    up, since = True, None
+            elif not running and up:
+                self.cluster.set_node_up(GPU_NODE, False)
+                up = False
+            elif not running:
+                since = None
+            await asyncio.sleep(0.05)
+
+    # --- violations -------------------------------------------------------------------
+
+    def _violate(self, invariant: str, detail: str) -> None:
+        key = (self.cycle, invariant, detail)
+        if any((v.cycle, v.invariant, v.detail) == key for v in self.violations):
+            return
+        self.violations.append(Violation(self.seed, self.cycle, invariant, detail))
+        self.log(f"chaos: cycle {self.cycle}: VIOLATION {invariant}: {detail}")
+
+    def _phase_text(self) -> str:
+        controller = self._controller()
+        operation = controller.operation if controller is not None else None
+        if operation is None:
+            return "no operation"
+        return f"the {operation.kind} of {operation.vm} at {operation.step}"
+
+    def _controller(self) -> Any:
+        if self.entry.state is not ConfigEntryState.LOADED:
+            return None
+        return self.entry.runtime_data.controller
+
+    # --- the cycle ----------------------------------------------------------------------
+
+    async def run(self, plans: Iterator[Plan] | list[Plan]) -> dict[str, Any]:
+        """Run the cycles; the summary."""
+        started = time.monotonic()
+        for plan in plans:
+            await self.run_cycle(plan)
+        return self.summary(time.monotonic() - started)
+
+    async def run_cycle(self, plan: Plan) -> CycleRecord:
+        """One request, its faults, the settle, the checks, the clean-up."""
+        self.cycle = plan.cycle
+        record = CycleRecord(plan)
+        self.records.append(record)
+        started = time.monotonic()
+        await self._prepare()
+        self.lag.take()
+        self._events.clear()
+        self._restarts.clear()
+        self._fired = []
+        self._pending = {}
+        for fault in plan.faults:
+            self._pending.setdefault(fault.moment, []).append(fault)
+        asks = await self._asks(plan)
+        record.asks = asks
+        # "before": every fault of the moment has struck when the request goes.
+        await asyncio.gather(
+            *(self._strike(f) for f in self._pending.pop("before", []))
+        )
+        self._request_tasks = [
+            asyncio.get_running_loop().create_task(
+                self._send(ask, plan), name="chaos request"
+            )
+            for ask in asks
+        ]
+        settled = await self._settle(started + self.settle_bound)
+        record.unreached = [
+            fault.kind for faults in self._pending.values() for fault in faults
+        ]
+        self._pending = {}
+        record.fired = list(self._fired)
+        await self._check(plan, record, settled)
+        if not settled and self.recover:
+            await self._recover()
+        await self._clean_up(record)
+        record.seconds = time.monotonic() - started
+        samples = self.lag.take()
+        record.lag_max = max(samples, default=0.0)
+        if record.lag_max > LAG_LIMIT:
+            self._violate(
+                "loop_blocked",
+                f"Home Assistant's event loop woke {record.lag_max * 1000:.0f} ms late",
+            )
+        self.log(
+            f"chaos: cycle {plan.cycle}: {plan.request} {plan.vm or ''} "
+            f"faults={[f'{f.kind}@{f.moment}' for f in plan.faults]} "
+            f"unreached={record.unreached} -> {record.outcome} "
+            f"[{', '.join(f'{a.vm} {a.want}: {a.status} {a.detail}' for a in asks)}] "
+            f"{record.seconds:.1f} s, lag {record.lag_max * 1000:.0f} ms"
+        )
+        return record
+
+    async def _asks(self, plan: Plan) -> list[Ask]:
+        if plan.request in ("both_on", "both_off"):
+            want = plan.request.removeprefix("both_")
+            return [Ask(vm, want, want) for vm in GAMING]
+        if plan.request == "return_cards":
+            return [Ask(GPU, "return", "return_cards")]
+        assert plan.vm is not None
+        want = "off" if plan.request == "off" else "on"
+        return [Ask(plan.vm, want, plan.request)]
+
+    async def _send(self, ask: Ask, plan: Plan) -> None:
+        """Send one request as a user (or a person on the tower) would."""
+        try:
+            if ask.how == "hand":
+                await self._hand_start(ask)
+                return
+            if ask.how in ("on", "off"):
+                state = self.hass.states.get(SWITCHES[ask.vm])
+                if state is None or state.state == "unavailable":
+                    ask.status = "unavailable"
+                    return
+                await self.hass.services.async_call(
+                    "switch",
+                    "turn_on" if ask.how == "on" else "turn_off",
+                    {"entity_id": SWITCHES[ask.vm]},
+                    blocking=True,
+                )
+            elif ask.how == "return_cards":
+                await self.hass.services.async_call(
+                    DOMAIN,
+                    "return_cards",
+                    {"config_entry_id": self.entry.entry_id},
+                    blocking=True,
+                )
+            else:
+                ask.response = await self.hass.services.async_call(
+                    DOMAIN,
+                    "start_handoff",
+                    {
+                        "config_entry_id": self.entry.entry_id,
+                        "vm": ask.vm,
+                        "wait": True,
+                    },
+                    blocking=True,
+                    return_response=True,
+                )
+        except HomeAssistantError as err:
+            ask.status = "refused"
+            ask.detail = err.translation_key or str(err)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            ask.status = "cancelled"  # the wait was cut by a restart
+        else:
+            ask.status = "accepted"
+
+    async def _hand_start(self, ask: Ask) -> None:
+        """Someone starts a gaming VM on the tower: libvirt runs the agent's
+        hook (prepare begin) with the domain's XML, then starts it, which
+        fails while the GPU node holds its cards."""
+        if self.down_flag.exists():
+            ask.status, ask.detail = "refused", "libvirt is down"
+            return
+        if await asyncio.to_thread(self.sim.is_running, ask.vm):
+            ask.status, ask.detail = "refused", "already running"
+            return
+
+        def start() -> str:
+            xml = subprocess.run(
+                [str(self.sim.virsh), "-c", self.sim.uri, "dumpxml", ask.vm],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(self.agent),
+                    "--config",
+                    str(self.config),
+                    "hook",
+                    ask.vm,
+                    "prepare",
+                    "begin",
+                    "-",
+                ],
+                input=xml,
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=30,
+            )
+            started = subprocess.run(
+                [str(self.root / "virsh"), "-c", self.sim.uri, "start", ask.vm],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=30,
+            )
+            return "started" if started.returncode == 0 else "start refused"
+
+        ask.detail = await asyncio.to_thread(start)
+        ask.status = "accepted"
+
+    # --- faults -------------------------------------------------------------------------
+
+    def _moment(self, moment: str) -> None:
+        """The running operation reached ``moment``: its faults strike."""
+        for fault in self._pending.pop(moment, []):
+            task = asyncio.get_running_loop().create_task(
+                self._strike(fault), name=f"chaos fault {fault.kind}"
+            )
+            self._fault_tasks.append(task)
+
+    async def _strike(self, fault: Fault) -> None:
+        """Start the fault; a fault that lasts a while ends in the background."""
+        self._fired.append(fault.kind)
+        self.log(f"chaos: cycle {self.cycle}: {fault.kind} at {fault.moment}")
+        try:
+            ending = await self._begin(fault)
+        except Exception:  # noqa: BLE001 - a fault that could not strike
+            self.log(f"chaos: fault {fault.kind} failed: {traceback.format_exc()}")
+            self._violate("harness_error", f"{fault.kind}: {traceback.format_exc()}")
+            return
+        if ending is not None:
+            task = asyncio.get_running_loop().create_task(
+                ending, name=f"chaos fault {fault.kind} ends"
+            )
+            self._fault_tasks.append(task)
+
+    async def _begin(self, fault: Fault) -> Awaitable[None] | None:
+        kind = fault.kind
+        seconds = float(fault.get("seconds", 0.0))
+        if kind == "ssh_cut":
+            await asyncio.to_thread(self._cut_connections)
+        elif kind == "agent_killed":
+            await asyncio.to_thread(self._kill_sessions, fault.get("signal"))
+        elif kind == "ha_reload":
+            async with self._restart_lock:
+                await self.hass.config_entries.async_reload(self.entry.entry_id)
+                self._restarts.append(time.monotonic())
+                self._instrument()
+        elif kind == "ha_restart":
+            async with self._restart_lock:
+                if self.entry.state is ConfigEntryState.LOADED:
+                    await self.hass.config_entries.async_unload(self.entry.entry_id)
+                await asyncio.sleep(float(fault.get("down", 0.0)))
+                if self.entry.state is ConfigEntryState.NOT_LOADED:
+                    await self.hass.config_entries.async_setup(self.entry.entry_id)
+                self._restarts.append(time.monotonic())
+                self._instrument()
+        elif kind == "libvirt_down":
+            self.down_flag.touch()
+            await asyncio.to_thread(self._end_event_streams)
+            return self._after(seconds, lambda: self.down_flag.unlink(missing_ok=True))
+        elif kind == "guest_agent":
+            target = fault.get("target")
+            delay = None if fault.get("mode") == "never" else seconds / TIME_SCALE
+            await asyncio.to_thread(self.sim.set_agent_delay, target, delay)
+            self._restores.append(
+                (self.cycle + 1, "agent_delay", target, DEFAULT_AGENT_DELAY)
+            )
+        elif kind == "guest_shutdown":
+            target = fault.get("target")
+            duration = 1e9 if fault.get("mode") == "ignored" else seconds / TIME_SCALE
+            await asyncio.to_thread(self.sim.set_shutdown_duration, target, duration)
+            self._restores.append(
+                (self.cycle + 1, "shutdown_duration", target, DEFAULT_SHUTDOWN)
+            )
+        elif kind == "pdb_refusing":
+            self._set_pdb(min_available=1)
+            return self._after(seconds, lambda: self._set_pdb(min_available=0))
+        elif kind == "eviction_error":
+            count, status = int(fault.get("count")), int(fault.get("status"))
+            if status == 504:
+                self.cluster.throttle(count, resource="pods/eviction", status=504)
+            else:
+                self.cluster.fail_next(count, status, resource="pods/eviction")
+        elif kind == "api_down":
+            self.proxy.set_down(True)
+            return self._after(seconds, lambda: self.proxy.set_down(False))
+        elif kind == "operator_cordon":
+            self._operator(fault.get("action"))
+        elif kind == "unmanaged_pod":
+            self._pod_counter += 1
+            name = f"debug-{self.cycle}-{self._pod_counter}"
+            self.cluster.add_pod(name, "default", node=GPU_NODE)
+            self._unmanaged.add(("default", name))
+        return None
+
+    async def _after(self, seconds: float, end: Callable[[], None]) -> None:
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            end()
+
+    def _cut_connections(self) -> None:
+        """Kill sshd's per-connection processes: every connection drops; the
+        agent processes they ran see their input end."""
+        master = self.sshd.process.pid if self.sshd.process else None
+        if master is None:
+            return
+        sessions = [
+            pid for pid in _descendants(master) if _comm(pid).startswith("sshd")
+        ]
+        _signal(sessions, signal.SIGKILL)
+
+    def _kill_sessions(self, how: str) -> None:
+        """Kill the agent's session processes (TERM: it ends as at the end of
+        its input; KILL: its ``virsh event`` child too, which nothing would
+        end otherwise). Job runners are not its to lose: systemd starts them
+        outside the SSH session (the simulator's stand-in may still have one
+        as a child for a moment, so only the event stream is killed)."""
+        procs = _proc_table(str(self.root))
+        for proc in procs:
+            if proc.verb != "session" or str(self.agent) not in proc.argv:
+                continue
+            if how == "KILL":
+                streams = [
+                    child.pid
+                    for child in procs
+                    if child.ppid == proc.pid and "event" in child.argv
+                ]
+                _signal([proc.pid, *streams], signal.SIGKILL)
+            else:
+                _signal([proc.pid], signal.SIGTERM)
+
+    def _end_event_streams(self) -> None:
+        """libvirt going away ends every ``virsh event --loop`` connection."""
+        for proc in _proc_table(str(self.sim.root)):
+            if "event" in proc.argv and "--loop" in proc.argv:
+                _signal([proc.pid], signal.SIGTERM)
+
+    def _set_pdb(self, *, min_available: int) -> None:
+        name, namespace = PDB
+        if self.cluster.get("PodDisruptionBudget", name, namespace) is None:
+            return
+        self.cluster.modify(
+            "PodDisruptionBudget",
+            name,
+            namespace,
+            mutate=lambda pdb: pdb["spec"].update(minAvailable=min_available),
+        )
+
+    def _node(self) -> dict[str, Any]:
+        node = self.cluster.get("Node", GPU_NODE, "")
+        assert node is not None
+        return node
+
+    def _operator(self, action: str) -> None:
+        """``kubectl cordon`` or ``kubectl uncordon`` of the GPU node."""
+        cordoned = bool(self._node()["spec"].get("unschedulable"))
+        if action == "place" and not cordoned:
+            self._write_node(unschedulable=True)
+            self.operator_cordon = True
+        elif action == "remove" and cordoned:
+            self.operator_cordon = False
+            self._write_node(unschedulable=False)
+
+    def _write_node(self, *, unschedulable: bool, unmark: bool = False) -> None:
+        def mutate(node: dict[str, Any]) -> None:
+            if unschedulable:
+                node["spec"]["unschedulable"] = True
+            else:
+                node["spec"].pop("unschedulable", None)
+            if unmark:
+                (node["metadata"].get("annotations") or {}).pop(CORDON_ANNOTATION, None)
+
+        self._harness_writing = True
+        try:
+            self.cluster.modify("Node", GPU_NODE, "", mutate=mutate)
+        finally:
+            self._harness_writing = False
+
+    # --- settling -------------------------------------------------------------------------
+
+    async def _settle(self, deadline: float) -> bool:
+        """Until everything is idle for QUIET seconds without a break; False
+        if that did not happen before ``deadline``."""
+        quiet_since: float | None = None
+        while True:
+            now = time.monotonic()
+            if await self._idle():
+                quiet_since = quiet_since or now
+                if now - quiet_since >= QUIET:
+                    return True
+            else:
+                quiet_since = None
+            if now > deadline:
+                return False
+            await asyncio.sleep(0.1)
+
+    async def _idle(self) -> bool:
+        self._instrument()
+        if any(not task.done() for task in [*self._fault_tasks, *self._request_tasks]):
+            return False
+        if self.entry.state is not ConfigEntryState.LOADED:
+            if self.entry.state is ConfigEntryState.NOT_LOADED:
+                # A setup that failed for good is retried as a user would.
+                await self.hass.config_entries.async_setup(self.entry.entry_id)
+            return False
+        controller = self.entry.runtime_data.controller
+        if (
+            controller.operation is not None
+            or controller.pending is not None
+            or controller.requests
+        ):
+            return False
+        return not await asyncio.to_thread(self._active_job_files)
+
+    def _active_job_files(self) -> list[str]:
+        active = []
+        for path in (self.state_dir / "jobs").glob("*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                job = json.loads(path.read_text(encoding="utf-8"))
+                if job.get("state") in ("queued", "running"):
+                    active.append(str(job.get("id")))
+        return active
+
+    async def _recover(self) -> None:
+        """After a cycle that did not settle, Home Assistant is restarted (as
+        its user would), so that the next cycles start from a sane world."""
+        self.log(f"chaos: cycle {self.cycle}: restarting Home Assistant to recover")
+        async with self._restart_lock:
+            if self.entry.state is ConfigEntryState.LOADED:
+                await self.hass.config_entries.async_unload(self.entry.entry_id)
+            await self.hass.config_entries.async_setup(self.entry.entry_id)
+            self._instrument()
+        await self._settle(time.monotonic() + self.settle_bound)
+
+    # --- the checks at the end of a cycle -----------------------------------------------
+
+    async def _check(self, plan: Plan, record: CycleRecord, settled: bool) -> None:
+        if not settled:
+            self._violate("unsettled", self._busy_text())
+        for error in self._listener_errors:
+            self._violate("harness_error", error)
+        self._listener_errors.clear()
+        await self._check_tower_history()
+        self._check_pods()
+        if self.operator_cordon and not self._node()["spec"].get("unschedulable"):
+            self._violate("operator_cordon_lifted", "the operator's cordon is gone")
+        record.outcome = await self._check_state()
+        await self._check_asks(record.asks)
+        if settled:
+            await self._check_switches()
+            await self._check_leaks()
+
+    def _busy_text(self) -> str:
+        busy = [
+            f"{task.get_name()} running"
+            for task in [*self._fault_tasks, *self._request_tasks]
+            if not task.done()
+        ]
+        controller = self._controller()
+        if controller is None:
+            busy.append(f"entry {self.entry.state}")
+        else:
+            if controller.operation is not None:
+                busy.append(f"operation {self._phase_text()}")
+            if controller.pending is not None:
+                busy.append(f"pending {controller.pending}")
+            if controller.requests:
+                busy.append(f"requests {controller.requests}")
+        jobs = self._active_job_files()
+        if jobs:
+            busy.append(f"tower jobs active: {jobs}")
+        if controller is not None:
+            job = controller.pending_job
+            if job is not None and job.job_id:
+                path = self.state_dir / "jobs" / f"{job.job_id}.json"
+                with contextlib.suppress(OSError, ValueError):
+                    stored = json.loads(path.read_text(encoding="utf-8"))
+                    busy.append(
+                        f"its job {job.job_id} is {stored.get('state')} on the tower"
+                    )
+            coordinator = self.entry.runtime_data.coordinator
+            busy.append(f"session connected: {coordinator.session_connected}")
+        return f"not idle {self.settle_bound:.0f} s after the cycle began: " + (
+            "; ".join(busy) or "?"
+        )
+
+    async def _check_state(self) -> str:
+        """The state a settled cycle ends in: a gaming VM playing, or the GPU
+        node serving; never nothing."""
+        world = await asyncio.to_thread(self.sim.world)
+        running = {name for name, dom in world.doms.items() if dom.running}
+        if any(vm in running for vm in GAMING):
+            return "playing"
+        if GPU not in running:
+            self._violate(
+                "half_state",
+                "the GPU node is off and no gaming VM runs "
+                f"(failures reported: {self._failures_text()})",
+            )
+            return "half_state"
+        if not await self._wait(self._node_ready, 3.0):
+            self._violate("harness_error", "the kubelet stand-in did not follow")
+        if self._our_cordon() and not await self._wait(
+            lambda: not self._our_cordon(), self.cordon_bound
+        ):
+            self._violate(
+                "own_cordon_outlives",
+                f"GPU Handoff's cordon ({self._our_cordon()!r}) is still on the GPU "
+                f"node {self.cordon_bound:.0f} s after it serves again",
+            )
+        if self.operator_cordon:
+            return "serving_operator_cordon"
+        return "serving"
+
+    def _node_ready(self) -> bool:
+        return any(
+            condition["type"] == "Ready" and condition["status"] == "True"
+            for condition in self._node()["status"].get("conditions", [])
+        )
+
+    def _our_cordon(self) -> str | None:
+        node = self._node()
+        if not node["spec"].get("unschedulable"):
+            return None
+        return (node["metadata"].get("annotations") or {}).get(CORDON_ANNOTATION)
+
+    async def _wait(self, what: Callable[[], bool], bound: float) -> bool:
+        deadline = time.monotonic() + bound
+        while not what():
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    def _failures_text(self) -> str:
+        return (
+            ", ".join(
+                f"{seen.data.get('vm')}: {seen.data.get('code')}"
+                for seen in self._events
+                if seen.type == EVENT_HANDOFF_FAILED
+            )
+            or "none"
+        )
+
+    def _reported(self, vm: str) -> str | None:
+        """Why a failure for ``vm`` does not count as reported (None: it does)."""
+        failures = [
+            seen
+            for seen in self._events
+            if seen.type == EVENT_HANDOFF_FAILED and seen.data.get("vm") == vm
+        ]
+        if not failures:
+            return "no handoff_failed event"
+        last = failures[-1]
+        if any(at > last.at for at in self._restarts):
+            return None  # last_error and repairs live in memory: a restart forgets
+        controller = self._controller()
+        if controller is None or not controller.last_error.get(vm):
+            return f"a failed event ({last.data.get('code')}) but no last_error"
+        code = str(last.data.get("code"))
+        if code in USER_ACTS:
+            issues = ir.async_get(self.hass)
+            entry_id = self.entry.entry_id
+            if (
+                issues.async_get_issue(DOMAIN, f"handoff_failed_{entry_id}_{vm}")
+                is None
+                and issues.async_get_issue(DOMAIN, f"unmanaged_pods_{entry_id}") is None
+            ):
+                return f"{code}: no repair issue"
+        return None
+
+    async def _check_asks(self, asks: list[Ask]) -> None:
+        """A request accepted and not fulfilled was reported."""
+        world = await asyncio.to_thread(self.sim.world)
+        running = {name for name, dom in world.doms.items() if dom.running}
+        for ask in asks:
+            if ask.how == "start_handoff" and isinstance(ask.response, dict):
+                response = ask.response
+                if response.get("succeeded") is False and not response.get("error"):
+                    self._violate(
+                        "silent_failure", f"start_handoff answered {response}"
+                    )
+            if ask.status not in ("accepted", "cancelled"):
+                continue
+            if ask.want == "on":
+                fulfilled = ask.vm in running
+            elif ask.want == "off":
+                fulfilled = ask.vm not in running
+            else:
+                fulfilled = GPU in running and self._node_ready()
+            if fulfilled:
+                ask.detail = (ask.detail + " fulfilled").strip()
+                continue
+            why = self._reported(ask.vm)
+            if why is None:
+                ask.detail = (ask.detail + " failed, reported").strip()
+                continue
+            self._violate(
+                "silent_failure",
+                f"{ask.how} {ask.vm} ({ask.want}) was accepted, is not done, and "
+                f"was not reported: {why}",
+            )
+
+    async def _check_switches(self) -> None:
+        """A switch shows a request only while something works on it, and
+        otherwise the VM's state (within SWITCH_GRACE: the agent session
+        re-reads what libvirt events cannot tell every few seconds).
+        Unavailable claims nothing."""
+        if self.entry.state is not ConfigEntryState.LOADED:
+            return
+
+        async def wrong() -> list[str]:
+            world = await asyncio.to_thread(self.sim.world)
+            out = []
+            for vm, entity_id in SWITCHES.items():
+                state = self.hass.states.get(entity_id)
+                shown = state.state if state is not None else "unavailable"
+                expected = "on" if world.doms[vm].running else "off"
+                if shown in ("on", "off") and shown != expected:
+                    out.append(f"{entity_id} shows {shown}, {vm} is {expected}")
+            return out
+
+        deadline = time.monotonic() + SWITCH_GRACE
+        while (texts := await wrong()) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.2)
+        for text in texts:
+            self._violate("switch_wrong", text)
+
+    def _check_pods(self) -> None:
+        """Pods left the GPU node only through accepted evictions, and no pod
+        nothing recreates was evicted."""
+        requests = self.cluster.requests
+        for request in requests[self._requests_seen :]:
+            if request.resource == "pods/eviction" and 200 <= request.status < 300:
+                key = (request.namespace or "", request.name or "")
+                self._accepted_evictions.add(key)
+                if key in self._unmanaged:
+                    self._violate(
+                        "unmanaged_pod_evicted",
+                        f"{key[0]}/{key[1]}, which nothing recreates, was evicted",
+                    )
+        self._requests_seen = len(requests)
+        left, self._left = self._left, []
+        for cycle, namespace, name, _uid, how in left:
+            if (namespace, name) not in self._accepted_evictions:
+                self.violations.append(
+                    Violation(
+                        self.seed,
+                        cycle,
+                        "pod_left_without_eviction",
+                        f"{namespace}/{name} {how} without an accepted eviction",
+                    )
+                )
+
+    # --- the tower's history -----------------------------------------------------
+
+    async def _check_tower_history(self) -> None:
+        commands, jobs = await asyncio.to_thread(self._read_tower)
+        for record in commands:
+            names = [c[0] for c in record.get("commands") or []]
+            argv = " ".join(record.get("argv") or [])
+            if FORCED & set(names) or (
+                record.get("commands") is None and any(f in argv for f in FORCED)
+            ):
+                self._violate("destroy_sent", f"virsh {argv}")
+        for record, domain, alive_without_agent in await asyncio.to_thread(
+            self._shutdowns_checked, commands
+        ):
+            if alive_without_agent:
+                self._violate(
+                    "stop_before_guest_agent",
+                    f"virsh {' '.join(record.get('argv') or [])}: {domain} was "
+                    "running and its guest agent not connected",
+                )
+        for job in jobs:
+            self._jobs[job["id"]] = job
+        by_request: dict[str, list[str]] = {}
+        for job in self._jobs.values():
+            if job.get("request_id"):
+                by_request.setdefault(job["request_id"], []).append(job["id"])
+        for request_id, ids in by_request.items():
+            if len(ids) > 1:
+                self._violate(
+                    "duplicate_job", f"request {request_id}: jobs {sorted(ids)}"
+                )
+        self._check_rollbacks()
+        ordered = sorted(
+            (job for job in self._jobs.values() if job.get("started")),
+            key=lambda job: job["started"],
+        )
+        for before, after in itertools.pairwise(ordered):
+            finished = before.get("finished")
+            if finished is None or finished > after["started"]:
+                self._violate(
+                    "overlapping_jobs",
+                    f"{after['id']} ({after['kind']}) started {after['started']} "
+                    f"while {before['id']} ({before['kind']}) ran until {finished}",
+                )
+
+    def _check_rollbacks(self) -> None:
+        """GPU Handoff's cordon was never lifted while a job that may stop the
+        GPU node ran (a handoff, or a stop of the GPU node)."""
+        lifts, self._lifts = self._lifts, []
+        stopping = [
+            job
+            for job in self._jobs.values()
+            if job.get("started")
+            and (
+                job.get("kind") == "handoff"
+                or (
+                    job.get("kind") == "stop"
+                    and (job.get("args") or {}).get("domain") == GPU
+                )
+            )
+        ]
+        for cycle, at in lifts:
+            for job in stopping:
+                began = _epoch(job["started"])
+                ended = _epoch(job["finished"]) if job.get("finished") else None
+                if began <= at and (ended is None or at < ended):
+                    self.violations.append(
+                        Violation(
+                            self.seed,
+                            cycle,
+                            "rollback_under_running_job",
+                            f"GPU Handoff's cordon was lifted while job {job['id']} "
+                            f"({job['kind']}, by {job.get('requested_by')}) ran",
+                        )
+                    )
+
+    def _read_tower(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """New virsh commands (finished ones), and every job record as the
+        agent's ``jobs`` verb settles them (dead runners marked failed)."""
+        path = Path(self.sim.state_dir) / sim_model.COMMANDS_FILE
+        finished: list[dict[str, Any]] = []
+        if path.exists():
+            with path.open(encoding="utf-8") as handle:
+                handle.seek(self._commands_offset)
+                text = handle.read()
+            complete, _, _rest = text.rpartition("\n")
+            self._commands_offset += len(complete.encode()) + (1 if complete else 0)
+            for line in complete.splitlines():
+                if not line:
+                    continue
+                rec = json.loads(line)
+                if rec["kind"] == "start":
+                    finished.append(rec)
+        subprocess.run(
+            [sys.executable, str(self.agent), "--config", str(self.config), "jobs"],
+            capture_output=True,
+            check=False,
+            timeout=60,
+        )
+        jobs = []
+        for job_path in (self.state_dir / "jobs").glob("*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                jobs.append(json.loads(job_path.read_text(encoding="utf-8")))
+        return finished, jobs
+
+    def _shutdowns_checked(
+        self, commands: list[dict[str, Any]]
+    ) -> list[tuple[dict[str, Any], str, bool]]:
+        """For each ``shutdown`` sent: whether its domain ran without a
+        connected guest agent at that instant."""
+        shutdowns = [
+            (record, command[-1])
+            for record in commands
+            for command in record.get("commands") or []
+            if command and command[0] == "shutdown" and len(command) > 1
+        ]
+        if not shutdowns:
+            return []
+        with sim_model.locked(self.sim.state_dir, exclusive=False):
+            data = sim_model.load(self.sim.state_dir)
+        out = []
+        for record, domain in shutdowns:
+            world = sim_model.world(data, at=float(record["t"]))
+            dom = world.doms.get(domain)
+            out.append(
+                (
+                    record,
+                    domain,
+                    dom is not None and dom.running and not dom.agent_connected,
+                )
+            )
+        return out
+
+    # --- leaks --------------------------------------------------------------------
+
+    async def _check_leaks(self) -> None:
+        """Once settled: nothing left running or held on the tower, no task of
+        Home Assistant's for a finished operation."""
+        deadline = time.monotonic() + LEAK_GRACE
+        while True:
+            leaks = await asyncio.to_thread(self._tower_leaks)
+            leaks += self._task_leaks()
+            if not leaks or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.25)
+        for invariant, detail in leaks:
+            self._violate(invariant, detail)
+
+    def _tower_leaks(self) -> list[tuple[str, str]]:
+        leaks: list[tuple[str, str]] = []
+        procs = _proc_table(str(self.root))
+        agent = str(self.agent)
+        sessions = [p for p in procs if agent in p.argv and p.verb == "session"]
+        session_pids = {p.pid for p in sessions}
+        for proc in procs:
+            line = " ".join(proc.argv)[:200]
+            if agent in proc.argv:
+                if "run-job" in proc.argv:
+                    leaks.append(("leaked_runner", f"pid {proc.pid}: {line}"))
+                elif proc.verb and proc.verb != "session" and proc.age > ONE_SHOT_AGE:
+                    leaks.append(
+                        ("leaked_process", f"{proc.verb} agent, {proc.age:.0f} s old")
+                    )
+            elif any(part.endswith(".virsh.py") for part in proc.argv):
+                if "event" in proc.argv and proc.ppid not in session_pids:
+                    leaks.append(
+                        ("leaked_process", f"virsh event of no session: {line}")
+                    )
+                elif "event" not in proc.argv and proc.age > ONE_SHOT_AGE:
+                    leaks.append(("leaked_process", f"virsh {proc.age:.0f} s: {line}"))
+            elif any(part.endswith(".supervise.py") for part in proc.argv):
+                leaks.append(("leaked_runner", f"unit supervisor {line}"))
+        if len(sessions) > 1:
+            leaks.append(
+                (
+                    "leaked_process",
+                    f"{len(sessions)} agent sessions: pids {sorted(session_pids)}",
+                )
+            )
+        leaks.extend(
+            ("leaked_runner", f"unit {unit.name} is {unit.state}")
+            for unit in self.sim.loaded_units()
+            if unit.state in ("activating", "active")
+        )
+        locks = [
+            self.state_dir / "tower.lock",
+            self.state_dir / "submit.lock",
+            *(self.state_dir / "jobs").glob("*.lock"),
+        ]
+        leaks.extend(
+            ("lock_held", f"{path.name} is held")
+            for path in locks
+            if path.exists() and not _lock_free(path)
+        )
+        leaks.extend(
+            ("unfinished_job", f"job {job_id} is still queued or running")
+            for job_id in self._active_job_files()
+        )
+        return leaks
+
+    def _task_leaks(self) -> list[tuple[str, str]]:
+        tasks = getattr(self.entry, "_background_tasks", set())
+        return [
+            ("leaked_task", f"{task.get_name()} still running")
+            for task in tasks
+            if not task.done() and task.get_name() == f"{DOMAIN} operation"
+        ]
+
+    # --- between cycles ----------------------------------------------------------------
+
+    async def _prepare(self) -> None:
+        """The cluster's controllers and the sim's guests before a cycle:
+        evicted workload pods come back on a serving GPU node; guest faults
+        of the cycle before last end."""
+        for until, what, target, value in list(self._restores):
+            if until <= self.cycle - 1:
+                self._restores.remove((until, what, target, value))
+                setter = (
+                    self.sim.set_agent_delay
+                    if what == "agent_delay"
+                    else self.sim.set_shutdown_duration
+                )
+                await asyncio.to_thread(setter, target, value)
+        node = self._node()
+        if self._node_ready() and not node["spec"].get("unschedulable"):
+            self._recreate_workloads()
+
+    def _recreate_workloads(self) -> None:
+        pods = self.cluster.list_objects("Pod", WORKLOAD_NS)
+        for replicaset, labels in WORKLOADS.items():
+            owner_obj = self.cluster.get("ReplicaSet", replicaset, WORKLOAD_NS)
+            if owner_obj is None:
+                continue
+            have = [
+                pod
+                for pod in pods
+                if pod["spec"].get("nodeName") == GPU_NODE
+                and not pod["metadata"].get("deletionTimestamp")
+                and any(
+                    ref.get("uid") == owner_obj["metadata"]["uid"]
+                    for ref in pod["metadata"].get("ownerReferences") or []
+                )
+            ]
+            if have:
+                continue
+            self._pod_counter += 1
+            self.cluster.add_pod(
+                f"{replicaset}-c{self.cycle}x{self._pod_counter}",
+                WORKLOAD_NS,
+                node=GPU_NODE,
+                labels=labels,
+                owner=self.cluster.owner_ref(owner_obj),
+                gpu_request=1,
+            )
+
+    async def _clean_up(self, record: CycleRecord) -> None:
+        """What the operator does after a cycle, and repairs after a
+        violation so the next cycle starts from a sane world: the emulator's
+        unspent faults dropped, the operator's cordon and pod removed."""
+        self.cluster._faults.clear()  # unspent injected failures
+        self.proxy.set_down(False)
+        self.down_flag.unlink(missing_ok=True)
+        self._set_pdb(min_available=0)
+        for namespace, name in sorted(self._unmanaged):
+            pod = self.cluster.get("Pod", name, namespace)
+            if pod is not None:
+                self._harness_removed.add(pod["metadata"]["uid"])
+                self.cluster.remove_pod(name, namespace)
+        self._unmanaged.clear()
+        if self.operator_cordon:
+            self.operator_cordon = False
+            self._write_node(unschedulable=False)
+        if record.outcome == "half_state":
+            # The administrator starts the GPU node again.
+            await asyncio.to_thread(
+                subprocess.run,
+                [str(self.sim.virsh), "-c", self.sim.uri, "start", GPU],
+                capture_output=True,
+                check=False,
+            )
+        if record.outcome in ("half_state", "serving") and self._our_cordon():
+            self._write_node(unschedulable=False, unmark=True)
+        self._fault_tasks = [task for task in self._fault_tasks if not task.done()]
+        self._request_tasks = []
+
+    # --- the summary --------------------------------------------------------------------
+
+    def summary(self, wall: float) -> dict[str, Any]:
+        """The run in one JSON-able dict."""
+        fired: Counter[str] = Counter()
+        unreached: Counter[str] = Counter()
+        moments: Counter[str] = Counter()
+        requests: Counter[str] = Counter()
+        outcomes: Counter[str] = Counter()
+        asks: Counter[str] = Counter()
+        for record in self.records:
+            fired.update(record.fired)
+            unreached.update(record.unreached)
+            moments.update(
+                f.moment for f in record.plan.faults if f.kind in record.fired
+            )
+            requests[record.plan.request] += 1
+            outcomes[record.outcome or "unknown"] += 1
+            for ask in record.asks:
+                status = ask.status
+                if ask.status in ("accepted", "cancelled"):
+                    status = "fulfilled" if "fulfilled" in ask.detail else "failed"
+                asks[status] += 1
+        seconds = [record.seconds for record in self.records]
+        lags = [record.lag_max for record in self.records]
+        return {
+            "seed": self.seed,
+            "cycles": len(self.records),
+            "wall_s": round(wall, 1),
+            "requests": dict(sorted(requests.items())),
+            "faults": {
+                "fired": dict(sorted(fired.items())),
+                "unreached": dict(sorted(unreached.items())),
+                "by_moment": {m: moments[m] for m in MOMENTS if moments[m]},
+                "total_fired": sum(fired.values()),
+            },
+            "outcomes": dict(sorted(outcomes.items())),
+            "requests_ended": dict(sorted(asks.items())),
+            "seconds_per_cycle": {
+                "mean": round(statistics.fmean(seconds), 2) if seconds else 0,
+                "p50": round(statistics.median(seconds), 2) if seconds else 0,
+                "max": round(max(seconds), 2) if seconds else 0,
+            },
+            "loop_lag_max_ms": round(max(lags, default=0.0) * 1000, 1),
+            "loop_lag_limit_ms": round(LAG_LIMIT * 1000),
+            "tower_jobs": len(self._jobs),
+            "violations": [violation.as_json() for violation in self.violations],
+        }
+
+
+async def run_soak(
+    hass: HomeAssistant,
+    cluster: K8sEmulator,
+    root: Path,
+    *,
+    seed: int,
+    cycles: int | None = None,
+    plans: list[Plan] | None = None,
+    agent: Path = AGENT,
+    settle_bound: float = SETTLE_BOUND,
+    cordon_bound: float = CORDON_NET_BOUND,
+    recover: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Build the rig, run ``plans`` (or cycles 1..``cycles`` of ``seed``),
+    tear it down; the summary."""
+    rig = ChaosRig(
+        hass,
+        cluster,
+        root,
+        seed=seed,
+        agent=agent,
+        settle_bound=settle_bound,
+        cordon_bound=cordon_bound,
+        recover=recover,
+        log=log,
+    )
+    if plans is None:
+        assert cycles is not None
+        plans = [plan_cycle(seed, cycle) for cycle in range(1, cycles + 1)]
+    try:
+        await rig.start()
+        return await rig.run(plans)
+    finally:
+        await rig.close()

@@ -1,0 +1,302 @@
+"""The named mutants: safety-critical behaviour broken on purpose, one at a time.
+
+Each mutant is a small textual patch (exact text, found exactly once, replaced)
+of a product file, and the tests that should notice it. ``scripts/mutants``
+applies each to a scratch copy of the repository and runs those tests there: a
+mutant whose tests all pass survived, and that fails the run. A patch whose
+text is no longer in the file fails too (the code moved on: update the
+mutant). mutmut is not used: its mutants are random operator flips, these are
+breakages of named promises, and the pinned tool chain does not carry it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+AGENT = "custom_components/gpu_handoff/tower/gpu_handoff.py"
+RUNNER = "custom_components/gpu_handoff/runner.py"
+CONTROLLER = "custom_components/gpu_handoff/controller.py"
+CLUSTER = "custom_components/gpu_handoff/cluster_client.py"
+CONFIG_FLOW = "custom_components/gpu_handoff/config_flow.py"
+SENSOR = "custom_components/gpu_handoff/sensor.py"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Replace ``old`` (present exactly once in ``path``) with ``new``."""
+
+    path: str
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """A breakage of ``promise``, and the tests that must notice it."""
+
+    name: str
+    promise: str
+    patches: tuple[Patch, ...]
+    tests: tuple[str, ...]
+    ci: bool = False  # among the handful CI runs (fast killers)
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "no_uncordon_after_return",
+        "the return lifts GPU Handoff's own cordon once the node is Ready",
+        (
+            Patch(
+                RUNNER,
+                "        if await self.cluster.uncordon(self.k8s_node):\n"
+                "            self._host.show_cordon(None)\n"
+                "\n"
+                "    async def uncordon_if_serving",
+                "        if False:\n"
+                "            self._host.show_cordon(None)\n"
+                "\n"
+                "    async def uncordon_if_serving",
+            ),
+        ),
+        (
+            "tests/test_cluster_promise.py::test_a_cordon_placed_during_a_handoff_is_kept_by_the_return",
+        ),
+    ),
+    Mutant(
+        "stop_before_guest_agent",
+        "no stop is sent before the guest's agent answers",
+        (
+            Patch(
+                AGENT,
+                "            if self.agent_ready(domain):\n",
+                "            if True:\n",
+            ),
+        ),
+        ("tests/tower/test_jobs.py::test_agent_timeout_sends_no_stop",),
+        ci=True,
+    ),
+    Mutant(
+        "throttling_429_taken_as_success",
+        "a 429 from the API server is never taken for success",
+        (
+            Patch(
+                CLUSTER,
+                "        except ApiException as err:\n"
+                "            raise _api_error(err) from err\n",
+                "        except ApiException as err:\n"
+                "            if err.status == HTTP_TOO_MANY_REQUESTS:\n"
+                "                return None\n"
+                "            raise _api_error(err) from err\n",
+            ),
+        ),
+        (
+            "tests/test_cluster_client.py::test_a_throttled_cordon_is_retried_not_taken_for_a_budget",
+            "tests/test_cluster_client.py::test_drain_refused_by_a_pdb_until_the_timeout",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "no_domain_check_in_serve",
+        "the forced command refuses a job for a domain it does not manage",
+        (
+            Patch(
+                AGENT,
+                "    if verb in JOB_VERBS:\n"
+                "        check_work(cfg, verb, args[0] if args else None)\n",
+                "    if False:\n"
+                "        check_work(cfg, verb, args[0] if args else None)\n",
+            ),
+        ),
+        ("tests/tower/test_serve.py::test_rejected_without_side_effect",),
+        ci=True,
+    ),
+    Mutant(
+        "noop_job_lock",
+        "jobs run one at a time per tower",
+        (
+            Patch(
+                AGENT,
+                "fcntl.flock(tower, fcntl.LOCK_EX)",
+                "fcntl.flock(tower, fcntl.LOCK_UN)",
+            ),
+        ),
+        (
+            "tests/tower/test_jobs.py::test_jobs_wait_for_tower_lock",
+            "tests/tower/test_jobs.py::test_two_handoffs_at_once_detached",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "second_job_for_a_request_id",
+        "the tower never runs two jobs for one request id",
+        (
+            Patch(
+                AGENT,
+                "existing = find_request(cfg, request_id)",
+                "existing = None",
+            ),
+        ),
+        ("tests/tower/test_requests.py::test_same_request_id_is_one_job",),
+    ),
+    Mutant(
+        "no_resume_of_the_stored_job",
+        "after a restart mid-operation, the stored tower job is followed",
+        (
+            Patch(
+                CONTROLLER,
+                "self._spawn(self._run(vm, kind, resume=True))",
+                "self._spawn(self._run(vm, kind, resume=False))",
+            ),
+        ),
+        ("tests/test_session_moments.py::test_a_restart_mid_job_follows_the_same_job",),
+    ),
+    Mutant(
+        "rollback_under_a_running_job",
+        "the cordon is never lifted while a tower job may still stop the node",
+        (
+            Patch(
+                RUNNER,
+                "    if gpu is None or gpu.state != RUNNING or "
+                "status.job_for(status.gpu_node):\n",
+                "    if gpu is None or gpu.state != RUNNING:\n",
+            ),
+        ),
+        (
+            "tests/test_session_moments.py::test_a_lost_reply_is_looked_up_not_sent_twice",
+            "tests/chaos/test_harness.py::test_no_rollback_under_the_hooks_stop_job",
+        ),
+    ),
+    Mutant(
+        "stuck_after_an_unexpected_error",
+        "an error of any kind ends the operation (never stuck)",
+        (
+            Patch(
+                CONTROLLER,
+                "            except Exception as err:  # noqa: BLE001 - every "
+                "failure must end the operation\n",
+                "            except (HomeAssistantError, TowerError, ClusterError) "
+                "as err:\n",
+            ),
+        ),
+        (
+            "tests/test_cluster_promise.py::test_an_unexpected_error_ends_the_handoff_cleanly",
+        ),
+    ),
+    Mutant(
+        "host_key_repinned_on_reconfigure",
+        "reconfigure at the same address never re-pins a changed host key",
+        (
+            Patch(
+                CONFIG_FLOW,
+                "                ):\n"
+                "                    return await self._async_finish_reconfigure()\n",
+                "                ):\n"
+                "                    self._data[CONF_HOST_KEY] = await fetch_host_key(\n"
+                "                        tower[CONF_HOST], tower[CONF_PORT]\n"
+                "                    )\n"
+                "                    return await self._async_finish_reconfigure()\n",
+            ),
+        ),
+        ("tests/test_config_flow.py",),
+    ),
+    Mutant(
+        "reconfigure_drops_the_new_user",
+        "reconfigure stores the new user name",
+        (
+            Patch(
+                CONFIG_FLOW,
+                "self._data = dict(entry.data) | tower",
+                "self._data = dict(entry.data) | "
+                "{k: v for k, v in tower.items() if k != CONF_USERNAME}",
+            ),
+        ),
+        ("tests/test_config_flow.py",),
+    ),
+    Mutant(
+        "operator_cordon_lifted",
+        "a cordon GPU Handoff did not place is never lifted",
+        (
+            Patch(
+                CLUSTER,
+                "            if CORDON_ANNOTATION not in "
+                "(node.metadata.annotations or {}):\n"
+                "                return False, None\n",
+                "            if not (node.spec and node.spec.unschedulable) and (\n"
+                "                CORDON_ANNOTATION not in "
+                "(node.metadata.annotations or {})\n"
+                "            ):\n"
+                "                return False, None\n",
+            ),
+        ),
+        (
+            "tests/test_cluster_client.py::test_cordon_is_marked_and_uncordon_lifts_only_our_own",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "unmanaged_pod_evicted",
+        "a pod nothing recreates is not evicted unless the option allows it",
+        (
+            Patch(
+                CLUSTER,
+                "            if owner is None and not _finished(pod):\n"
+                "                if force:\n",
+                "            if owner is None and not _finished(pod):\n"
+                "                if True:\n",
+            ),
+        ),
+        (
+            "tests/test_cluster_client.py::test_drain_refuses_pods_that_nothing_recreates",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "destroy_sent",
+        "nothing is ever forced off: no destroy reaches libvirt",
+        (
+            Patch(
+                AGENT,
+                '                self.end(step, "failed", message)\n'
+                "                raise AgentError(ERR_SHUTDOWN_TIMEOUT, message)\n",
+                '                self.end(step, "failed", message)\n'
+                '                self.virsh._run(["des" + "troy", domain], 30.0)\n'
+                "                raise AgentError(ERR_SHUTDOWN_TIMEOUT, message)\n",
+            ),
+        ),
+        ("tests/tower/test_safety.py::test_every_path_against_recording_virsh",),
+        ci=True,
+    ),
+    Mutant(
+        "handoff_states_never_shown",
+        "the Handoff state shows draining and stopping while they happen",
+        (
+            Patch(SENSOR, '        return "stopping"\n', '        return "cordoned"\n'),
+            Patch(SENSOR, '        return "draining"\n', '        return "cordoned"\n'),
+        ),
+        (
+            "tests/test_cluster_promise.py::test_every_handoff_state_in_order_and_in_agreement",
+        ),
+    ),
+    Mutant(
+        "lease_age_clamped",
+        "the lease age is the lease's real age",
+        (
+            Patch(
+                CLUSTER,
+                "lease_age = max(0.0, (dt.datetime.now(dt.UTC) - renewed)"
+                ".total_seconds())",
+                "lease_age = max(0.0, min(0.0, (dt.datetime.now(dt.UTC) - renewed)"
+                ".total_seconds()))",
+            ),
+        ),
+        ("tests/test_cluster_promise.py::test_the_lease_age_is_its_real_age",),
+    ),
+)
+
+
+def by_name(name: str) -> Mutant:
+    """The mutant called ``name``."""
+    for mutant in MUTANTS:
+        if mutant.name == name:
+            return mutant
+    raise KeyError(name)
