@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 import subprocess
-import sys
 
 from homeassistant.core import HomeAssistant
 from homeassistant.exceptions import HomeAssistantError, ServiceValidationError
@@ -42,13 +41,13 @@ from tests.support.stories import (
     SWITCH_2,
     cordoned,
     idle,
+    libvirt_hook,
     play,
     quit_game,
     setup_entry,
     switch,
     until,
 )
-from tests.support.testdriver import AGENT
 from tests.towersim import Tower
 
 
@@ -175,34 +174,6 @@ async def test_guest_agent_never_comes_up(
     await until(lambda: not cordoned(cluster))
 
 
-def _libvirt_hook(sim: Tower, agent_config: Path, vm: str) -> None:
-    """Run the agent's hook as libvirtd does when ``vm`` is being prepared."""
-    xml = subprocess.run(
-        [str(sim.virsh), "-c", sim.uri, "dumpxml", vm],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    hook = subprocess.run(
-        [
-            sys.executable,
-            str(AGENT),
-            "--config",
-            str(agent_config),
-            "hook",
-            vm,
-            "prepare",
-            "begin",
-            "-",
-        ],
-        input=xml,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert hook.returncode == 0
-
-
 def _reboot_without_agent(sim: Tower) -> None:
     """Restart the simulated GPU node with a guest agent that never starts."""
     sim.guest_shutdown("gpu-node")
@@ -225,7 +196,7 @@ async def test_started_by_hand_on_the_tower(
     """libvirt's hook records a gaming VM started by hand; Home Assistant
     notices and performs the handoff, so the player's retry finds it running."""
     await setup_entry(hass, entry)
-    _libvirt_hook(sim, agent_config, "gaming-2")
+    libvirt_hook(sim, agent_config, "gaming-2")
     await entry.runtime_data.coordinator.async_refresh()
     await until(lambda: sim.is_running("gaming-2"))
     await until(lambda: idle(entry))

@@ -27,7 +27,6 @@ from .cluster_client import (
     CORDON_OWNER_US,
     SKIP_WAIT_FOR_DELETE,
     ClusterError,
-    DrainError,
     DrainProgress,
     NodeView,
     UnmanagedPodsError,
@@ -51,6 +50,7 @@ from .const import (
     EVENT_HANDOFF_SUCCEEDED,
     EVENT_RETURN_SUCCEEDED,
     EVENT_STOP_SUCCEEDED,
+    PHASE_STOPPING,
 )
 from .coordinator import GpuHandoffCoordinator
 from .models import domain_identifier
@@ -69,8 +69,16 @@ from .tower_client import TowerError
 _LOGGER = logging.getLogger(__name__)
 
 STORAGE_VERSION: Final = 1
+# A stored request that libvirt's hook made (a gaming VM started by hand).
+ORIGIN_HOOK: Final = "hook"
 ISSUE_HANDOFF_FAILED: Final = "handoff_failed"
 ISSUE_UNMANAGED_PODS: Final = "unmanaged_pods"
+# The repair each kind of operation raises when it fails (one issue id per VM).
+FAILED_ISSUES: Final = {
+    "handoff": ISSUE_HANDOFF_FAILED,
+    "stop": "stop_failed",
+    "return": "return_failed",
+}
 # The event each kind of operation ends with when it succeeds.
 SUCCEEDED_EVENTS: Final = {
     "handoff": EVENT_HANDOFF_SUCCEEDED,
@@ -129,8 +137,12 @@ class HandoffController:
         self._seen_hook_requests: set[str] = set()
         self._returning = False
         # Requests accepted and not finished (queued or running): VM -> kind.
-        # The switch shows them at once, before any step has run.
+        # The switch shows them at once, before any step has run. Those not
+        # running yet are stored too, so a restart carries them out.
         self.requests: dict[str, str] = {}
+        # The gaming VMs whose handoff libvirt's hook asked for (started by
+        # hand): GPU Handoff's hook stopped the GPU node for them.
+        self._by_hook: set[str] = set()
 
     # --- persistence ---------------------------------------------------------
 
@@ -144,12 +156,28 @@ class HandoffController:
         self._forget_unknown_vms()
         if self.pending is not None:
             vm, kind = self.pending["vm"], self.pending["kind"]
+            if self.pending.get("origin") == ORIGIN_HOOK:
+                self._by_hook.add(vm)
             if vm == status.gpu_node or vm in self.configured_vms:
                 _LOGGER.info("Resuming the %s of %s after a restart", kind, vm)
                 self._spawn(self._run(vm, kind, resume=True))
             else:
                 # Its gaming VM was removed meanwhile: end it at a safe point.
                 self._spawn(self._abandon())
+        # Requests that waited behind it, in the order they came.
+        for queued in stored.get("queued", []):
+            vm, kind = queued["vm"], queued["kind"]
+            if vm in self.requests or not (
+                vm == status.gpu_node or vm in self.configured_vms
+            ):
+                continue
+            _LOGGER.info(
+                "Carrying out the %s of %s asked for before a restart", kind, vm
+            )
+            if queued.get("origin") == ORIGIN_HOOK:
+                self._by_hook.add(vm)
+            self.requests[vm] = kind
+            self._spawn(self._run(vm, kind))
         self._entry.async_on_unload(
             self.coordinator.async_add_listener(self._reconcile)
         )
@@ -179,8 +207,15 @@ class HandoffController:
         return True
 
     async def _save(self) -> None:
+        running = (self.pending or {}).get("vm")
+        queued = [
+            {"vm": vm, "kind": kind}
+            | ({"origin": ORIGIN_HOOK} if vm in self._by_hook else {})
+            for vm, kind in self.requests.items()
+            if vm != running
+        ]
         await self._store.async_save(
-            {"desired": sorted(self.desired), "pending": self.pending}
+            {"desired": sorted(self.desired), "pending": self.pending, "queued": queued}
         )
 
     async def _save_in_background(self) -> None:
@@ -311,6 +346,7 @@ class HandoffController:
                 # cards: do the handoff properly, so a retry of the start works.
                 _LOGGER.info("%s was started on the tower; handing its cards over", vm)
                 self.desired.add(vm)
+                self._by_hook.add(vm)
                 self._spawn(self._persist_and_run(vm, "handoff"))
                 return
         changed = self._forget_unknown_vms()
@@ -353,6 +389,7 @@ class HandoffController:
             self.hass.async_create_task(self._save_in_background(), f"{DOMAIN} save")
 
     async def _persist_and_run(self, vm: str, kind: str) -> bool:
+        self.requests.setdefault(vm, kind)
         await self._save()
         return await self._run(vm, kind)
 
@@ -362,65 +399,117 @@ class HandoffController:
         """One operation at a time; True when it succeeded."""
         self.requests.setdefault(vm, kind)
         try:
-            return await self._run_locked(vm, kind, resume)
+            async with self._lock:
+                succeeded, follow_up = await self._operate(vm, kind, resume)
+                if follow_up:
+                    # A failed handoff left the GPU node off (GPU Handoff
+                    # stopped it): the cards go back, as a return of its own,
+                    # stored before this one ended (so a restart resumes it).
+                    gpu = self.coordinator.data.tower.gpu_node
+                    self.requests.setdefault(gpu, "return")
+                    self._returning = True
+                    try:
+                        await self._operate(gpu, "return", resume=True)
+                    finally:
+                        self._returning = False
+                        if self.requests.get(gpu) == "return":
+                            del self.requests[gpu]
+                return succeeded
         finally:
+            self._by_hook.discard(vm)
             if self.requests.get(vm) == kind:
                 del self.requests[vm]
             if kind == "return":
                 self._returning = False
             self.coordinator.async_update_listeners()
 
-    async def _run_locked(self, vm: str, kind: str, resume: bool) -> bool:
-        async with self._lock:
-            if not resume:
-                self.pending = {"vm": vm, "kind": kind, "job": None}
-                await self._save()
-            self.operation = Operation(
-                vm, kind, "preparing", dt_util.utcnow().isoformat()
-            )
-            self.last_error.pop(vm, None)
+    async def _operate(self, vm: str, kind: str, resume: bool) -> tuple[bool, bool]:
+        """Run one operation (the lock held): whether it succeeded, and whether
+        the cards must go back to the cluster after it (a return, already
+        stored as the next operation)."""
+        if not resume or self.pending is None:
+            self.pending = {"vm": vm, "kind": kind, "job": None}
+            if vm in self._by_hook:
+                self.pending["origin"] = ORIGIN_HOOK
+            await self._save()
+        settle = self.pending.get("settle")
+        self.operation = Operation(vm, kind, "preparing", dt_util.utcnow().isoformat())
+        self.last_error.pop(vm, None)
+        if settle is None:
             self._fire(EVENT_HANDOFF_STARTED, vm, kind=kind)
-            self.coordinator.async_update_listeners()
-            returned = False
-            try:
-                settings = self.settings
-                if kind == "handoff":
-                    try:
-                        await self.runner.handoff(vm, settings)
-                    except Exception:
-                        self.desired.discard(vm)
-                        raise
-                elif kind == "stop":
-                    returned = await self.runner.stop(vm, settings)
-                else:
-                    await self.runner.return_cards()
-                    returned = True
-            except asyncio.CancelledError:
-                # Home Assistant stops or the entry unloads: keep ``pending`` so
-                # the next start resumes the operation.
-                self.operation = None
-                self.drain = None
-                raise
-            except Exception as err:  # noqa: BLE001 - every failure must end the operation
-                await self._failed(vm, kind, err)
-                succeeded = False
+        self.coordinator.async_update_listeners()
+        returned = follow_up = False
+        try:
+            if settle is not None:
+                # It failed before a restart; what it left is settled now.
+                self.desired.discard(vm)
+                succeeded, follow_up = False, await self._settle(vm, settle)
             else:
-                succeeded = True
-            # Fresh state before anything reconciles again: a stale snapshot
-            # (say, the cordon just lifted) would start the same work twice.
-            await self.coordinator.async_refresh()
+                succeeded, returned, follow_up = await self._attempt(vm, kind)
+        except asyncio.CancelledError:
+            # Home Assistant stops or the entry unloads: keep ``pending`` so
+            # the next start resumes the operation.
             self.operation = None
             self.drain = None
-            self.pending = None
-            await self._save()
-            if not succeeded:
-                return False
-            self._fire(SUCCEEDED_EVENTS[kind], vm, kind=kind)
-            if returned:
-                self._fire(EVENT_CARDS_RETURNED, self.coordinator.data.tower.gpu_node)
-            ir.async_delete_issue(self.hass, DOMAIN, self._issue_id(vm))
+            raise
+        # Fresh state before anything reconciles again: a stale snapshot
+        # (say, the cordon just lifted) would start the same work twice.
+        await self.coordinator.async_refresh()
+        self.operation = None
+        self.drain = None
+        self.requests.pop(vm, None)
+        self.pending = (
+            {"vm": self.coordinator.data.tower.gpu_node, "kind": "return", "job": None}
+            if follow_up
+            else None
+        )
+        await self._save()
+        if not succeeded:
+            return False, follow_up
+        self._fire(SUCCEEDED_EVENTS[kind], vm, kind=kind)
+        if returned:
+            self._fire(EVENT_CARDS_RETURNED, self.coordinator.data.tower.gpu_node)
+        ir.async_delete_issue(self.hass, DOMAIN, self._issue_id(vm))
+        if kind == "handoff":
+            # The pods that refused a handoff are gone (or were evicted).
             ir.async_delete_issue(self.hass, DOMAIN, self._unmanaged_issue_id)
-            return True
+        return True, False
+
+    async def _attempt(self, vm: str, kind: str) -> tuple[bool, bool, bool]:
+        """Do the operation's work: whether it succeeded, whether the cards
+        went back to the cluster, and whether they must go back after it."""
+        returned = False
+        try:
+            settings = self.settings
+            if kind == "handoff":
+                await self.runner.handoff(vm, settings)
+            elif kind == "stop":
+                returned = await self.runner.stop(vm, settings)
+            else:
+                await self.runner.return_cards()
+                returned = True
+        except Exception as err:  # noqa: BLE001 - every failure must end the operation
+            await self._failed(vm, kind, err)
+            if kind != "handoff":
+                return False, False, False
+            self.desired.discard(vm)
+            return False, False, await self._settle(vm, None)
+        return True, returned, False
+
+    async def _settle(self, vm: str, settle: dict[str, Any] | None) -> bool:
+        """Leave what a failed handoff left safe (see the runner's
+        ``settle_failed_handoff``), stored first so a restart finishes it.
+        True when a return must follow."""
+        if settle is None:
+            operation = self.operation
+            stopped = vm in self._by_hook or (
+                operation is not None and operation.phase == PHASE_STOPPING
+            )
+            settle = {"stopped_by_us": stopped}
+            if self.pending is not None:
+                self.pending = {**self.pending, "job": None, "settle": settle}
+                await self._save()
+        return await self.runner.settle_failed_handoff(bool(settle["stopped_by_us"]))
 
     @property
     def current_phase(self) -> str | None:
@@ -498,9 +587,19 @@ class HandoffController:
             await self._save()
 
     async def _failed(self, vm: str, kind: str, err: Exception) -> None:
+        """Report a failure every way a user may look: the event (automations,
+        the logbook), ``last_error`` (the switch and the sensor), and a repair
+        issue (the notification a user sees without the dashboard: a request
+        made by voice or by an automation fails long after it was accepted)."""
         code = getattr(err, "code", None) or type(err).__name__
         message = str(err) or type(err).__name__
-        expected = (HomeAssistantError, TowerError, ClusterError, RunnerError)
+        expected = (
+            HomeAssistantError,
+            TowerError,
+            ClusterError,
+            RunnerError,
+            JobFailedError,
+        )
         if isinstance(err, expected):
             _LOGGER.warning("The %s of %s failed: %s", kind, vm, message)
         else:
@@ -509,6 +608,7 @@ class HandoffController:
             code = ISSUE_UNMANAGED_PODS
         self.last_error[vm] = message
         self._fire(EVENT_HANDOFF_FAILED, vm, kind=kind, error=message, code=code)
+        name = self._device_name(vm)
         if isinstance(err, UnmanagedPodsError):
             ir.async_create_issue(
                 self.hass,
@@ -519,24 +619,32 @@ class HandoffController:
                 severity=ir.IssueSeverity.ERROR,
                 translation_key=ISSUE_UNMANAGED_PODS,
                 translation_placeholders={
-                    "vm": vm,
+                    "vm": name,
                     "node": self.coordinator.k8s_node,
                     "pods": ", ".join(err.pods),
                 },
             )
-        elif isinstance(err, JobFailedError | DrainError | RunnerError) or not (
-            isinstance(err, expected)
-        ):
-            ir.async_create_issue(
-                self.hass,
-                DOMAIN,
-                self._issue_id(vm),
-                is_fixable=False,
-                is_persistent=False,
-                severity=ir.IssueSeverity.ERROR,
-                translation_key=ISSUE_HANDOFF_FAILED,
-                translation_placeholders={"vm": vm, "kind": kind, "error": message},
-            )
+            return
+        ir.async_create_issue(
+            self.hass,
+            DOMAIN,
+            self._issue_id(vm),
+            is_fixable=False,
+            is_persistent=False,
+            severity=ir.IssueSeverity.ERROR,
+            translation_key=FAILED_ISSUES[kind],
+            translation_placeholders={"vm": name, "error": message},
+        )
+
+    def _device_name(self, vm: str) -> str:
+        """What the user calls ``vm`` (its device's name, theirs if they
+        renamed it), else its libvirt name."""
+        device = dr.async_get(self.hass).async_get_device_by_identifier(
+            domain_identifier(self._entry.entry_id, vm), self._entry.entry_id
+        )
+        if device is None:
+            return vm
+        return device.name_by_user or device.name or vm
 
     @property
     def _unmanaged_issue_id(self) -> str:

@@ -23,6 +23,8 @@ from .tower import gpu_handoff as agent
 PROTOCOL: Final = agent.PROTOCOL
 RUNNING: Final = "running"
 SHUT_OFF: Final = "shut_off"
+# Who asked for a job: libvirt's hook (a gaming VM started by hand).
+REQUESTED_BY_HOOK: Final = "hook"
 
 
 class ProtocolError(ValueError):

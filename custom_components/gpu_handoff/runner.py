@@ -26,7 +26,16 @@ from .cluster_client import (
     NodeView,
 )
 from .const import PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
-from .protocol import RUNNING, JobKind, JobRecord, JobState, StepName, TowerStatus
+from .protocol import (
+    REQUESTED_BY_HOOK,
+    RUNNING,
+    SHUT_OFF,
+    JobKind,
+    JobRecord,
+    JobState,
+    StepName,
+    TowerStatus,
+)
 from .tower_client import AgentCommandError, TowerClient, TowerConnectionError
 
 _LOGGER = logging.getLogger(__name__)
@@ -169,6 +178,21 @@ def node_holds_cards_of(status: TowerStatus, vm: str) -> bool:
     )
 
 
+def cards_in_play(status: TowerStatus) -> bool:
+    """Whether a running gaming VM holds one of the GPU node's cards (the GPU
+    node cannot start then: libvirt refuses a PCI function in use)."""
+    gpu = status.domains.get(status.gpu_node)
+    if gpu is None:
+        return False
+    held = set(gpu.cards)
+    return any(
+        (domain := status.domains.get(vm)) is not None
+        and domain.state == RUNNING
+        and held & set(domain.cards)
+        for vm in status.gaming
+    )
+
+
 async def lift_own_cordon_if_serving(
     tower: TowerClient, cluster: ClusterClient, k8s_node: str
 ) -> bool:
@@ -214,27 +238,60 @@ class OperationRunner:
 
     async def handoff(self, vm: str, settings: Settings) -> None:
         """Give ``vm`` its cards: drain and stop the GPU node if it holds them,
-        then start ``vm``. On failure our own cordon is lifted if the GPU node
-        still serves and no job may still stop it."""
-        try:
-            pending = self._host.pending_job
-            if pending is not None:
-                # Resume: the stored job, whatever the tower looks like now.
-                if pending.kind is JobKind.HANDOFF:
-                    self._host.phase(PHASE_STOPPING)
-                await self._job(pending.kind, pending.domain)
-                return
-            status = await self.tower.status()
-            if status.domains[vm].state == RUNNING:
-                return
-            node_holds = node_holds_cards_of(status, vm)
-            if node_holds:
-                await self._drain(vm, settings)
+        then start ``vm``. A failure leaves the rest to ``settle_failed_handoff``."""
+        pending = self._host.pending_job
+        if pending is not None:
+            # Resume: the stored job, whatever the tower looks like now.
+            if pending.kind is JobKind.HANDOFF:
                 self._host.phase(PHASE_STOPPING)
-            await self._job(JobKind.HANDOFF if node_holds else JobKind.START, vm)
-        except Exception:
-            await self.uncordon_if_serving()
-            raise
+            await self._job(pending.kind, pending.domain)
+            return
+        status = await self.tower.status()
+        if status.domains[vm].state == RUNNING:
+            return
+        node_holds = node_holds_cards_of(status, vm)
+        if node_holds:
+            await self._drain(vm, settings)
+            self._host.phase(PHASE_STOPPING)
+        await self._job(JobKind.HANDOFF if node_holds else JobKind.START, vm)
+
+    async def settle_failed_handoff(self, stopped_by_us: bool) -> bool:
+        """After a failed handoff: leave the GPU node serving or say it must be
+        started again. True when the cards must go back to the cluster (a
+        return follows).
+
+        A stop of the GPU node that libvirt's hook started (a gaming VM
+        started by hand) is followed to its end first: GPU Handoff stopped the
+        GPU node then, so GPU Handoff starts it again when the gaming VM does
+        not run. A GPU node that still runs is uncordoned (our own cordon
+        only). A GPU node shut down by someone else stays as it is, and so
+        does one whose cards a running gaming VM holds.
+        """
+        try:
+            status = await self.tower.status()
+            job = status.job_for(self.gpu_node)
+            if job is not None and job.requested_by == REQUESTED_BY_HOOK:
+                record = await self._follow(job.id)
+                if record.job.state is JobState.SUCCEEDED:
+                    stopped_by_us = True
+                status = await self.tower.status()
+            gpu = status.domains.get(self.gpu_node)
+            if gpu is not None and gpu.state == RUNNING:
+                await self.uncordon_if_serving()
+                return False
+            return (
+                stopped_by_us
+                and gpu is not None
+                and gpu.state == SHUT_OFF
+                and status.job_for(self.gpu_node) is None
+                and not cards_in_play(status)
+            )
+        except (TowerConnectionError, AgentCommandError, ClusterError) as err:
+            # The tower cannot tell: when GPU Handoff may have stopped the GPU
+            # node, the return decides (it reads the tower again, and fails
+            # with a report if the tower is still away).
+            _LOGGER.warning("Could not settle the failed handoff: %s", err)
+            return stopped_by_us
 
     async def _drain(self, vm: str, settings: Settings) -> None:
         """Cordon the GPU node's node (marking the cordon as ours), then drain

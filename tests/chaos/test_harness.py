@@ -227,19 +227,14 @@ async def test_a_job_that_ends_while_the_session_is_down_is_followed_to_its_end(
     assert summary["violations"] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug (seed 12, cycle 5; seed 25, cycle 2): the libvirt hook "
-    "stops the GPU node without a drain; when the handoff that follows fails "
-    "(a pod nothing recreates, a budget), the GPU node stays off and nothing "
-    "runs",
-)
 async def test_a_vm_started_by_hand_whose_handoff_fails_leaves_a_serving_node(
     hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
 ) -> None:
     """Found by ``scripts/chaos --cycles 5 --seed 12``: a pod nothing
     recreates is on the GPU node and someone starts Gaming station 2 on the
-    tower. The handoff must fail (reported), and the GPU node keep serving."""
+    tower. The handoff must fail (reported), and the GPU node keep serving.
+    (Fixed: a failed handoff follows the hook's stop of the GPU node to its end
+    and, GPU Handoff having stopped it, starts it again.)"""
     plans = [Plan(0, 1, "hand", "gaming-2", (Fault("unmanaged_pod", "before"),))]
     summary = await run_soak(
         hass,
@@ -252,18 +247,13 @@ async def test_a_vm_started_by_hand_whose_handoff_fails_leaves_a_serving_node(
     assert summary["violations"] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug (seed 23, cycle 6): a request queued behind a running "
-    "operation is lost when Home Assistant restarts; nothing acts on it and "
-    "nothing reports it",
-)
 async def test_a_request_queued_across_a_restart_is_carried_out(
     hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
 ) -> None:
     """Found by ``scripts/chaos --cycles 6 --seed 23``: both play and both
     quit; Home Assistant restarts while the first stop runs, the second
-    queued behind it. Both must end (done, or reported)."""
+    queued behind it. Both must end (done, or reported). (Fixed: requests
+    waiting for their turn are stored, and carried out after a restart.)"""
     plans = [
         Plan(0, 1, "both_on"),
         Plan(

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
+import subprocess
+import sys
 
 from homeassistant.config_entries import ConfigEntryState
 from homeassistant.core import HomeAssistant
 from pytest_homeassistant_custom_component.common import MockConfigEntry
 
 from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.support.testdriver import AGENT
 from tests.towersim import Tower
 
 SWITCH_1 = "switch.gaming_station_1"
@@ -65,3 +69,31 @@ async def quit_game(
     await until(lambda: idle(entry))
     await entry.runtime_data.coordinator.async_refresh()
     await hass.async_block_till_done()
+
+
+def libvirt_hook(sim: Tower, agent_config: Path, vm: str) -> None:
+    """Run the agent's hook as libvirtd does when ``vm`` is being prepared."""
+    xml = subprocess.run(
+        [str(sim.virsh), "-c", sim.uri, "dumpxml", vm],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    hook = subprocess.run(
+        [
+            sys.executable,
+            str(AGENT),
+            "--config",
+            str(agent_config),
+            "hook",
+            vm,
+            "prepare",
+            "begin",
+            "-",
+        ],
+        input=xml,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert hook.returncode == 0
