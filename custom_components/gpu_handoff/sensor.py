@@ -14,12 +14,24 @@ from homeassistant.components.sensor import (
 )
 from homeassistant.const import EntityCategory, UnitOfTime
 from homeassistant.core import HomeAssistant
+from homeassistant.helpers import entity_registry as er
 from homeassistant.helpers.entity_platform import AddConfigEntryEntitiesCallback
 
 from .cluster_client import CORDON_OWNER_US, DrainProgress
 from .const import CONF_GPU_NODE, PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
 from .data import GpuHandoffConfigEntry
-from .entity import ClusterBacked, GpuHandoffEntity, gaming_vms
+from .entity import (
+    GPU_NODE_SPOKEN,
+    ClusterBacked,
+    GpuHandoffEntity,
+    async_expose_to_assist_once,
+    async_offer_voice_aliases,
+    device_name,
+    gaming_vms,
+    is_english,
+    spoken_forms,
+    unique_names,
+)
 from .models import Snapshot
 from .protocol import RUNNING, TowerStatus
 
@@ -256,6 +268,26 @@ class GpuNodeStateSensor(GpuHandoffEntity, SensorEntity):
     _unrecorded_attributes = frozenset({"cards", "job", "job_step", "lease_age"})
 
     _ratchet: tuple[object, int] | None = None
+
+    async def async_added_to_hass(self) -> None:
+        """Answer Assist's "what is the state of the GPU node": exposed to it
+        on first sight, with the GPU node's name as an alias (the sensor's
+        own name is "GPU node Handoff state")."""
+        await super().async_added_to_hass()
+        hass = self.hass
+        if (entry := self.registry_entry) is None:
+            return
+        english = is_english(hass)
+        names: list[str] = []
+        if (device := device_name(hass, entry)) is not None:
+            names += [device, *spoken_forms(device, english=english)]
+        if english:
+            names.append(GPU_NODE_SPOKEN)
+        own = er.async_get_full_entity_name(hass, entry)
+        async_offer_voice_aliases(
+            hass, self.entity_id, unique_names(names, besides=own)
+        )
+        async_expose_to_assist_once(hass, self.entity_id)
 
     @property
     def native_value(self) -> str:

@@ -7,10 +7,17 @@ from typing import Any
 
 from homeassistant.components.switch import SwitchEntity, SwitchEntityDescription
 from homeassistant.core import HomeAssistant
+from homeassistant.helpers import entity_registry as er
 from homeassistant.helpers.entity_platform import AddConfigEntryEntitiesCallback
 
 from .data import GpuHandoffConfigEntry
-from .entity import GpuHandoffEntity, gaming_vms
+from .entity import (
+    GpuHandoffEntity,
+    async_offer_voice_aliases,
+    gaming_vms,
+    is_english,
+    spoken_forms,
+)
 from .protocol import RUNNING
 
 # Requests go to the controller, which serialises them per tower.
@@ -40,6 +47,18 @@ class GamingVmSwitch(GpuHandoffEntity, SwitchEntity):
     assistants match ("turn on gaming station one")."""
 
     _attr_name = None
+
+    async def async_added_to_hass(self) -> None:
+        """Offer the spoken form of the name as an alias: Assist matches names
+        word for word, and "Gaming station 1" is said "gaming station one"."""
+        await super().async_added_to_hass()
+        if (entry := self.registry_entry) is not None:
+            name = er.async_get_full_entity_name(self.hass, entry)
+            async_offer_voice_aliases(
+                self.hass,
+                self.entity_id,
+                spoken_forms(name, english=is_english(self.hass)),
+            )
 
     @property
     def is_on(self) -> bool:
