@@ -213,13 +213,30 @@ gh_oldest_host_python() {
   return 1
 }
 
+# Provisioning builds into shared places (the Debian root and its .partial
+# directory, .venv): scripts started at once on a fresh machine (scripts/test
+# and scripts/demo) take turns, through a lock file in the cache. The lock is
+# released as soon as the environment is ready, not held while it is used.
 gh_provision() {
+  local lock_fd=""
   GH_MODE=$(gh_mode)
+  if command -v flock >/dev/null; then
+    mkdir -p "$GH_CACHE"
+    exec {lock_fd}>>"$GH_CACHE/provision.lock"
+    if ! flock -n "$lock_fd"; then
+      gh_log "another script is provisioning: waiting for it ($GH_CACHE/provision.lock)"
+      flock "$lock_fd"
+    fi
+  fi
   case "$GH_MODE" in
     native | uv) gh_provision_venv "$GH_MODE" ;;
     root) gh_provision_root ;;
     *) gh_die "unknown GPU_HANDOFF_MODE '$GH_MODE' (native, uv or root)" ;;
   esac
+  if [ -n "$lock_fd" ]; then
+    flock -u "$lock_fd"
+    exec {lock_fd}>&-
+  fi
 }
 
 # Runs a command in the provisioned environment, in the repository.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Generator, Iterator
 import os
 from pathlib import Path
@@ -30,7 +29,8 @@ from custom_components.gpu_handoff.const import (
     DOMAIN,
     SUBENTRY_GAMING_VM,
 )
-from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.k8semu import K8sEmulator
+from tests.support.kubelet import Kubelet
 from tests.support.simtower import write_agent_config
 from tests.support.sshd import Sshd, sshd_available
 from tests.support.testdriver import agent_command, write_tower
@@ -181,20 +181,10 @@ def sim_sshd(
 @pytest.fixture
 async def kubelet(sim: Tower, cluster: K8sEmulator) -> AsyncIterator[None]:
     """The emulator's gpu-node is Ready exactly while the simulated VM runs."""
-
-    async def follow() -> None:
-        up = True
-        while True:
-            running = sim.is_running("gpu-node")
-            if running != up:
-                cluster.set_node_up(GPU_NODE, running)
-                up = running
-            await asyncio.sleep(0.05)
-
-    task = asyncio.create_task(follow())
+    stand_in = Kubelet(sim, cluster)
+    stand_in.start()
     yield
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    await stand_in.stop()
 
 
 @pytest.fixture

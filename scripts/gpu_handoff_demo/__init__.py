@@ -1,0 +1,28 @@
+"""GPU Handoff, running: Home Assistant with the integration against simulated
+towers and an emulated Kubernetes cluster, all on 127.0.0.1.
+
+- one or more towers (``--towers``), each a tower simulator (tests/towersim)
+  with a GPU node VM holding a GTX 960 and two RTX 3050s and two gaming VMs
+  that each want one RTX 3050, behind its own OpenSSH sshd whose
+  authorized_keys forces the real tower agent (``towers.py``);
+- the Kubernetes API emulator (tests/k8semu) with one GPU node per tower, its
+  workloads and a PodDisruptionBudget (``cluster.py``), and per tower a
+  stand-in kubelet (tests/support/kubelet.py, shared with the tests) that
+  keeps the node Ready exactly while the simulated VM runs and puts the
+  evicted workloads back once the node serves again;
+- Home Assistant as its own process, configured as a current installation is
+  (``home_assistant.py``), onboarded through its onboarding API, each tower
+  added through the real config flow (``client.py``), and a dashboard
+  (``dashboard.py``);
+- the packages Home Assistant's frontend needs, installed once into the cache
+  (``packages.py``); the orchestration (``demo.py``); a browser screenshot
+  (``screenshot.py``).
+
+    scripts/demo                   # interactive: prints the URL and the login
+    scripts/demo --fast            # guests 100x faster
+    scripts/demo --towers 2        # two towers side by side, one cluster
+    scripts/demo --scripted        # one handoff and return per tower, then exit
+    scripts/screenshot             # docs/dashboard.png from a headless browser
+
+Ctrl-C (or SIGTERM) stops everything.
+"""

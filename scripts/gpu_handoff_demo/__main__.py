@@ -1,0 +1,19 @@
+"""``python -m scripts.gpu_handoff_demo``: what ``scripts/demo`` runs."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from . import __doc__ as overview
+from .demo import main_async, parser
+
+
+def main() -> int:
+    """Entry point."""
+    description = (overview or "").split("\n\n")[0]
+    return asyncio.run(main_async(parser(description).parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

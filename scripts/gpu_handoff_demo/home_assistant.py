@@ -1,0 +1,191 @@
+"""Home Assistant as its own process: its configuration directory, set up the
+way a current installation keeps it, its start and stop, and what its log
+says.
+
+A current installation keeps its HTTP settings and its general settings
+(name, location, units) in ``.storage``, not in ``configuration.yaml``: YAML
+``http:`` is deprecated (a repair says so) and the general settings belong to
+the settings page. So ``configuration.yaml`` names only the integrations the
+demo needs, all of which work offline; the HTTP settings (127.0.0.1 and the
+demo's port, from the first start on) are written to storage before Home
+Assistant starts, in the format of Home Assistant's own HTTP settings store;
+and the general settings are set after onboarding, as the onboarding page
+does.
+
+The onboarding step that takes those general settings would also set up
+Met.no, Radio Browser, Google Translate and the shopping list: online
+services the demo neither needs nor can reach, which fail with tracebacks.
+The demo records that step as done (in the onboarding store, before the
+start) and does the rest of onboarding through its API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import UTC, datetime
+import json
+import os
+from pathlib import Path
+import re
+import signal
+import subprocess
+import sys
+from typing import Any
+
+from homeassistant.components.http import config as http_config
+from homeassistant.components.onboarding import (
+    STORAGE_KEY as ONBOARDING_KEY,
+    STORAGE_VERSION as ONBOARDING_VERSION,
+)
+from homeassistant.components.onboarding.const import STEP_CORE_CONFIG
+import yaml
+
+from custom_components.gpu_handoff.const import DOMAIN
+
+from .places import REPO
+
+HOST = "127.0.0.1"
+
+# What the onboarding page sends for its general settings step.
+CORE_CONFIG: dict[str, Any] = {
+    "location_name": "GPU Handoff demo",
+    "unit_system": "metric",
+    "time_zone": "UTC",
+    "currency": "EUR",
+    "country": "DE",
+    "language": "en",
+    "latitude": 52.52,
+    "longitude": 13.40,
+    "elevation": 34,
+}
+
+LOG_RECORD = re.compile(
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ (?P<level>[A-Z]+) \((?P<thread>[^)]*)\) "
+    r"\[(?P<logger>[^\]]+)\] (?P<message>.*)$"
+)
+
+
+def _write_store(storage: Path, key: str, version: int, minor: int, data: Any) -> None:
+    """One file of Home Assistant's ``.storage`` (its own file layout)."""
+    storage.mkdir(parents=True, exist_ok=True)
+    path = storage / key
+    path.write_text(
+        json.dumps(
+            {"version": version, "minor_version": minor, "key": key, "data": data},
+            indent=2,
+        ),
+        encoding="utf-8",
+    )
+    path.chmod(0o600)
+
+
+def prepare_config(config: Path, port: int) -> None:
+    """A configuration directory for a first start on 127.0.0.1:``port``."""
+    config.mkdir(parents=True, exist_ok=True)
+    custom = config / "custom_components"
+    custom.mkdir(exist_ok=True)
+    link = custom / DOMAIN
+    if not link.exists():
+        link.symlink_to(REPO / "custom_components" / DOMAIN)
+    integrations: dict[str, Any] = {
+        "frontend": {},
+        "recorder": {},
+        "history": {},
+        "logbook": {},
+        "logger": {
+            "default": "warning",
+            "logs": {f"custom_components.{DOMAIN}": "info"},
+        },
+    }
+    (config / "configuration.yaml").write_text(
+        yaml.safe_dump(integrations, sort_keys=False), encoding="utf-8"
+    )
+    storage = config / ".storage"
+    stable = http_config.HTTP_STORAGE_SCHEMA(
+        {"server_host": [HOST], "server_port": port}
+    ) | {
+        http_config.HTTP_CONFIG_CREATED_AT: datetime.now(UTC).isoformat(),
+        http_config.HTTP_CONFIG_ERROR: None,
+        http_config.HTTP_CONFIG_ERROR_MESSAGE: None,
+    }
+    _write_store(
+        storage,
+        http_config.STORAGE_KEY,
+        http_config.STORAGE_VERSION,
+        http_config.STORAGE_MINOR_VERSION,
+        {
+            http_config.KEY_STABLE: stable,
+            http_config.KEY_PENDING: None,
+            http_config.KEY_YAML_MIGRATION_DONE: True,
+        },
+    )
+    _write_store(
+        storage, ONBOARDING_KEY, ONBOARDING_VERSION, 1, {"done": [STEP_CORE_CONFIG]}
+    )
+
+
+def start(config: Path, packages: Path, output: Path) -> subprocess.Popen[bytes]:
+    """``python -m homeassistant`` in its own session (stopped by us, in order),
+    with the demo's extra packages on its path only."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(packages), env.get("PYTHONPATH", "")) if p
+    )
+    with output.open("wb") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "homeassistant",
+                "--config",
+                str(config),
+                "--skip-pip",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+
+async def stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, up to a minute for a clean stop, then SIGKILL for whatever is
+    left in its session."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            await asyncio.to_thread(process.wait, 60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await asyncio.to_thread(process.wait)
+    # Anything Home Assistant started in its session goes with it.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def log_problems(output: Path) -> list[str]:
+    """Every ERROR or CRITICAL record and every traceback in Home Assistant's
+    output, one line each (a traceback by its exception's line)."""
+    if not output.exists():
+        return []
+    lines = output.read_text("utf-8", "replace").splitlines()
+    problems: list[str] = []
+    in_traceback = False
+    for line in lines:
+        record = LOG_RECORD.match(line)
+        if record:
+            in_traceback = False
+            if record["level"] in ("ERROR", "CRITICAL"):
+                problems.append(
+                    f"{record['level']} [{record['logger']}] {record['message']}"
+                )
+        elif line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and line and not line.startswith((" ", "\t")):
+            # The exception's own line ends the traceback.
+            problems.append(f"traceback: {line}")
+            in_traceback = False
+    return problems

@@ -1,0 +1,145 @@
+"""A stand-in for the k3s agent inside a simulated GPU node VM.
+
+No real kubelet runs here, so nothing would ever mark the emulator's node
+NotReady when the simulated VM stops, or Ready when it starts again. This
+task does: it watches the tower simulator and keeps the node's Ready
+condition (and its Lease) equal to "the VM runs", as a real node's kubelet
+and the node lifecycle controller together would.
+
+With ``reschedule`` it also plays the scheduler and the ReplicaSet
+controller for the node's own workloads: a pod the drain evicted comes back
+on the node once the node is schedulable again, so a demo can hand the cards
+over and back as often as it likes.
+
+The tests' ``kubelet`` fixture (tests/conftest.py) and the demo
+(scripts/gpu_handoff_demo) both run this one implementation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+import secrets
+from typing import Any
+
+from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.towersim import Tower
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A pod on the node that its ReplicaSet would recreate after an eviction."""
+
+    namespace: str
+    owner: str
+    labels: dict[str, str]
+    image: str
+    gpus: int
+
+
+def _owner_name(pod: dict[str, Any]) -> str | None:
+    refs = pod["metadata"].get("ownerReferences") or []
+    return next((r["name"] for r in refs if r.get("kind") == "ReplicaSet"), None)
+
+
+def _gpus(pod: dict[str, Any]) -> int:
+    limits = pod["spec"]["containers"][0].get("resources", {}).get("limits", {})
+    return int(limits.get("nvidia.com/gpu", 0))
+
+
+class Kubelet:
+    """Keeps ``node`` Ready exactly while the tower's ``vm`` runs."""
+
+    def __init__(
+        self,
+        tower: Tower,
+        cluster: K8sEmulator,
+        *,
+        node: str = GPU_NODE,
+        vm: str = "gpu-node",
+        interval: float = 0.05,
+        reschedule: bool = False,
+    ) -> None:
+        self.tower = tower
+        self.cluster = cluster
+        self.node = node
+        self.vm = vm
+        self.interval = interval
+        self.up = cluster.node_is_up(node)
+        self.workloads = self._workloads() if reschedule else []
+        self._task: asyncio.Task[None] | None = None
+
+    def _workloads(self) -> list[Workload]:
+        """The ReplicaSet-owned pods on the node now (DaemonSet and mirror
+        pods are never evicted, so they need no scheduler)."""
+        found = []
+        for pod in self.cluster.list_objects("Pod"):
+            owner = _owner_name(pod)
+            if pod["spec"].get("nodeName") != self.node or owner is None:
+                continue
+            found.append(
+                Workload(
+                    namespace=pod["metadata"]["namespace"],
+                    owner=owner,
+                    labels=dict(pod["metadata"].get("labels", {})),
+                    image=pod["spec"]["containers"][0]["image"],
+                    gpus=_gpus(pod),
+                )
+            )
+        return found
+
+    def _schedule(self) -> None:
+        """Recreate the node's evicted workloads once it takes pods again."""
+        node = self.cluster.get("Node", self.node, "")
+        if node is None or node["spec"].get("unschedulable"):
+            return
+        for workload in self.workloads:
+            present = {
+                _owner_name(pod)
+                for pod in self.cluster.list_objects("Pod", workload.namespace)
+                if not pod["metadata"].get("deletionTimestamp")
+            }
+            if workload.owner in present:
+                continue
+            owner = self.cluster.get("ReplicaSet", workload.owner, workload.namespace)
+            if owner is None:
+                continue
+            self.cluster.add_pod(
+                f"{workload.owner}-{secrets.token_hex(3)}",
+                workload.namespace,
+                node=self.node,
+                labels=workload.labels,
+                owner=self.cluster.owner_ref(owner),
+                image=workload.image,
+                gpu_request=workload.gpus,
+            )
+
+    def step(self) -> None:
+        """Look once: the node follows the VM; workloads come back if asked."""
+        # The simulator writes its state file while we may read it; a torn
+        # read is simply tried again on the next look.
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            running = self.tower.is_running(self.vm)
+            if running != self.up:
+                self.cluster.set_node_up(self.node, running)
+                self.up = running
+        if self.up and self.workloads:
+            self._schedule()
+
+    async def run(self) -> None:
+        """Look every ``interval`` seconds until cancelled."""
+        while True:
+            self.step()
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        """Run in a task of the running loop (``stop`` ends it)."""
+        self._task = asyncio.create_task(self.run(), name=f"kubelet {self.node}")
+
+    async def stop(self) -> None:
+        """End the task started by ``start``."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
