@@ -179,11 +179,12 @@ def sim_sshd(
 
 
 @pytest.fixture
-async def kubelet(sim: Tower, cluster: K8sEmulator) -> AsyncIterator[None]:
-    """The emulator's gpu-node is Ready exactly while the simulated VM runs."""
+async def kubelet(sim: Tower, cluster: K8sEmulator) -> AsyncIterator[Kubelet]:
+    """The emulator's gpu-node is Ready exactly while the simulated VM runs,
+    and advertises the cards it runs with shortly after each boot."""
     stand_in = Kubelet(sim, cluster)
     stand_in.start()
-    yield
+    yield stand_in
     await stand_in.stop()
 
 

@@ -243,6 +243,39 @@ async def test_a_cordon_placed_during_a_handoff_is_kept_by_the_return(
     assert _mark(cluster) is None
 
 
+async def test_an_operator_cordon_after_an_operator_uncordon_is_not_taken_for_ours(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Found by ``scripts/chaos --cycles 200 --seed 1`` (cycle 191): while a
+    player plays, an operator lifts GPU Handoff's cordon (`kubectl uncordon`
+    changes spec.unschedulable only, so the mark stays) and later cordons the
+    node again (`kubectl cordon`, no mark either). The mark seen on a node
+    nobody cordons is removed at once, so the operator's later cordon is
+    theirs, and the return leaves it."""
+    await setup_entry(hass, entry)
+    await play(hass, entry, sim, 1)
+    assert _mark(cluster) == "handoff to gaming-1"
+    cluster.modify(  # kubectl uncordon gpu-node
+        "Node",
+        GPU_NODE,
+        "",
+        mutate=lambda node: node["spec"].update(unschedulable=False),
+    )
+    await entry.runtime_data.coordinator.async_refresh()
+    await until(lambda: _mark(cluster) is None)
+    _operator_cordon(cluster)
+    await quit_game(hass, entry, sim, 1)
+    await until(lambda: sim.is_running("gpu-node"))
+    await until(lambda: idle(entry))
+    assert cordoned(cluster)
+    assert _mark(cluster) is None
+    assert hass.states.get(HANDOFF).attributes["cordoned_by"] == "other"
+
+
 # --- a GPU node shut down on purpose --------------------------------------------
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+import shlex
+import socket
 from typing import Any
 
 from homeassistant.config_entries import (
@@ -29,7 +31,9 @@ from custom_components.gpu_handoff.const import (
     CONF_HANDOFF_WHEN_CORDONED,
     CONF_HOST_KEY,
     CONF_K8S_NODE,
+    CONF_KNOWN_VMS,
     CONF_KUBECONFIG,
+    CONF_LEND_FREE_CARDS,
     CONF_PASSPHRASE,
     CONF_PRIVATE_KEY,
     CONF_SCAN_INTERVAL,
@@ -37,9 +41,10 @@ from custom_components.gpu_handoff.const import (
     SUBENTRY_GAMING_VM,
 )
 from custom_components.gpu_handoff.protocol import PROTOCOL
-from custom_components.gpu_handoff.tower_client import generate_key_pair
+from custom_components.gpu_handoff.tower_client import fingerprint, generate_key_pair
 from tests.conftest import gaming_subentries, kubeconfig_text, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.support.account import SPLIT_USER
 from tests.support.sshd import Sshd, generate_key
 
 Result = dict[str, Any]
@@ -90,11 +95,20 @@ async def test_host_key_is_shown_for_confirmation(
     }
 
 
+def _name_tower(tower_dir: Path, name: str) -> None:
+    """Give the tower's agent a name in its configuration."""
+    config = tower_dir / "config.json"
+    data = json.loads(config.read_text(encoding="utf-8"))
+    config.write_text(json.dumps(data | {"name": name}), encoding="utf-8")
+
+
 async def test_generated_key_flow(
-    hass: HomeAssistant, tower: Sshd, cluster: K8sEmulator
+    hass: HomeAssistant, tower: Sshd, cluster: K8sEmulator, tower_dir: Path
 ) -> None:
     """A generated key works once its line is in authorized_keys; then the
-    user picks gaming VMs and reaches the cluster step."""
+    user picks gaming VMs and reaches the cluster step. The entry is titled
+    with the agent's name for the tower and identified by its host key."""
+    _name_tower(tower_dir, "Tower in the attic")
     result = await _to_credentials(hass, tower)
     flow_id = result["flow_id"]
     result = await hass.config_entries.flow.async_configure(
@@ -141,9 +155,12 @@ async def test_generated_key_flow(
     )
     assert result["type"] is FlowResultType.CREATE_ENTRY
     entry = result["result"]
-    assert entry.title == "127.0.0.1"
-    assert entry.unique_id == f"127.0.0.1:{tower.port}"
+    assert entry.title == "Tower in the attic"
+    assert entry.unique_id == tower.host_fingerprint
+    assert (entry.version, entry.minor_version) == (1, 2)
     assert entry.data[CONF_GPU_NODE] == "gpu-node"
+    # gaming-2 was left out: the user's choice, not a new VM later.
+    assert entry.data[CONF_KNOWN_VMS] == ["gaming-1", "gaming-2"]
     assert entry.data[CONF_K8S_NODE] == GPU_NODE
     assert entry.data[CONF_HOST_KEY].split() == tower.host_public_key.split()[:2]
     assert entry.options == {
@@ -236,16 +253,89 @@ async def test_user_step_unreachable(hass: HomeAssistant, tower: Sshd) -> None:
     assert result["step_id"] == "host_key"
 
 
+@pytest.mark.parametrize("migrated", [True, False])
 async def test_user_step_aborts_for_a_configured_tower(
-    hass: HomeAssistant, tower: Sshd
+    hass: HomeAssistant, tower: Sshd, migrated: bool
 ) -> None:
-    """A second entry for the same tower is refused."""
+    """The same tower under another name is the same host key: refused,
+    whether its entry has the host key's identity already or still the
+    address it was set up with (one not set up since the update)."""
     MockConfigEntry(
-        domain=DOMAIN, unique_id=f"127.0.0.1:{tower.port}", data={}
+        domain=DOMAIN,
+        unique_id=tower.host_fingerprint if migrated else f"tower.lan:{tower.port}",
+        minor_version=2 if migrated else 1,
+        data={
+            CONF_HOST: "tower.lan",
+            CONF_PORT: tower.port,
+            CONF_HOST_KEY: tower.host_public_key,
+        },
     ).add_to_hass(hass)
     result = await _start(hass, tower)
     assert result["type"] is FlowResultType.ABORT
     assert result["reason"] == "already_configured"
+
+
+async def test_user_step_goes_on_for_another_tower(
+    hass: HomeAssistant, tower: Sshd, tmp_path: Path
+) -> None:
+    """Entries of other towers, at the same address before, or without a
+    readable key, do not stop a tower with a key of its own."""
+    MockConfigEntry(
+        domain=DOMAIN,
+        unique_id=f"127.0.0.1:{tower.port}",
+        data={CONF_HOST: "127.0.0.1", CONF_PORT: tower.port, CONF_HOST_KEY: "x"},
+    ).add_to_hass(hass)
+    MockConfigEntry(
+        domain=DOMAIN,
+        unique_id="SHA256:another-tower",
+        minor_version=2,
+        data={CONF_HOST_KEY: generate_key(tmp_path / "other_host_key")},
+    ).add_to_hass(hass)
+    result = await _start(hass, tower)
+    assert result["step_id"] == "host_key"
+
+
+def _older_agent(tower: Sshd) -> None:
+    """The real agent behind a forced command that answers ``version`` as
+    an agent from before the tower's name did."""
+    reply = {"protocol": PROTOCOL, "ok": True, "version": "0.2.0", "verbs": []}
+    real = shlex.join(tower.command)
+    _fake_agent(
+        tower,
+        f'if [ "$SSH_ORIGINAL_COMMAND" = version ]; then\n'
+        f"  echo '{json.dumps(reply)}'\nelse\n  exec {real}\nfi",
+    )
+
+
+@pytest.mark.parametrize("agent", ["named", "default", "older"])
+async def test_entry_title_is_the_towers_name(
+    hass: HomeAssistant,
+    tower: Sshd,
+    tower_dir: Path,
+    cluster: K8sEmulator,
+    agent: str,
+) -> None:
+    """The agent's configured name, else the host name it runs on, else (an
+    agent too old to say) the address the user typed."""
+    expected = {
+        "named": "Gaming tower",
+        "default": socket.gethostname(),
+        "older": "127.0.0.1",
+    }[agent]
+    if agent == "named":
+        _name_tower(tower_dir, "Gaming tower")
+    if agent == "older":
+        _older_agent(tower)
+    result = await _to_cluster(hass, tower)
+    result = await hass.config_entries.flow.async_configure(
+        result["flow_id"], {CONF_KUBECONFIG: kubeconfig_text(cluster)}
+    )
+    result = await hass.config_entries.flow.async_configure(
+        result["flow_id"], {CONF_K8S_NODE: GPU_NODE}
+    )
+    assert result["type"] is FlowResultType.CREATE_ENTRY
+    assert result["title"] == expected
+    assert result["result"].unique_id == tower.host_fingerprint
 
 
 def _fake_agent(tower: Sshd, script: str) -> None:
@@ -340,7 +430,8 @@ def tower_entry(hass: HomeAssistant, tower: Sshd) -> MockConfigEntry:
     entry = MockConfigEntry(
         domain=DOMAIN,
         title="127.0.0.1",
-        unique_id=f"127.0.0.1:{tower.port}",
+        unique_id=tower.host_fingerprint,
+        minor_version=2,
         data=tower_entry_data(tower),
         options={
             CONF_SCAN_INTERVAL: 30,
@@ -381,7 +472,13 @@ async def test_reauth_with_a_new_key(
 async def test_reconfigure_same_address(
     hass: HomeAssistant, tower: Sshd, tower_entry: MockConfigEntry
 ) -> None:
-    """A new user name on the same address is checked and stored."""
+    """A new user name on the same address is checked and stored; the pinned
+    host key and the identity stay."""
+    # The entry logged in as another account, one this tower's sshd refuses.
+    hass.config_entries.async_update_entry(
+        tower_entry, data=tower_entry.data | {CONF_USERNAME: SPLIT_USER}
+    )
+    before = dict(tower_entry.data)
     result = await tower_entry.start_reconfigure_flow(hass)
     assert result["step_id"] == "reconfigure"
     result = await hass.config_entries.flow.async_configure(
@@ -390,21 +487,57 @@ async def test_reconfigure_same_address(
     )
     assert result["type"] is FlowResultType.ABORT
     assert result["reason"] == "reconfigure_successful"
+    assert tower_entry.data[CONF_USERNAME] == "root" != before[CONF_USERNAME]
+    assert tower_entry.data == before | {CONF_USERNAME: "root"}
+    assert tower_entry.data[CONF_HOST_KEY] == before[CONF_HOST_KEY]
+    assert tower_entry.unique_id == tower.host_fingerprint
+
+
+async def test_reconfigure_same_address_never_repins_a_changed_host_key(
+    hass: HomeAssistant, tower: Sshd, tower_entry: MockConfigEntry
+) -> None:
+    """The tower at the same address presents another host key: that is a
+    mismatch (the repair shows both fingerprints), never pinned quietly."""
+    before = dict(tower_entry.data)
+    tower.stop()
+    generate_key(tower.host_key)
+    tower.start_again()
+    result = await tower_entry.start_reconfigure_flow(hass)
+    result = await hass.config_entries.flow.async_configure(
+        result["flow_id"],
+        {CONF_HOST: "127.0.0.1", CONF_PORT: tower.port, CONF_USERNAME: "root"},
+    )
+    assert result["type"] is FlowResultType.ABORT
+    assert result["reason"] == "host_key_changed"
+    assert dict(tower_entry.data) == before
+    assert tower_entry.unique_id == fingerprint(before[CONF_HOST_KEY])
+    assert tower_entry.unique_id != tower.host_fingerprint
+
+
+def _move(tower: Sshd, *, new_host_key: bool) -> None:
+    """The tower's sshd on another port: with the same host key (the same
+    tower reached another way) or a new one. The client key stays."""
+    tower.stop()
+    config = tower.directory / "sshd_config"
+    old = f"Port {tower.port}\n"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        tower.port = probe.getsockname()[1]
+    text = config.read_text(encoding="utf-8")
+    assert old in text
+    config.write_text(text.replace(old, f"Port {tower.port}\n"), encoding="utf-8")
+    if new_host_key:
+        generate_key(tower.host_key)
+    tower.start_again()
 
 
 async def test_reconfigure_new_address_confirms_its_host_key(
     hass: HomeAssistant, tower: Sshd, tower_entry: MockConfigEntry
 ) -> None:
-    """Moving the tower to another port asks to confirm the host key there."""
-    tower.stop()
+    """Another address that presents another host key asks to confirm it;
+    once confirmed, that key is pinned and is the tower's identity."""
     old_port = tower.port
-    tower.port = 0
-    tower.start()  # new port, new host key, same agent
-    hass.config_entries.async_update_entry(
-        tower_entry,
-        data=tower_entry.data
-        | {CONF_PRIVATE_KEY: tower.client_key.read_text(encoding="utf-8")},
-    )
+    _move(tower, new_host_key=True)
     result = await tower_entry.start_reconfigure_flow(hass)
     result = await hass.config_entries.flow.async_configure(
         result["flow_id"],
@@ -416,7 +549,49 @@ async def test_reconfigure_new_address_confirms_its_host_key(
     assert result["reason"] == "reconfigure_successful"
     assert tower_entry.data[CONF_PORT] == tower.port != old_port
     assert tower_entry.data[CONF_HOST_KEY].split() == tower.host_public_key.split()[:2]
-    assert tower_entry.unique_id == f"127.0.0.1:{tower.port}"
+    assert tower_entry.unique_id == tower.host_fingerprint
+
+
+async def test_reconfigure_new_address_same_host_key(
+    hass: HomeAssistant, tower: Sshd, tower_entry: MockConfigEntry
+) -> None:
+    """The same host key at another address is the same tower: nothing to
+    confirm, the pinned key and the identity stay."""
+    before = dict(tower_entry.data)
+    _move(tower, new_host_key=False)
+    result = await tower_entry.start_reconfigure_flow(hass)
+    result = await hass.config_entries.flow.async_configure(
+        result["flow_id"],
+        {CONF_HOST: "127.0.0.1", CONF_PORT: tower.port, CONF_USERNAME: "root"},
+    )
+    assert result["reason"] == "reconfigure_successful"
+    assert tower_entry.data == before | {CONF_PORT: tower.port}
+    assert tower_entry.unique_id == tower.host_fingerprint
+
+
+async def test_reconfigure_to_another_configured_tower_aborts(
+    hass: HomeAssistant, tower: Sshd, tower_entry: MockConfigEntry
+) -> None:
+    """An address whose host key is another set-up tower's is refused before
+    anything is asked or stored."""
+    before = dict(tower_entry.data)
+    _move(tower, new_host_key=True)
+    MockConfigEntry(
+        domain=DOMAIN,
+        title="the other tower",
+        unique_id=tower.host_fingerprint,
+        minor_version=2,
+        data={CONF_HOST_KEY: tower.host_public_key},
+    ).add_to_hass(hass)
+    result = await tower_entry.start_reconfigure_flow(hass)
+    result = await hass.config_entries.flow.async_configure(
+        result["flow_id"],
+        {CONF_HOST: "127.0.0.1", CONF_PORT: tower.port, CONF_USERNAME: "root"},
+    )
+    assert result["type"] is FlowResultType.ABORT
+    assert result["reason"] == "other_tower_configured"
+    assert dict(tower_entry.data) == before
+    assert tower_entry.unique_id == fingerprint(before[CONF_HOST_KEY])
 
 
 async def test_reconfigure_errors(
@@ -485,6 +660,7 @@ async def test_options_flow(hass: HomeAssistant, tower_entry: MockConfigEntry) -
     defaults = {str(key): key.default() for key in schema if callable(key.default)}
     assert defaults[CONF_EVICT_UNMANAGED] is False
     assert defaults[CONF_HANDOFF_WHEN_CORDONED] is False
+    assert defaults[CONF_LEND_FREE_CARDS] is False
     result = await hass.config_entries.options.async_configure(
         result["flow_id"],
         {CONF_SCAN_INTERVAL: 10.0, CONF_DRAIN_TIMEOUT: 120.0, CONF_AUTO_RETURN: False},
@@ -496,6 +672,7 @@ async def test_options_flow(hass: HomeAssistant, tower_entry: MockConfigEntry) -
         CONF_AUTO_RETURN: False,
         CONF_EVICT_UNMANAGED: False,
         CONF_HANDOFF_WHEN_CORDONED: False,
+        CONF_LEND_FREE_CARDS: False,
     }
 
     result = await hass.config_entries.options.async_init(tower_entry.entry_id)
@@ -507,10 +684,12 @@ async def test_options_flow(hass: HomeAssistant, tower_entry: MockConfigEntry) -
             CONF_AUTO_RETURN: True,
             CONF_EVICT_UNMANAGED: True,
             CONF_HANDOFF_WHEN_CORDONED: True,
+            CONF_LEND_FREE_CARDS: True,
         },
     )
     assert tower_entry.options[CONF_EVICT_UNMANAGED] is True
     assert tower_entry.options[CONF_HANDOFF_WHEN_CORDONED] is True
+    assert tower_entry.options[CONF_LEND_FREE_CARDS] is True
 
 
 # --- gaming VM subentries ----------------------------------------------------

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -138,6 +139,8 @@ def test_one_shot_replies_parse_strictly(sim: Tower, sim_config: Path) -> None:
     jobs, screenshot and an error, as the agent prints them."""
     version = parse_version(_one_shot(sim_config, "version"), strict=True)
     assert version.protocol == PROTOCOL
+    # The command line's version reads no configuration: the host name.
+    assert version.host_name == socket.gethostname()
     status = parse_status(_one_shot(sim_config, "status"), strict=True)
     assert status.domains["gpu-node"].state == "running"
     assert {card.held_by for card in status.cards} == {"gpu-node"}
@@ -175,11 +178,15 @@ def test_one_shot_replies_parse_strictly(sim: Tower, sim_config: Path) -> None:
 def test_session_messages_parse_strictly(sim: Tower, sim_config: Path) -> None:
     """A handoff driven over a session: hello, status pushes and replies, the
     job's request reply and its pushed progress, libvirt events; and a job
-    whose pushed arguments name no domain (a release)."""
+    whose pushed arguments name no domain (a release). The tower's configured
+    name comes with the hello and every version reply."""
+    data = json.loads(sim_config.read_text(encoding="utf-8"))
+    sim_config.write_text(json.dumps(data | {"name": "Contract tower"}), "utf-8")
     session = _Session(sim_config)
     try:
         hello = parse_push(session.until(lambda m: m["type"] == "hello"), strict=True)
         assert isinstance(hello, Hello)
+        assert hello.version.host_name == "Contract tower"
         pushed = parse_push(session.until(lambda m: m["type"] == "status"), strict=True)
         assert isinstance(pushed, StatusPush)
         status = parse_status(session.reply(session.send("status")), strict=True)
@@ -220,7 +227,8 @@ def test_session_messages_parse_strictly(sim: Tower, sim_config: Path) -> None:
         for verb, args in (("version", ()), ("jobs", ()), ("job", (submitted.id,))):
             reply = session.reply(session.send(verb, *args))
             assert error_of(reply) is None
-        parse_version(session.reply(session.send("version")), strict=True)
+        version = parse_version(session.reply(session.send("version")), strict=True)
+        assert version.host_name == "Contract tower"
         parse_jobs(session.reply(session.send("jobs")), strict=True)
         parse_job_reply(session.reply(session.send("job", submitted.id)), strict=True)
         parse_job_reply(

@@ -14,6 +14,7 @@ import pytest
 
 from custom_components.gpu_handoff.protocol import (
     PROTOCOL,
+    Hello,
     JobKind,
     JobRecord,
     JobState,
@@ -172,6 +173,8 @@ def test_replies_and_lines_of_another_shape() -> None:
         parse_submitted({"job": {"id": "j", "kind": "stop", "state": "queued"}})
     with pytest.raises(ProtocolError, match="'protocol' is str"):
         parse_version({"protocol": "2", "version": "x", "verbs": []})
+    with pytest.raises(ProtocolError, match="'host_name' is int"):
+        parse_version({"protocol": 2, "version": "x", "verbs": [], "host_name": 7})
     with pytest.raises(ProtocolError, match="not JSON"):
         decode_line("{")
     with pytest.raises(ProtocolError, match="not a JSON object"):
@@ -192,3 +195,16 @@ def test_a_stored_job_that_cannot_be_read_is_none() -> None:
     job = PendingJob.from_dict({"kind": "stop", "domain": "g", "request_id": "r"})
     assert job is not None
     assert PendingJob.from_dict(job.as_dict()) == job
+
+
+def test_the_towers_name_is_read_and_older_agents_have_none() -> None:
+    """A version reply (or hello) names the tower; an agent from before the
+    field sends none, which reads as None even when parsed strictly."""
+    base = {"protocol": 2, "ok": True, "version": "0.2.0", "verbs": ["status"]}
+    named = parse_version(base | {"host_name": "attic"}, strict=True)
+    assert named.host_name == "attic"
+    assert (named.protocol, named.version, named.verbs) == (2, "0.2.0", ("status",))
+    assert parse_version(base, strict=True).host_name is None
+    hello = parse_push(base | {"type": "hello", "host_name": "attic"}, strict=True)
+    assert isinstance(hello, Hello)
+    assert hello.version.host_name == "attic"

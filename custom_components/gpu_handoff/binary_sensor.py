@@ -1,10 +1,11 @@
-"""Binary sensors: guest agents, the Kubernetes node's readiness and cordon."""
+"""Binary sensors: guest agents, the Kubernetes node's readiness and cordon,
+and whether the GPU node works (judged on what it does, not on Ready)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from homeassistant.components.binary_sensor import (
     BinarySensorEntity,
@@ -18,6 +19,7 @@ from homeassistant.helpers.entity_platform import AddConfigEntryEntitiesCallback
 from .const import CONF_GPU_NODE
 from .data import GpuHandoffConfigEntry
 from .entity import ClusterBacked, GpuHandoffEntity, gaming_vms
+from .health import NO_PROBLEM, PODS_SHOWN, watched
 from .models import Snapshot
 
 PARALLEL_UPDATES = 0
@@ -28,6 +30,7 @@ class GpuHandoffBinarySensorDescription(BinarySensorEntityDescription, ClusterBa
     """A binary sensor and how it reads the snapshot of its domain."""
 
     is_on_fn: Callable[[Snapshot, str], bool | None]
+    attributes_fn: Callable[[Snapshot], dict[str, Any]] | None = None
 
 
 def _agent_ready(snapshot: Snapshot, domain: str) -> bool | None:
@@ -42,6 +45,37 @@ GUEST_AGENT = GpuHandoffBinarySensorDescription(
     device_class=BinarySensorDeviceClass.CONNECTIVITY,
     entity_category=EntityCategory.DIAGNOSTIC,
     is_on_fn=_agent_ready,
+)
+
+
+def _unhealthy(snapshot: Snapshot) -> bool:
+    """The GPU node's problem, as long as it should work: the judgement of
+    the last refresh, held against what was pushed since (a GPU node seen
+    stopping, or cordoned by a handoff, is no problem)."""
+    health = snapshot.health
+    return (
+        health is not None and health.problem and watched(snapshot.tower, snapshot.node)
+    )
+
+
+def _health_attributes(snapshot: Snapshot) -> dict[str, Any]:
+    """Why (a translated reason) and which pods do not start."""
+    health = snapshot.health
+    if health is None or not _unhealthy(snapshot):
+        return {"reason": NO_PROBLEM, "pods_not_starting": []}
+    return {
+        "reason": health.reason,
+        "pods_not_starting": [pod.label for pod in health.stuck_pods[:PODS_SHOWN]],
+    }
+
+
+HEALTH = GpuHandoffBinarySensorDescription(
+    key="node_health",
+    translation_key="node_health",
+    device_class=BinarySensorDeviceClass.PROBLEM,
+    needs_cluster=True,
+    is_on_fn=lambda snapshot, _domain: _unhealthy(snapshot),
+    attributes_fn=_health_attributes,
 )
 
 NODE_SENSORS: Final = (
@@ -62,6 +96,7 @@ NODE_SENSORS: Final = (
             snapshot.node.unschedulable if snapshot.node is not None else None
         ),
     ),
+    HEALTH,
 )
 
 
@@ -70,7 +105,8 @@ async def async_setup_entry(
     entry: GpuHandoffConfigEntry,
     async_add_entities: AddConfigEntryEntitiesCallback,
 ) -> None:
-    """Guest agents of every VM; readiness and cordon of the GPU node's node."""
+    """Guest agents of every VM; readiness, cordon and health of the GPU
+    node's node."""
     data = entry.runtime_data
     gpu_node = entry.data[CONF_GPU_NODE]
     async_add_entities(
@@ -97,3 +133,9 @@ class GpuHandoffBinarySensor(GpuHandoffEntity, BinarySensorEntity):
         return self.entity_description.is_on_fn(
             self.coordinator.data, self.domain or ""
         )
+
+    @property
+    def extra_state_attributes(self) -> dict[str, Any] | None:
+        """What explains the value, where the description says."""
+        attributes_fn = self.entity_description.attributes_fn
+        return attributes_fn(self.coordinator.data) if attributes_fn else None

@@ -75,6 +75,26 @@ CORDON_RETRY_WINDOW: Final = 30.0
 # when watching fails the node is read this often.
 NODE_WATCH_CHUNK: Final = 60.0
 NODE_POLL_FALLBACK: Final = 1.0
+# The pod condition the kubelet sets True once the pod's sandbox is up with
+# its network, before any image is pulled (pkg/kubelet/status/generate.go,
+# GeneratePodReadyToStartContainersCondition): PodReadyToStartContainers from
+# Kubernetes 1.28 (on by default from 1.29), PodHasNetwork in 1.25-1.27.
+SANDBOX_CONDITIONS: Final = ("PodReadyToStartContainers", "PodHasNetwork")
+# The reasons a kubelet gives a container it has not created yet
+# (pkg/kubelet/kubelet_pods.go): an image being pulled shows them too.
+CREATING_REASONS: Final = frozenset({"ContainerCreating", "PodInitializing"})
+# Warning events the kubelet records on a pod whose sandbox it cannot make
+# (pkg/kubelet/events/event.go).
+SANDBOX_EVENT_REASONS: Final = frozenset(
+    {
+        "FailedCreatePodSandBox",
+        "FailedPodSandBoxStatus",
+        "FailedCreatePodContainer",
+        "NetworkNotReady",
+    }
+)
+# A refresh reads the events of at most this many not-yet-started pods.
+EVENT_PODS_MAX: Final = 5
 
 
 class ClusterError(Exception):
@@ -348,6 +368,64 @@ class NodeView:
     gpu_requested: int
     pods: int
     evictable_pods: int
+    # GPU Handoff's mark on a node nobody cordons (someone lifted our cordon
+    # with `kubectl uncordon`, which leaves annotations alone): it must go
+    # before anyone cordons the node again, or that cordon would look ours.
+    stale_mark: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class PodStart:
+    """How far one pod on the node got towards running its containers, as its
+    kubelet reports it."""
+
+    namespace: str
+    name: str
+    uid: str
+    finished: bool
+    terminating: bool
+    # PodReadyToStartContainers (PodHasNetwork before 1.28): the sandbox is
+    # up. None when the kubelet sets neither (older than 1.25, or gated off).
+    sandbox_ready: bool | None
+    # When that condition last changed.
+    sandbox_changed: dt.datetime | None
+    # A container (or init container) still waits to be created.
+    creating: bool
+    # status.startTime: when the kubelet took the pod on.
+    start_time: dt.datetime | None
+    # The latest startedAt of any of its containers, running or finished.
+    last_container_start: dt.datetime | None
+
+    @property
+    def label(self) -> str:
+        """``namespace/name``."""
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PodEvent:
+    """A Warning event about a pod's sandbox (core/v1 Event, aggregated by
+    the recorder: a repeat raises ``count`` and moves ``last``)."""
+
+    namespace: str
+    pod: str
+    uid: str
+    reason: str
+    message: str
+    count: int
+    first: dt.datetime | None
+    last: dt.datetime | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeReading:
+    """The node and what its pods and their events say, from one refresh."""
+
+    view: NodeView
+    # When the node's Ready condition last turned True (None: not Ready).
+    ready_since: dt.datetime | None
+    pods: tuple[PodStart, ...]
+    events: tuple[PodEvent, ...]
 
 
 def _quantity(value: Any) -> int:
@@ -398,6 +476,121 @@ def cordon_owner(node: Any) -> str | None:
         return None
     annotations = node.metadata.annotations or {}
     return CORDON_OWNER_US if CORDON_ANNOTATION in annotations else CORDON_OWNER_OTHER
+
+
+def has_stale_mark(node: Any) -> bool:
+    """Our mark on a node that is not cordoned."""
+    annotations = (node.metadata.annotations or {}) if node.metadata else {}
+    unschedulable = node.spec is not None and bool(node.spec.unschedulable)
+    return CORDON_ANNOTATION in annotations and not unschedulable
+
+
+def ready_since(node: Any) -> dt.datetime | None:
+    """When the node's Ready condition turned True (None while it is not
+    Ready, or if the condition carries no time)."""
+    for condition in (node.status.conditions or []) if node.status else []:
+        if condition.type == "Ready" and condition.status == "True":
+            return _aware(condition.last_transition_time)
+    return None
+
+
+def _aware(moment: dt.datetime | None) -> dt.datetime | None:
+    """A timestamp from the API in UTC (metav1.Time is always UTC)."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=dt.UTC)
+
+
+def _starts(status: Any) -> list[dt.datetime]:
+    """When each container of a pod (init containers too) started, as far as
+    its current and last state tell."""
+    found: list[dt.datetime] = []
+    for container in [
+        *(status.init_container_statuses or []),
+        *(status.container_statuses or []),
+    ]:
+        for state in (container.state, container.last_state):
+            if state is None:
+                continue
+            for phase in (state.running, state.terminated):
+                started = _aware(phase.started_at) if phase is not None else None
+                if started is not None:
+                    found.append(started)
+    return found
+
+
+def _creating(status: Any) -> bool:
+    """Whether a container (or init container) still waits to be created."""
+    return any(
+        container.state is not None
+        and container.state.waiting is not None
+        and container.state.waiting.reason in CREATING_REASONS
+        for container in [
+            *(status.init_container_statuses or []),
+            *(status.container_statuses or []),
+        ]
+    )
+
+
+def pod_start(pod: Any) -> PodStart:
+    """How far the pod got towards running its containers."""
+    status = pod.status
+    sandbox_ready: bool | None = None
+    sandbox_changed: dt.datetime | None = None
+    conditions = {c.type: c for c in (status.conditions or [])} if status else {}
+    for kind in SANDBOX_CONDITIONS:
+        if kind in conditions:
+            sandbox_ready = conditions[kind].status == "True"
+            sandbox_changed = _aware(conditions[kind].last_transition_time)
+            break
+    starts = _starts(status) if status is not None else []
+    return PodStart(
+        namespace=pod.metadata.namespace,
+        name=pod.metadata.name,
+        uid=pod.metadata.uid,
+        finished=_finished(pod),
+        terminating=pod.metadata.deletion_timestamp is not None,
+        sandbox_ready=sandbox_ready,
+        sandbox_changed=sandbox_changed,
+        creating=status is not None and _creating(status),
+        start_time=_aware(status.start_time) if status is not None else None,
+        last_container_start=max(starts, default=None),
+    )
+
+
+def not_started(pod: PodStart) -> bool:
+    """Whether the pod waits for its sandbox (or, on a kubelet that does not
+    report the sandbox, for its containers to be created)."""
+    if pod.finished or pod.terminating:
+        return False
+    if pod.sandbox_ready is None:
+        return pod.creating
+    return not pod.sandbox_ready
+
+
+def pod_event(event: Any) -> PodEvent:
+    """A pod's event as core/v1 serves it: from the legacy recorder
+    (firstTimestamp, lastTimestamp, count) or from events.k8s.io/v1
+    (eventTime, series.count, series.lastObservedTime)."""
+    series = event.series
+    involved = event.involved_object
+    first = _aware(event.first_timestamp) or _aware(event.event_time)
+    last = (
+        (_aware(series.last_observed_time) if series is not None else None)
+        or _aware(event.last_timestamp)
+        or first
+    )
+    count = (series.count if series is not None else None) or event.count or 1
+    return PodEvent(
+        namespace=involved.namespace or event.metadata.namespace,
+        pod=involved.name or "",
+        uid=involved.uid or "",
+        reason=event.reason or "",
+        message=event.message or "",
+        count=int(count),
+        first=first,
+        last=last,
+    )
 
 
 def _should_skip(pod: _PodRef, skip_after: float) -> bool:
@@ -604,6 +797,46 @@ class ClusterClient:
         """The node's readiness, cordon, lease, GPUs and pods."""
         return (await self._node_view(name))[0]
 
+    async def node_reading(self, name: str) -> NodeReading:
+        """The node view plus what tells whether the node works: how far each
+        of its pods got towards running, and the sandbox failures recorded
+        for those that have not started. Reuses the view's one pod list; the
+        events of at most EVENT_PODS_MAX not-started pods are read (none on
+        a node whose pods all run). A refusal to list events (an older
+        ClusterRole) leaves them out."""
+        node, pods, view = await self._read_node(name)
+        starts = tuple(pod_start(pod) for pod in pods)
+        waiting = sorted(
+            (pod for pod in starts if not_started(pod)),
+            key=lambda pod: (
+                pod.sandbox_changed
+                or pod.start_time
+                or dt.datetime.max.replace(tzinfo=dt.UTC)
+            ),
+        )
+        events: list[PodEvent] = []
+        for pod in waiting[:EVENT_PODS_MAX]:
+            try:
+                found = await self._call(
+                    self._core.list_namespaced_event,
+                    pod.namespace,
+                    field_selector=f"involvedObject.uid={pod.uid},type=Warning",
+                )
+            except ClusterError as err:
+                _LOGGER.debug("No events for %s: %s", pod.label, err)
+                break
+            events.extend(
+                pod_event(event)
+                for event in found.items
+                if event.reason in SANDBOX_EVENT_REASONS
+            )
+        return NodeReading(
+            view=view,
+            ready_since=ready_since(node),
+            pods=starts,
+            events=tuple(events),
+        )
+
     async def wait_ready(self, name: str, timeout: float) -> NodeView:
         """Until the node is Ready; TimeoutError after ``timeout`` seconds.
 
@@ -612,6 +845,35 @@ class ClusterClient:
         A watch is bounded by its own timeoutSeconds and a local timeout (a
         watch can hang silently).
         """
+        return await self._wait_node(
+            name,
+            timeout,
+            lambda view: bool(view.ready),
+            f"{name} did not become Ready in {timeout:.0f} s",
+        )
+
+    async def wait_gpus(self, name: str, count: int, timeout: float) -> NodeView:
+        """Until the Ready node advertises at least ``count`` allocatable
+        ``nvidia.com/gpu`` (its device plugin registered the cards: after a
+        kubelet restart they stay at zero until it does, see the kubelet's
+        devicemanager GetCapacity); TimeoutError after ``timeout`` seconds.
+        Event-driven as ``wait_ready``."""
+        return await self._wait_node(
+            name,
+            timeout,
+            lambda view: bool(view.ready) and view.gpu_allocatable >= count,
+            f"{name} did not advertise {count} GPU(s) in {timeout:.0f} s",
+        )
+
+    async def _wait_node(
+        self,
+        name: str,
+        timeout: float,
+        done: Callable[[NodeView], bool],
+        why: str,
+    ) -> NodeView:
+        """Until ``done`` holds for the node: read, then watch for its next
+        change (poll every second while watching fails)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
@@ -619,11 +881,11 @@ class ClusterClient:
                 view, version = await self._node_view(name)
             except ClusterError:
                 view, version = None, None
-            if view is not None and view.ready:
+            if view is not None and done(view):
                 return view
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise TimeoutError(f"{name} did not become Ready in {timeout:.0f} s")
+                raise TimeoutError(why)
             chunk = min(remaining, NODE_WATCH_CHUNK)
             try:
                 if version is None:
@@ -660,6 +922,11 @@ class ClusterClient:
                 response.release()
 
     async def _node_view(self, name: str) -> tuple[NodeView, str | None]:
+        node, _pods, view = await self._read_node(name)
+        return view, node.metadata.resource_version
+
+    async def _read_node(self, name: str) -> tuple[Any, list[Any], NodeView]:
+        """The node, its pods, and the view made of them (and its Lease)."""
         node = await self._call(self._core.read_node, name)
         pods = await self._call(
             self._core.list_pod_for_all_namespaces,
@@ -696,8 +963,9 @@ class ClusterClient:
             gpu_requested=sum(_pod_gpu_request(pod) for pod in running),
             pods=len(running),
             evictable_pods=sum(1 for pod in running if is_evictable(pod)),
+            stale_mark=has_stale_mark(node),
         )
-        return view, node.metadata.resource_version
+        return node, pods.items, view
 
     async def cordon(self, name: str, mark: str) -> str:
         """Cordon the node unless it already is; return whose cordon it carries.
@@ -731,6 +999,19 @@ class ClusterClient:
                 "metadata": {"annotations": {CORDON_ANNOTATION: None}},
                 "spec": {"unschedulable": None},
             }
+
+        return await self._change_node(name, change)
+
+    async def forget_stale_mark(self, name: str) -> bool:
+        """Remove our mark from a node that is not cordoned (someone lifted
+        our cordon), guarded by the resourceVersion like every change: a
+        cordon placed meanwhile is read again, and then the mark stays (it
+        can no longer be told from ours). True when a mark was removed."""
+
+        def change(node: Any) -> tuple[bool, dict[str, Any] | None]:
+            if not has_stale_mark(node):
+                return False, None
+            return True, {"metadata": {"annotations": {CORDON_ANNOTATION: None}}}
 
         return await self._change_node(name, change)
 

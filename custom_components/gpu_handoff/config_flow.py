@@ -1,10 +1,16 @@
 """Config flow for GPU Handoff: one entry per tower, one subentry per gaming VM.
 
-The user names the tower, confirms its host key fingerprint (pinned from then
-on), gives Home Assistant an SSH key (generated here, or pasted), picks the
-gaming VMs from what the tower's agent reports, and pastes a kubeconfig whose
-node list offers the GPU node's Kubernetes node. Every step is checked against
-the real tower and cluster before anything is stored.
+The user gives the tower's address, confirms its host key fingerprint (pinned
+from then on), gives Home Assistant an SSH key (generated here, or pasted),
+picks the gaming VMs from what the tower's agent reports, and pastes a
+kubeconfig whose node list offers the GPU node's Kubernetes node. Every step is
+checked against the real tower and cluster before anything is stored.
+
+A tower is its SSH host key: the entry's unique id is the key's SHA256
+fingerprint (the one the user confirmed), so the same tower reached by name and
+by IP address is one entry. The entry is titled with the name the agent
+reports (its configured name, else the tower's host name), or the address for
+an agent too old to say.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ from .const import (
     CONF_HANDOFF_WHEN_CORDONED,
     CONF_HOST_KEY,
     CONF_K8S_NODE,
+    CONF_KNOWN_VMS,
     CONF_KUBECONFIG,
+    CONF_LEND_FREE_CARDS,
     CONF_PASSPHRASE,
     CONF_PRIVATE_KEY,
     CONF_SCAN_INTERVAL,
@@ -46,13 +54,14 @@ from .const import (
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_EVICT_UNMANAGED,
     DEFAULT_HANDOFF_WHEN_CORDONED,
+    DEFAULT_LEND_FREE_CARDS,
     DEFAULT_SCAN_INTERVAL,
     DEFAULT_SSH_PORT,
     DOMAIN,
     SUBENTRY_GAMING_VM,
 )
 from .errors import cluster_error_key, tower_error_key
-from .protocol import DomainState, TowerStatus
+from .protocol import DomainState, TowerStatus, Version
 from .tower_client import (
     TowerAuthError,
     TowerClient,
@@ -119,7 +128,8 @@ def _gaming_domains(status: TowerStatus) -> list[DomainState]:
     ]
 
 
-def _vm_subentry(domain: DomainState) -> ConfigSubentryData:
+def vm_subentry(domain: DomainState) -> ConfigSubentryData:
+    """A gaming VM's subentry: its switch and its device."""
     return ConfigSubentryData(
         data={CONF_DOMAIN_NAME: domain.name},
         subentry_type=SUBENTRY_GAMING_VM,
@@ -128,10 +138,36 @@ def _vm_subentry(domain: DomainState) -> ConfigSubentryData:
     )
 
 
+def _pinned_identity(entry: ConfigEntry) -> str | None:
+    """The fingerprint of the host key an entry pinned (None: it has none)."""
+    try:
+        return fingerprint(entry.data.get(CONF_HOST_KEY) or "")
+    except ValueError:
+        return None
+
+
+def entry_with_host_key(
+    entries: list[ConfigEntry], host_key: str, besides: ConfigEntry | None = None
+) -> ConfigEntry | None:
+    """The entry (other than ``besides``) of the tower with this host key: by
+    its unique id, or by its pinned key for an entry not migrated yet."""
+    identity = fingerprint(host_key)
+    return next(
+        (
+            entry
+            for entry in entries
+            if entry is not besides
+            and identity in (entry.unique_id, _pinned_identity(entry))
+        ),
+        None,
+    )
+
+
 async def _check_tower(
     data: dict[str, Any],
-) -> tuple[TowerStatus | None, str | None]:
-    """(the agent's status, None) or (None, error key): a real round trip."""
+) -> tuple[tuple[Version, TowerStatus] | None, str | None]:
+    """((the agent's version, its status), None) or (None, error key): a real
+    round trip."""
     client = TowerClient(
         TowerCredentials(
             host=data[CONF_HOST],
@@ -143,8 +179,8 @@ async def _check_tower(
         )
     )
     try:
-        await client.version()
-        return await client.status(), None
+        version = await client.version()
+        return (version, await client.status()), None
     except TowerError as err:
         return None, tower_error_key(err)
     finally:
@@ -169,11 +205,14 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
     """Set up a tower."""
 
     VERSION = 1
+    # 2: the unique id is the host key's fingerprint (it was "host:port").
+    MINOR_VERSION = 2
 
     def __init__(self) -> None:
         """Start with nothing known."""
         self._data: dict[str, Any] = {}
         self._status: TowerStatus | None = None
+        self._host_name: str | None = None
         self._generated: tuple[str, str] | None = None
         self._nodes: list[str] = []
         self._vms: list[str] = []
@@ -212,13 +251,17 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         if user_input is not None:
             tower, errors = _clean_tower_input(user_input)
             if not errors:
-                await self.async_set_unique_id(f"{tower[CONF_HOST]}:{tower[CONF_PORT]}")
-                self._abort_if_unique_id_configured()
                 try:
                     host_key = await fetch_host_key(tower[CONF_HOST], tower[CONF_PORT])
                 except TowerError:
                     errors["base"] = "cannot_connect"
                 else:
+                    # The same tower by another name or address is the same
+                    # host key: already configured.
+                    await self.async_set_unique_id(fingerprint(host_key))
+                    self._abort_if_unique_id_configured()
+                    if entry_with_host_key(self._async_current_entries(), host_key):
+                        return self.async_abort(reason="already_configured")
                     self._data = tower | {CONF_HOST_KEY: host_key}
                     return await self.async_step_host_key()
         return self.async_show_form(
@@ -308,11 +351,12 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
     ) -> dict[str, str]:
         """Log in with the key and ask the agent for its status."""
         data = self._data | {CONF_PRIVATE_KEY: private, CONF_PASSPHRASE: passphrase}
-        status, error = await _check_tower(data)
-        if status is None:
+        answer, error = await _check_tower(data)
+        if answer is None:
             return {"base": error or "cannot_connect"}
         self._data = data
-        self._status = status
+        version, self._status = answer
+        self._host_name = version.host_name or None
         return {}
 
     async def _async_after_key(self) -> ConfigFlowResult:
@@ -396,16 +440,18 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         """Pick the GPU node VM's Kubernetes node."""
         if user_input is not None:
             self._data[CONF_K8S_NODE] = user_input[CONF_K8S_NODE]
-            domains = self._known_status.domains
+            status = self._known_status
+            # Those left out now are the user's choice, not news later.
+            self._data[CONF_KNOWN_VMS] = sorted(status.gaming)
             return self.async_create_entry(
-                title=self._data[CONF_HOST],
+                title=self._host_name or self._data[CONF_HOST],
                 data=self._data,
                 options={
                     CONF_SCAN_INTERVAL: DEFAULT_SCAN_INTERVAL,
                     CONF_DRAIN_TIMEOUT: DEFAULT_DRAIN_TIMEOUT,
                     CONF_AUTO_RETURN: DEFAULT_AUTO_RETURN,
                 },
-                subentries=[_vm_subentry(domains[name]) for name in self._vms],
+                subentries=[vm_subentry(status.domains[name]) for name in self._vms],
             )
         default = (
             self._data[CONF_GPU_NODE]
@@ -461,19 +507,21 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
                 self._data = dict(entry.data) | tower
                 if kubeconfig:
                     self._data[CONF_KUBECONFIG] = kubeconfig
+                # At the address its key was pinned at, the tower must still
+                # present that key: a changed one is refused by the login
+                # below (and its repair shows both fingerprints), never
+                # pinned again here.
                 if (tower[CONF_HOST], tower[CONF_PORT]) == (
                     entry.data[CONF_HOST],
                     entry.data[CONF_PORT],
                 ):
                     return await self._async_finish_reconfigure()
                 try:
-                    self._data[CONF_HOST_KEY] = await fetch_host_key(
-                        tower[CONF_HOST], tower[CONF_PORT]
-                    )
+                    host_key = await fetch_host_key(tower[CONF_HOST], tower[CONF_PORT])
                 except TowerError:
                     errors["base"] = "cannot_connect"
                 else:
-                    return await self.async_step_reconfigure_host_key()
+                    return await self._async_new_address(host_key)
         suggested = {
             CONF_HOST: entry.data[CONF_HOST],
             CONF_PORT: entry.data[CONF_PORT],
@@ -487,6 +535,18 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
             ),
             errors=errors,
         )
+
+    async def _async_new_address(self, host_key: str) -> ConfigFlowResult:
+        """The same host key at a new address is the same tower: nothing new
+        to trust. Another key is confirmed first, and refused if it is the
+        key of another tower that is already set up."""
+        entry = self._get_reconfigure_entry()
+        if fingerprint(host_key) == fingerprint(entry.data[CONF_HOST_KEY]):
+            return await self._async_finish_reconfigure()
+        if entry_with_host_key(self._async_current_entries(), host_key, entry):
+            return self.async_abort(reason="other_tower_configured")
+        self._data[CONF_HOST_KEY] = host_key
+        return await self.async_step_reconfigure_host_key()
 
     async def async_step_reconfigure_host_key(
         self, user_input: dict[str, Any] | None = None
@@ -504,15 +564,17 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
 
     async def _async_finish_reconfigure(self) -> ConfigFlowResult:
         entry = self._get_reconfigure_entry()
-        status, error = await _check_tower(self._data)
-        if status is None:
+        answer, error = await _check_tower(self._data)
+        if answer is None:
             return self.async_abort(reason=error or "cannot_connect")
-        if status.gpu_node != entry.data[CONF_GPU_NODE]:
+        if answer[1].gpu_node != entry.data[CONF_GPU_NODE]:
             return self.async_abort(reason="different_tower")
-        unique_id = f"{self._data[CONF_HOST]}:{self._data[CONF_PORT]}"
-        if unique_id != entry.unique_id:
-            await self.async_set_unique_id(unique_id)
-            self._abort_if_unique_id_configured()
+        # A newly confirmed key is the tower's new identity.
+        unique_id = (
+            entry.unique_id
+            if self._data[CONF_HOST_KEY] == entry.data[CONF_HOST_KEY]
+            else fingerprint(self._data[CONF_HOST_KEY])
+        )
         return self.async_update_reload_and_abort(
             entry, unique_id=unique_id, data=self._data
         )
@@ -535,6 +597,7 @@ class GpuHandoffOptionsFlow(OptionsFlow):
                     CONF_HANDOFF_WHEN_CORDONED: bool(
                         user_input[CONF_HANDOFF_WHEN_CORDONED]
                     ),
+                    CONF_LEND_FREE_CARDS: bool(user_input[CONF_LEND_FREE_CARDS]),
                 }
             )
         seconds = selector.NumberSelector(
@@ -556,6 +619,9 @@ class GpuHandoffOptionsFlow(OptionsFlow):
                 probatio.Required(
                     CONF_HANDOFF_WHEN_CORDONED, default=DEFAULT_HANDOFF_WHEN_CORDONED
                 ): selector.BooleanSelector(),
+                probatio.Required(
+                    CONF_LEND_FREE_CARDS, default=DEFAULT_LEND_FREE_CARDS
+                ): selector.BooleanSelector(),
             }
         )
         return self.async_show_form(
@@ -574,15 +640,16 @@ class GamingVmSubentryFlow(ConfigSubentryFlow):
     ) -> SubentryFlowResult:
         """Pick a gaming VM the tower's agent manages and that has no switch yet."""
         entry = self._get_entry()
-        status, error = await _check_tower(dict(entry.data))
-        if status is None:
+        answer, error = await _check_tower(dict(entry.data))
+        if answer is None:
             return self.async_abort(reason=error or "cannot_connect")
+        status = answer[1]
         taken = {sub.unique_id for sub in entry.subentries.values()}
         domains = {d.name: d for d in _gaming_domains(status) if d.name not in taken}
         if not domains:
             return self.async_abort(reason="no_more_gaming_vms")
         if user_input is not None and user_input[CONF_DOMAIN_NAME] in domains:
-            vm = _vm_subentry(domains[user_input[CONF_DOMAIN_NAME]])
+            vm = vm_subentry(domains[user_input[CONF_DOMAIN_NAME]])
             return self.async_create_entry(
                 title=vm["title"], data=dict(vm["data"]), unique_id=vm["unique_id"]
             )

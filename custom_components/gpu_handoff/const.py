@@ -18,12 +18,16 @@ CONF_GAMING_VMS: Final = "gaming_vms"
 CONF_KUBECONFIG: Final = "kubeconfig"
 CONF_K8S_NODE: Final = "k8s_node"
 CONF_DOMAIN_NAME: Final = "domain_name"
+# The gaming VMs the tower's agent managed when the user last chose (setup):
+# one that appears later is offered as new; one the user left out is not.
+CONF_KNOWN_VMS: Final = "known_gaming_vms"
 
 CONF_SCAN_INTERVAL: Final = "scan_interval"
 CONF_DRAIN_TIMEOUT: Final = "drain_timeout"
 CONF_AUTO_RETURN: Final = "auto_return"
 CONF_EVICT_UNMANAGED: Final = "evict_unmanaged"
 CONF_HANDOFF_WHEN_CORDONED: Final = "handoff_when_cordoned"
+CONF_LEND_FREE_CARDS: Final = "lend_free_cards"
 DEFAULT_SCAN_INTERVAL: Final = 30
 DEFAULT_DRAIN_TIMEOUT: Final = 300
 DEFAULT_AUTO_RETURN: Final = True
@@ -32,6 +36,10 @@ DEFAULT_EVICT_UNMANAGED: Final = False
 # Someone else's cordon (an administrator's drain, an upgrade controller) is a
 # reason to wait: a handoff on top of it needs the user's explicit choice.
 DEFAULT_HANDOFF_WHEN_CORDONED: Final = False
+# Lending the free cards while someone plays costs one more GPU node restart
+# (and drain) per session, and a GPU node that boots with fewer GPUs than it
+# was set up with: the user turns it on knowing both.
+DEFAULT_LEND_FREE_CARDS: Final = False
 
 SUBENTRY_GAMING_VM: Final = "gaming_vm"
 
@@ -43,6 +51,8 @@ EVENT_CARDS_RETURNED: Final = "gpu_handoff_cards_returned"
 # A handoff, a stop and a return each end with their own event.
 EVENT_STOP_SUCCEEDED: Final = "gpu_handoff_stop_succeeded"
 EVENT_RETURN_SUCCEEDED: Final = "gpu_handoff_return_succeeded"
+# The cards went back, but the GPU node does not advertise them to the cluster.
+EVENT_RETURN_UNHEALTHY: Final = "gpu_handoff_return_unhealthy"
 
 SERVICE_RETURN_CARDS: Final = "return_cards"
 SERVICE_START_HANDOFF: Final = "start_handoff"

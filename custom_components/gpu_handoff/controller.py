@@ -38,10 +38,12 @@ from .const import (
     CONF_EVICT_UNMANAGED,
     CONF_GPU_NODE,
     CONF_HANDOFF_WHEN_CORDONED,
+    CONF_LEND_FREE_CARDS,
     DEFAULT_AUTO_RETURN,
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_EVICT_UNMANAGED,
     DEFAULT_HANDOFF_WHEN_CORDONED,
+    DEFAULT_LEND_FREE_CARDS,
     DOMAIN,
     EVENT_CARDS_RETURNED,
     EVENT_HANDOFF_FAILED,
@@ -49,6 +51,7 @@ from .const import (
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
     EVENT_RETURN_SUCCEEDED,
+    EVENT_RETURN_UNHEALTHY,
     EVENT_STOP_SUCCEEDED,
     PHASE_STOPPING,
 )
@@ -136,6 +139,7 @@ class HandoffController:
         self.last_error: dict[str, str] = {}
         self._seen_hook_requests: set[str] = set()
         self._returning = False
+        self._forgetting = False
         # Requests accepted and not finished (queued or running): VM -> kind.
         # The switch shows them at once, before any step has run. Those not
         # running yet are stored too, so a restart carries them out.
@@ -262,6 +266,7 @@ class HandoffController:
             ),
             auto_return=bool(options.get(CONF_AUTO_RETURN, DEFAULT_AUTO_RETURN)),
             skip_wait=SKIP_WAIT,
+            lend_free=bool(options.get(CONF_LEND_FREE_CARDS, DEFAULT_LEND_FREE_CARDS)),
         )
 
     async def async_turn_on(self, vm: str) -> asyncio.Task[bool]:
@@ -385,8 +390,33 @@ class HandoffController:
                 self._returning = True
                 self._spawn(self._persist_and_run(status.gpu_node, "return"))
             return
+        if node is not None and node.stale_mark and not self._forgetting:
+            self._forgetting = True
+            self.hass.async_create_task(
+                self._forget_stale_mark(), f"{DOMAIN} forget stale mark"
+            )
         if changed:
             self.hass.async_create_task(self._save_in_background(), f"{DOMAIN} save")
+
+    async def _forget_stale_mark(self) -> None:
+        """Someone lifted GPU Handoff's cordon and left its mark: remove the
+        mark now (under the lock: an operation's own cordon is never touched
+        while it runs), so a cordon placed later is not taken for ours."""
+        try:
+            async with self._lock:
+                if await self.coordinator.cluster.forget_stale_mark(
+                    self.coordinator.k8s_node
+                ):
+                    _LOGGER.info(
+                        "GPU Handoff's cordon on %s was lifted by someone else; "
+                        "its mark is removed",
+                        self.coordinator.k8s_node,
+                    )
+                    await self.coordinator.async_request_refresh()
+        except ClusterError as err:
+            _LOGGER.warning("Could not remove a stale cordon mark: %s", err)
+        finally:
+            self._forgetting = False
 
     async def _persist_and_run(self, vm: str, kind: str) -> bool:
         self.requests.setdefault(vm, kind)
@@ -458,6 +488,7 @@ class HandoffController:
         self.operation = None
         self.drain = None
         self.requests.pop(vm, None)
+        follow_up = follow_up or (succeeded and self._lends_after(kind))
         self.pending = (
             {"vm": self.coordinator.data.tower.gpu_node, "kind": "return", "job": None}
             if follow_up
@@ -466,14 +497,41 @@ class HandoffController:
         await self._save()
         if not succeeded:
             return False, follow_up
-        self._fire(SUCCEEDED_EVENTS[kind], vm, kind=kind)
-        if returned:
+        # A return succeeds only when the cluster has its cards back: a GPU
+        # node that came back without advertising them is reported apart.
+        unhealthy = self.runner.returned_unhealthy if returned else None
+        if unhealthy is None or kind != "return":
+            self._fire(SUCCEEDED_EVENTS[kind], vm, kind=kind)
+        if unhealthy is not None:
+            self.last_error[vm] = unhealthy.message
+            self._fire(
+                EVENT_RETURN_UNHEALTHY,
+                self.coordinator.data.tower.gpu_node,
+                kind=kind,
+                reason=unhealthy.reason,
+                error=unhealthy.message,
+                gpus_expected=unhealthy.expected,
+                gpus_allocatable=unhealthy.allocatable,
+            )
+        elif returned:
             self._fire(EVENT_CARDS_RETURNED, self.coordinator.data.tower.gpu_node)
         ir.async_delete_issue(self.hass, DOMAIN, self._issue_id(vm))
         if kind == "handoff":
             # The pods that refused a handoff are gone (or were evicted).
             ir.async_delete_issue(self.hass, DOMAIN, self._unmanaged_issue_id)
-        return True, False
+        return True, follow_up
+
+    def _lends_after(self, kind: str) -> bool:
+        """Whether the free cards go back to the cluster after a handoff or a
+        stop (lending): not while another request waits, whose own end does
+        it (two requests close together cost one GPU node restart)."""
+        settings = self.settings
+        return (
+            kind in ("handoff", "stop")
+            and settings.lend_free
+            and settings.auto_return
+            and not self.requests
+        )
 
     async def _attempt(self, vm: str, kind: str) -> tuple[bool, bool, bool]:
         """Do the operation's work: whether it succeeded, whether the cards
@@ -486,10 +544,13 @@ class HandoffController:
             elif kind == "stop":
                 returned = await self.runner.stop(vm, settings)
             else:
-                await self.runner.return_cards()
-                returned = True
+                returned = await self.runner.return_cards(settings)
         except Exception as err:  # noqa: BLE001 - every failure must end the operation
             await self._failed(vm, kind, err)
+            if kind == "return":
+                # A return that drained a lending GPU node and then failed:
+                # our cordon goes if the GPU node still serves.
+                await self.runner.uncordon_if_serving()
             if kind != "handoff":
                 return False, False, False
             self.desired.discard(vm)

@@ -24,11 +24,14 @@ from homeassistant.exceptions import ConfigEntryAuthFailed, ConfigEntryError
 from homeassistant.helpers import device_registry as dr, issue_registry as ir
 from homeassistant.helpers.debounce import Debouncer
 from homeassistant.helpers.update_coordinator import DataUpdateCoordinator, UpdateFailed
+from homeassistant.util import dt as dt_util
 
 from .cluster_client import ClusterClient, ClusterError, NodeView
 from .const import (
+    CONF_DOMAIN_NAME,
     CONF_HOST_KEY,
     CONF_K8S_NODE,
+    CONF_KNOWN_VMS,
     CONF_KUBECONFIG,
     CONF_PASSPHRASE,
     CONF_PRIVATE_KEY,
@@ -37,6 +40,7 @@ from .const import (
     DOMAIN,
 )
 from .errors import cluster_error_key, tower_error_key
+from .health import CONTAINERS_NOT_STARTING, NodeHealth, issue_placeholders, judge
 from .models import Snapshot, tower_identifier
 from .protocol import (
     PROTOCOL,
@@ -49,6 +53,7 @@ from .protocol import (
     Push,
     StatusPush,
     TowerStatus,
+    Version,
 )
 from .tower_client import (
     AgentVersionError,
@@ -78,6 +83,8 @@ LIFECYCLE_STATES: Final = {
     "pmsuspended": "pmsuspended",
 }
 ISSUE_AGENT_OUTDATED: Final = "agent_outdated"
+ISSUE_NODE_HEALTH: Final = "node_health"
+ISSUE_NEW_GAMING_VM: Final = "new_gaming_vm"
 
 
 def with_domain_state(tower: TowerStatus, name: str, state: str) -> TowerStatus:
@@ -205,8 +212,9 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
             ) from err
         ir.async_delete_issue(self.hass, DOMAIN, self._host_key_issue_id)
         self._sync_finding_issues(status)
+        self._sync_gaming_vms(status)
         try:
-            node = await self.cluster.node_view(self.k8s_node)
+            reading = await self.cluster.node_reading(self.k8s_node)
         except ClusterError as err:
             if self._cluster_health.ok:
                 _LOGGER.warning(
@@ -219,7 +227,35 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
         if not self._cluster_health.ok:
             _LOGGER.info("Kubernetes node %s available again", self.k8s_node)
             self._cluster_health.ok = True
-        return Snapshot(tower=status, node=node)
+        previous = self.data.health if self.data is not None else None
+        health = judge(reading, status, dt_util.utcnow(), previous)
+        self._sync_health_issue(health, status.gpu_node)
+        return Snapshot(tower=status, node=reading.view, health=health)
+
+    def _sync_health_issue(self, health: NodeHealth, gpu_node: str) -> None:
+        """A repair issue while the GPU node is unhealthy, saying what was
+        seen; gone once it works (or an operation has it)."""
+        issue_id = f"{ISSUE_NODE_HEALTH}_{self.config_entry.entry_id}"
+        if not health.problem:
+            ir.async_delete_issue(self.hass, DOMAIN, issue_id)
+            return
+        ir.async_create_issue(
+            self.hass,
+            DOMAIN,
+            issue_id,
+            # The fix shows the GPU node's screen (its console says why).
+            is_fixable=True,
+            data={"entry_id": self.config_entry.entry_id, "screen_of": gpu_node},
+            # A node that starts no container serves nothing; one short of
+            # GPUs still runs the rest.
+            severity=ir.IssueSeverity.ERROR
+            if health.reason == CONTAINERS_NOT_STARTING
+            else ir.IssueSeverity.WARNING,
+            translation_key=f"node_{health.reason}",
+            translation_placeholders=issue_placeholders(
+                health, self.k8s_node, dt_util.get_default_time_zone()
+            ),
+        )
 
     def _sync_finding_issues(self, status: TowerStatus) -> None:
         """One repair issue per (finding, domain) the agent reports; gone when fixed."""
@@ -247,6 +283,64 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
         for issue_id in self._finding_issues - wanted:
             ir.async_delete_issue(self.hass, DOMAIN, issue_id)
         self._finding_issues = wanted
+
+    def _sync_gaming_vms(self, status: TowerStatus) -> None:
+        """Follow the gaming VMs the agent manages.
+
+        One that appears later is offered: a fixable repair adds its
+        subentry (its switch and device) once the user agrees; those the
+        user left out at setup are no news. One the agent no longer manages
+        loses its subentry, and with it its entities and device: the agent
+        refuses every request for it.
+        """
+        entry = self.config_entry
+        managed = set(status.gaming)
+        configured: dict[str, str] = {}
+        for subentry_id, subentry in entry.subentries.items():
+            configured[str(subentry.data[CONF_DOMAIN_NAME])] = subentry_id
+        for name, subentry_id in configured.items():
+            if name not in managed:
+                _LOGGER.info(
+                    "The tower's agent no longer manages %s: its switch and "
+                    "device are removed",
+                    name,
+                )
+                self.hass.config_entries.async_remove_subentry(entry, subentry_id)
+        stored = entry.data.get(CONF_KNOWN_VMS)
+        # An entry from before this was stored takes what the agent manages
+        # now as known: nothing it already had is news.
+        known = set(managed if stored is None else [*stored, *configured])
+        known &= managed
+        if stored != sorted(known):
+            self.hass.config_entries.async_update_entry(
+                entry, data={**entry.data, CONF_KNOWN_VMS: sorted(known)}
+            )
+        prefix = f"{ISSUE_NEW_GAMING_VM}_{entry.entry_id}_"
+        wanted: set[str] = set()
+        for name in sorted(managed - known):
+            wanted.add(prefix + name)
+            domain = status.domains.get(name)
+            ir.async_create_issue(
+                self.hass,
+                DOMAIN,
+                prefix + name,
+                is_fixable=True,
+                is_persistent=False,
+                severity=ir.IssueSeverity.WARNING,
+                translation_key=ISSUE_NEW_GAMING_VM,
+                translation_placeholders={
+                    "name": domain.title if domain is not None else name,
+                    "domain": name,
+                },
+                data={"entry_id": entry.entry_id, "gaming_vm": name},
+            )
+        for domain_key, issue_id in list(ir.async_get(self.hass).issues):
+            if (
+                domain_key == DOMAIN
+                and issue_id.startswith(prefix)
+                and issue_id not in wanted
+            ):
+                ir.async_delete_issue(self.hass, DOMAIN, issue_id)
 
     @property
     def _host_key_issue_id(self) -> str:
@@ -289,6 +383,7 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
         """Show the tower's state as pushed, without rescheduling the poll
         (the cluster still needs it)."""
         self._sync_finding_issues(status)
+        self._sync_gaming_vms(status)
         self.data = replace(self.data, tower=status)
         self.last_update_success = True
         self.async_update_listeners()
@@ -344,7 +439,7 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
                 backoff = WATCH_BACKOFF_START
                 logged = None
                 _LOGGER.debug("Agent session open (agent %s)", session.hello.version)
-                self._show_agent_version(session.hello.version)
+                self._show_agent(session.hello)
                 self._session_changed()
                 await session.wait_closed()
                 self.session_connected = False
@@ -356,14 +451,21 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, WATCH_BACKOFF_MAX)
 
-    def _show_agent_version(self, version: str) -> None:
-        """The tower device shows the agent it runs (its software version)."""
+    def _show_agent(self, hello: Version) -> None:
+        """The tower device shows the agent it runs (its software version)
+        and is named after the tower, as the agent names it (an agent too old
+        to say leaves the name it has). A name the user gave the device is
+        theirs (``name_by_user``) and stays in front."""
         registry = dr.async_get(self.hass)
-        device = registry.async_get_device(
-            identifiers={tower_identifier(self.config_entry.entry_id)}
+        entry_id = self.config_entry.entry_id
+        device = registry.async_get_device_by_identifier(
+            tower_identifier(entry_id), entry_id
         )
-        if device is not None and device.sw_version != version:
-            registry.async_update_device(device.id, sw_version=version)
+        if device is None:
+            return
+        name = hello.host_name or device.name
+        if (device.sw_version, device.name) != (hello.version, name):
+            registry.async_update_device(device.id, sw_version=hello.version, name=name)
 
     def _session_changed(self) -> None:
         if self.session_listener is not None:

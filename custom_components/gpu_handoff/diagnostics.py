@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Final
 
-from homeassistant.components.diagnostics import async_redact_data
+from homeassistant.components.diagnostics import REDACTED, async_redact_data
 from homeassistant.const import CONF_HOST, CONF_USERNAME
 from homeassistant.core import HomeAssistant
 from homeassistant.helpers import device_registry as dr
 
 from .const import CONF_HOST_KEY, CONF_KUBECONFIG, CONF_PASSPHRASE, CONF_PRIVATE_KEY
 from .data import GpuHandoffConfigEntry
+from .models import tower_identifier
 
 TO_REDACT: Final = {
     CONF_HOST,
@@ -44,13 +45,19 @@ async def async_get_device_diagnostics(
     """The device and what the snapshot says about its VM."""
     coordinator = entry.runtime_data.coordinator
     names = {identifier[1] for identifier in device.identifiers}
+    # The tower device is named after the tower's host name, as telling as
+    # its address (redacted like the entry's title).
+    is_tower = tower_identifier(entry.entry_id) in device.identifiers
     domains = {
         name: asdict(state)
         for name, state in coordinator.data.tower.domains.items()
         if f"{entry.entry_id}_{name}" in names
     }
     return {
-        "device": {"name": device.name, "model": device.model},
+        "device": {
+            "name": REDACTED if is_tower else device.name,
+            "model": device.model,
+        },
         "domains": domains,
         "cards": [
             asdict(card)

@@ -21,6 +21,7 @@ from .const import (
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
     EVENT_RETURN_SUCCEEDED,
+    EVENT_RETURN_UNHEALTHY,
     EVENT_STOP_SUCCEEDED,
 )
 
@@ -65,6 +66,8 @@ def describe(event: Event) -> str:
             return "the cards are back with the cluster"
         case "gpu_handoff_handoff_failed":
             return f"{operation} failed: {data.get('error')}"
+        case "gpu_handoff_return_unhealthy":
+            return f"is back, but unhealthy: {data.get('error')}"
         case _:
             return "serves the cluster again with every card"
 
@@ -99,5 +102,6 @@ def async_describe_events(
         EVENT_RETURN_SUCCEEDED,
         EVENT_HANDOFF_FAILED,
         EVENT_CARDS_RETURNED,
+        EVENT_RETURN_UNHEALTHY,
     ):
         async_describe_event(DOMAIN, event_type, async_describe)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .cluster_client import NodeView
 from .const import DOMAIN
+from .health import NodeHealth
 from .protocol import TowerStatus
 
 
@@ -17,6 +18,8 @@ class Snapshot:
     tower: TowerStatus
     node: NodeView | None
     cluster_error: str | None = None
+    # Whether the GPU node works (None while the cluster cannot be read).
+    health: NodeHealth | None = None
 
 
 def tower_identifier(entry_id: str) -> tuple[str, str]:

@@ -38,6 +38,7 @@ class JobKind(StrEnum):
     START = "start"
     HANDOFF = "handoff"
     RELEASE = "release"
+    LEND = "lend"
 
 
 class JobState(StrEnum):
@@ -62,6 +63,7 @@ class StepName(StrEnum):
     WAIT_SHUT_OFF = "wait_shut_off"
     WAIT_DEVICES_FREE = "wait_devices_free"
     START = "start"
+    START_FREE = "start_free"
 
 
 # --- reading fields ---------------------------------------------------------------
@@ -147,6 +149,13 @@ class _Reader:
             self._get(key, optional=False), f"{self.what}.{key}", self.strict
         )
 
+    def opt_objects[T](
+        self, key: str, parse: Callable[[Any, str, bool], T]
+    ) -> tuple[T, ...] | None:
+        if self._get(key, optional=True) is None:
+            return None
+        return self.objects(key, parse)
+
     def opt_object(self, key: str) -> _Reader | None:
         value = self._get(key, optional=True)
         if value is None:
@@ -220,11 +229,23 @@ class DomainState:
     agent_channel: bool
     agent_ready: bool | None
     hostdevs: tuple[HostDevice, ...]
+    # The GPU node's persistent definition, where it differs from what it runs
+    # with (cards lent to players through a live-only definition); None for
+    # the gaming VMs and from older agents.
+    defined_hostdevs: tuple[HostDevice, ...] | None = None
 
     @property
     def cards(self) -> tuple[str, ...]:
-        """The PCI addresses it is defined with."""
+        """The PCI addresses it runs with (or is defined with, while off)."""
         return tuple(device.address for device in self.hostdevs)
+
+    @property
+    def defined_cards(self) -> tuple[str, ...]:
+        """The PCI addresses of its persistent definition: all its own cards."""
+        devices = (
+            self.hostdevs if self.defined_hostdevs is None else self.defined_hostdevs
+        )
+        return tuple(device.address for device in devices)
 
 
 def _domain(data: Any, what: str, strict: bool) -> DomainState:
@@ -240,6 +261,7 @@ def _domain(data: Any, what: str, strict: bool) -> DomainState:
         agent_channel=r.flag("agent_channel"),
         agent_ready=r.opt_flag("agent_ready"),
         hostdevs=r.objects("hostdevs", _hostdev),
+        defined_hostdevs=r.opt_objects("defined_hostdevs", _hostdev),
     )
     r.done()
     return out
@@ -568,6 +590,9 @@ class Version:
     protocol: int
     version: str
     verbs: tuple[str, ...]
+    # The tower's name (the agent's "name" setting, else its host name);
+    # None from an agent older than this field.
+    host_name: str | None = None
 
 
 def parse_version(data: Any, *, strict: bool = False) -> Version:
@@ -575,7 +600,10 @@ def parse_version(data: Any, *, strict: bool = False) -> Version:
     r = _Reader(data, "version", strict)
     r.ignore("ok", "type", "id", "python")
     out = Version(
-        protocol=r.number("protocol"), version=r.text("version"), verbs=r.texts("verbs")
+        protocol=r.number("protocol"),
+        version=r.text("version"),
+        verbs=r.texts("verbs"),
+        host_name=r.opt_text("host_name"),
     )
     r.done()
     return out

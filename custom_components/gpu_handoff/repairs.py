@@ -1,19 +1,42 @@
-"""Repairs: accept a tower's new host key after the user checked it."""
+"""Repairs: accept a tower's new host key after the user checked it, add a
+gaming VM the tower's agent started managing, and show the screen of a GPU
+node that reports Ready but does not work."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 from homeassistant.components.repairs import ConfirmRepairFlow, RepairsFlow
 from homeassistant.components.repairs.models import RepairsFlowResult
+from homeassistant.config_entries import ConfigEntryState, ConfigSubentry
+from homeassistant.const import STATE_UNAVAILABLE
 from homeassistant.core import HomeAssistant
-from homeassistant.helpers import issue_registry as ir
+from homeassistant.helpers import entity_registry as er, issue_registry as ir
 import probatio
 
+from .config_flow import entry_with_host_key, vm_subentry
 from .const import CONF_HOST_KEY, DOMAIN
+from .data import GpuHandoffConfigEntry
+from .tower_client import fingerprint
 
 
-class HostKeyRepairFlow(RepairsFlow):
+class _IssueFlow(RepairsFlow):
+    """A fix flow whose texts take the issue's placeholders, as they were
+    when it opened (the issue may be gone by the time the user answers)."""
+
+    _texts: dict[str, str] | None = None
+
+    def _placeholders(self) -> dict[str, str]:
+        if self._texts is None:
+            issue = ir.async_get(self.hass).async_get_issue(DOMAIN, self.issue_id)
+            self._texts = (
+                dict(issue.translation_placeholders or {}) if issue is not None else {}
+            )
+        return self._texts
+
+
+class HostKeyRepairFlow(_IssueFlow):
     """Pin the host key the tower presents now."""
 
     def __init__(self, entry_id: str, host_key: str) -> None:
@@ -30,13 +53,19 @@ class HostKeyRepairFlow(RepairsFlow):
     async def async_step_confirm(
         self, user_input: dict[str, Any] | None = None
     ) -> RepairsFlowResult:
-        """Store the new key and reload the entry."""
+        """Store the new key, which is the tower's identity from now on, and
+        reload the entry; refused if that key is another set-up tower's."""
         if user_input is not None:
             entry = self.hass.config_entries.async_get_entry(self._entry_id)
             if entry is None:
                 return self.async_abort(reason="entry_removed")
+            entries = self.hass.config_entries.async_entries(DOMAIN)
+            if entry_with_host_key(entries, self._host_key, entry) is not None:
+                return self.async_abort(reason="other_tower_configured")
             self.hass.config_entries.async_update_entry(
-                entry, data=entry.data | {CONF_HOST_KEY: self._host_key}
+                entry,
+                unique_id=fingerprint(self._host_key),
+                data=entry.data | {CONF_HOST_KEY: self._host_key},
             )
             self.hass.config_entries.async_schedule_reload(entry.entry_id)
             return self.async_create_entry(data={})
@@ -46,9 +75,102 @@ class HostKeyRepairFlow(RepairsFlow):
             description_placeholders=self._placeholders(),
         )
 
-    def _placeholders(self) -> dict[str, str]:
-        issue = ir.async_get(self.hass).async_get_issue(DOMAIN, self.issue_id)
-        return dict(issue.translation_placeholders or {}) if issue is not None else {}
+
+class NodeScreenRepairFlow(_IssueFlow):
+    """Show the GPU node's screen beside what was seen: the console tells
+    what a node that reports Ready but does nothing is stuck on."""
+
+    def __init__(self, entry_id: str, gpu_node: str) -> None:
+        """Remember which entry and which VM's screen."""
+        self._entry_id = entry_id
+        self._gpu_node = gpu_node
+
+    async def async_step_init(
+        self, user_input: dict[str, Any] | None = None
+    ) -> RepairsFlowResult:
+        """The issue's text and the screen, fetched when the user looks."""
+        return await self.async_step_screen()
+
+    async def async_step_screen(
+        self, user_input: dict[str, Any] | None = None
+    ) -> RepairsFlowResult:
+        """Closing the notice changes nothing on the node: it comes back
+        while the problem lasts."""
+        if user_input is not None:
+            return self.async_create_entry(data={})
+        return self.async_show_form(
+            step_id="screen",
+            data_schema=probatio.Schema({}),
+            description_placeholders=self._placeholders()
+            | {"screen": self._screen_markdown()},
+        )
+
+    def _screen_markdown(self) -> str:
+        """The Screen entity's picture (its URL carries a short-lived access
+        token), or why there is none."""
+        registry = er.async_get(self.hass)
+        entity_id = registry.async_get_entity_id(
+            "image", DOMAIN, f"{self._entry_id}_{self._gpu_node}_screen"
+        )
+        state = self.hass.states.get(entity_id) if entity_id else None
+        picture = state.attributes.get("entity_picture") if state else None
+        if state is None or state.state == STATE_UNAVAILABLE or not picture:
+            return "—"
+        return f"![{state.name}]({picture})"
+
+
+class NewGamingVmRepairFlow(_IssueFlow):
+    """Give a gaming VM the tower's agent now manages its switch: the same
+    subentry the integration's "Add gaming VM" makes."""
+
+    def __init__(self, entry_id: str, name: str) -> None:
+        """Remember which entry and which VM."""
+        self._entry_id = entry_id
+        self._name = name
+
+    async def async_step_init(
+        self, user_input: dict[str, Any] | None = None
+    ) -> RepairsFlowResult:
+        """Say which VM (in the issue's text) and ask to confirm."""
+        return await self.async_step_confirm()
+
+    async def async_step_confirm(
+        self, user_input: dict[str, Any] | None = None
+    ) -> RepairsFlowResult:
+        """Add the subentry (the entry reloads with the VM's device), if the
+        agent still manages the VM as the tower's last state says."""
+        if user_input is None:
+            return self.async_show_form(
+                step_id="confirm",
+                data_schema=probatio.Schema({}),
+                description_placeholders=self._placeholders(),
+            )
+        entry: GpuHandoffConfigEntry | None = self.hass.config_entries.async_get_entry(
+            self._entry_id
+        )
+        if entry is None:
+            return self.async_abort(reason="entry_removed")
+        if entry.state is not ConfigEntryState.LOADED:
+            return self.async_abort(reason="tower_not_loaded")
+        tower = entry.runtime_data.coordinator.data.tower
+        domain = tower.domains.get(self._name)
+        if self._name not in tower.gaming or domain is None:
+            return self.async_abort(
+                reason="vm_gone", description_placeholders=self._placeholders()
+            )
+        if any(sub.unique_id == self._name for sub in entry.subentries.values()):
+            return self.async_create_entry(data={})  # added meanwhile
+        vm = vm_subentry(domain)
+        self.hass.config_entries.async_add_subentry(
+            entry,
+            ConfigSubentry(
+                data=MappingProxyType(dict(vm["data"])),
+                subentry_type=vm["subentry_type"],
+                title=vm["title"],
+                unique_id=vm["unique_id"],
+            ),
+        )
+        return self.async_create_entry(data={})
 
 
 async def async_create_fix_flow(
@@ -57,4 +179,8 @@ async def async_create_fix_flow(
     """The fix flow of a repair issue."""
     if data is not None and "host_key" in data:
         return HostKeyRepairFlow(str(data["entry_id"]), str(data["host_key"]))
+    if data is not None and "gaming_vm" in data:
+        return NewGamingVmRepairFlow(str(data["entry_id"]), str(data["gaming_vm"]))
+    if data is not None and "screen_of" in data:
+        return NodeScreenRepairFlow(str(data["entry_id"]), str(data["screen_of"]))
     return ConfirmRepairFlow()

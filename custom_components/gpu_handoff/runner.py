@@ -17,6 +17,7 @@ import logging
 import secrets
 from typing import Final, Protocol
 
+from . import health
 from .cluster_client import (
     CORDON_OWNER_OTHER,
     SKIP_WAIT_FOR_DELETE,
@@ -26,6 +27,7 @@ from .cluster_client import (
     NodeView,
 )
 from .const import PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
+from .health import UnhealthyReturn
 from .protocol import (
     REQUESTED_BY_HOOK,
     RUNNING,
@@ -57,6 +59,7 @@ AGENT_STEPS: Final = {
     StepName.WAIT_SHUT_OFF: "stopping",
     StepName.WAIT_DEVICES_FREE: "waiting_for_cards",
     StepName.START: "starting",
+    StepName.START_FREE: "starting",
 }
 
 
@@ -127,6 +130,9 @@ class Settings:
     handoff_when_cordoned: bool
     auto_return: bool
     skip_wait: float = SKIP_WAIT_FOR_DELETE
+    # Keep lending the cards nobody plays with (the GPU node restarts with
+    # them after a handoff, and again with more when a player stops).
+    lend_free: bool = False
 
 
 class RunnerHost(Protocol):
@@ -178,6 +184,25 @@ def node_holds_cards_of(status: TowerStatus, vm: str) -> bool:
     )
 
 
+def card_of(address: str) -> str:
+    """The card a PCI function belongs to (``0000:03:00.1`` -> ``0000:03:00``)."""
+    return address.rsplit(".", 1)[0]
+
+
+def free_cards(status: TowerStatus) -> set[str]:
+    """The GPU node's own cards (its persistent definition's) that no other
+    running domain holds: what it can run with now."""
+    gpu = status.domains.get(status.gpu_node)
+    if gpu is None:
+        return set()
+    taken = {
+        card_of(card.address)
+        for card in status.cards
+        if card.held_by is not None and card.held_by != status.gpu_node
+    }
+    return {card_of(address) for address in gpu.defined_cards} - taken
+
+
 def cards_in_play(status: TowerStatus) -> bool:
     """Whether a running gaming VM holds one of the GPU node's cards (the GPU
     node cannot start then: libvirt refuses a PCI function in use)."""
@@ -207,6 +232,9 @@ async def lift_own_cordon_if_serving(
 
 class OperationRunner:
     """Runs the steps of handoffs and returns for one tower."""
+
+    # Set by the last return whose GPU node came back short of its GPUs.
+    returned_unhealthy: UnhealthyReturn | None = None
 
     def __init__(
         self,
@@ -251,7 +279,7 @@ class OperationRunner:
             return
         node_holds = node_holds_cards_of(status, vm)
         if node_holds:
-            await self._drain(vm, settings)
+            await self._drain(f"handoff to {vm}", settings)
             self._host.phase(PHASE_STOPPING)
         await self._job(JobKind.HANDOFF if node_holds else JobKind.START, vm)
 
@@ -293,12 +321,12 @@ class OperationRunner:
             _LOGGER.warning("Could not settle the failed handoff: %s", err)
             return stopped_by_us
 
-    async def _drain(self, vm: str, settings: Settings) -> None:
+    async def _drain(self, reason: str, settings: Settings) -> None:
         """Cordon the GPU node's node (marking the cordon as ours), then drain
         it as kubectl does."""
         self._host.phase(PHASE_DRAINING)
         self._host.step("draining")
-        owner = await self.cluster.cordon(self.k8s_node, f"handoff to {vm}")
+        owner = await self.cluster.cordon(self.k8s_node, reason)
         self._host.show_cordon(owner)
         check_operator_cordon(owner, settings, self.k8s_node)
         await self.cluster.drain(
@@ -327,7 +355,9 @@ class OperationRunner:
             and (d := status.domains.get(other)) is not None
             and d.state == RUNNING
         ]
-        if others or not settings.auto_return:
+        if others or not settings.auto_return or settings.lend_free:
+            # (Lending: the GPU node may run with some cards already; the
+            # return that follows restarts it with every free card.)
             await self._job(JobKind.STOP, vm)
             return False
         # Nobody else plays: stop the VM and start the GPU node in one job.
@@ -338,16 +368,40 @@ class OperationRunner:
         await self._node_back()
         return True
 
-    async def return_cards(self) -> None:
+    async def return_cards(self, settings: Settings) -> bool:
         """Start the GPU node if it is off, wait until its node is Ready, and
-        lift our own cordon."""
+        lift our own cordon. Lending: restart it with every card nobody plays
+        with (none free: it stays off). True when the cluster has cards back."""
         self._host.phase(PHASE_RETURNING)
         pending = self._host.pending_job
+        if pending is None and settings.lend_free:
+            if not await self._lend(settings):
+                return False
+        else:
+            status = await self.tower.status()
+            gpu = status.domains[status.gpu_node]
+            if pending is not None or gpu.state != RUNNING:
+                await self._job(JobKind.RELEASE, None)
+        await self._node_back()
+        return True
+
+    async def _lend(self, settings: Settings) -> bool:
+        """Have the GPU node run with every free card: as it is if it does
+        already; else drained, stopped through its guest agent and started
+        again with them (a live-only definition on the tower: its persistent
+        one never changes). False when no card is free (it stays off)."""
         status = await self.tower.status()
         gpu = status.domains[status.gpu_node]
-        if pending is not None or gpu.state != RUNNING:
-            await self._job(JobKind.RELEASE, None)
-        await self._node_back()
+        free = free_cards(status)
+        if gpu.state == RUNNING:
+            if {card_of(address) for address in gpu.cards} >= free:
+                return True
+            await self._drain("lending the cards nobody plays with", settings)
+            self._host.phase(PHASE_RETURNING)
+        elif not free:
+            return False
+        await self._job(JobKind.LEND, None)
+        return bool(free)
 
     async def finish_job(self) -> None:
         """Follow the stored job to its end (an operation being abandoned)."""
@@ -356,9 +410,17 @@ class OperationRunner:
             await self._job(pending.kind, pending.domain)
 
     async def _node_back(self) -> None:
-        """Wait until the GPU node's Kubernetes node is Ready, then lift our own
-        cordon (a drain's cordon survives the node's reboot); an operator's
-        cordon stays."""
+        """Wait until the GPU node's Kubernetes node is Ready and advertises
+        the GPUs the GPU node holds, then lift our own cordon (a drain's
+        cordon survives the node's reboot); an operator's cordon stays.
+
+        Ready is not enough: after a restart the kubelet advertises no
+        ``nvidia.com/gpu`` until the device plugin registers the cards. That
+        wait is bounded (health.GPUS_BOUND); a node still short then is given
+        back all the same (it runs other pods), and ``returned_unhealthy``
+        says the cluster did not get its cards back.
+        """
+        self.returned_unhealthy = None
         self._host.phase(PHASE_RETURNING)
         self._host.step("waiting_for_node")
         try:
@@ -369,6 +431,32 @@ class OperationRunner:
                 f"{self.k8s_node} did not become Ready within {NODE_READY_TIMEOUT:.0f} s",
             ) from err
         self._host.show_node(view)
+        try:
+            expected = (await self.tower.status()).gpus_held_by(self.gpu_node)
+        except (TowerConnectionError, AgentCommandError) as err:
+            _LOGGER.warning(
+                "Not waiting for the GPUs: the tower did not answer: %s", err
+            )
+            expected = 0
+        if view.gpu_allocatable < expected:
+            try:
+                view = await self.cluster.wait_gpus(
+                    self.k8s_node, expected, health.GPUS_BOUND
+                )
+            except TimeoutError:
+                with contextlib.suppress(ClusterError):
+                    view = await self.cluster.node_view(self.k8s_node)
+                if view.gpu_allocatable < expected:
+                    self.returned_unhealthy = UnhealthyReturn(
+                        reason=health.GPUS_MISSING,
+                        expected=expected,
+                        allocatable=view.gpu_allocatable,
+                        capacity=view.gpu_capacity,
+                    )
+                    _LOGGER.warning(
+                        "%s: %s", self.k8s_node, self.returned_unhealthy.message
+                    )
+            self._host.show_node(view)
         self._host.step("uncordoning")
         if await self.cluster.uncordon(self.k8s_node):
             self._host.show_cordon(None)

@@ -137,7 +137,9 @@ def gpu_node_attributes(
 
 def cards_by_device(tower: TowerStatus) -> list[dict[str, Any]]:
     """One row per card (PCI device), its functions (the GPU, its HDMI
-    audio...) inside: who holds it now and which domains claim it."""
+    audio...) inside: who holds it now, which domains claim it, and what it is
+    used for now: ``cluster`` (the GPU node has it), ``player`` (a gaming VM),
+    ``idle`` (nobody), ``other`` (a domain GPU Handoff does not manage)."""
     rows: dict[str, dict[str, Any]] = {}
     for card in tower.cards:
         device = card.address.rsplit(".", 1)[0]
@@ -148,6 +150,17 @@ def cards_by_device(tower: TowerStatus) -> list[dict[str, Any]]:
         row["functions"].append(card.address)
         row["held_by"] = row["held_by"] or card.held_by
         row["claimed_by"] = sorted({*row["claimed_by"], *card.claimed_by})
+    for row in rows.values():
+        holder = row["held_by"]
+        row["use"] = (
+            "idle"
+            if holder is None
+            else "cluster"
+            if holder == tower.gpu_node
+            else "player"
+            if holder in tower.gaming
+            else "other"
+        )
     return list(rows.values())
 
 

@@ -1,6 +1,10 @@
-"""Actions: return the cards now; start a handoff, optionally waiting for it."""
+"""Actions: return the cards now; start a handoff, optionally waiting for it;
+capture a VM's screen into a file."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Final
 
 from homeassistant.config_entries import ConfigEntryState
 from homeassistant.core import (
@@ -10,7 +14,7 @@ from homeassistant.core import (
     SupportsResponse,
     callback,
 )
-from homeassistant.exceptions import ServiceValidationError
+from homeassistant.exceptions import HomeAssistantError, ServiceValidationError
 from homeassistant.helpers import config_validation as cv
 import probatio
 
@@ -23,6 +27,11 @@ from .const import (
     SERVICE_START_HANDOFF,
 )
 from .data import GpuHandoffConfigEntry
+from .protocol import RUNNING
+from .screen import ScreenError, async_capture, screen_vms
+
+SERVICE_CAPTURE_SCREEN: Final = "capture_screen"
+ATTR_FILENAME: Final = "filename"
 
 RETURN_SCHEMA = probatio.Schema({probatio.Required(ATTR_CONFIG_ENTRY_ID): cv.string})
 HANDOFF_SCHEMA = probatio.Schema(
@@ -30,6 +39,13 @@ HANDOFF_SCHEMA = probatio.Schema(
         probatio.Required(ATTR_CONFIG_ENTRY_ID): cv.string,
         probatio.Required(ATTR_VM): cv.string,
         probatio.Optional(ATTR_WAIT, default=False): cv.boolean,
+    }
+)
+CAPTURE_SCHEMA = probatio.Schema(
+    {
+        probatio.Required(ATTR_CONFIG_ENTRY_ID): cv.string,
+        probatio.Required(ATTR_VM): cv.string,
+        probatio.Required(ATTR_FILENAME): cv.string,
     }
 )
 
@@ -70,6 +86,73 @@ async def _async_start_handoff(call: ServiceCall) -> ServiceResponse:
     }
 
 
+async def _async_capture_screen(call: ServiceCall) -> ServiceResponse:
+    """Save a VM's screen (a PNG) where Home Assistant may write, for an
+    automation to attach to a notification."""
+    hass = call.hass
+    entry = _entry(hass, call)
+    vm: str = call.data[ATTR_VM]
+    filename: str = call.data[ATTR_FILENAME]
+    if vm not in screen_vms(entry):
+        raise ServiceValidationError(
+            translation_domain=DOMAIN,
+            translation_key="unknown_screen",
+            translation_placeholders={"vm": vm},
+        )
+    if not hass.config.is_allowed_path(filename):
+        raise ServiceValidationError(
+            translation_domain=DOMAIN,
+            translation_key="path_not_allowed",
+            translation_placeholders={"filename": filename},
+        )
+    coordinator = entry.runtime_data.coordinator
+    state = coordinator.data.tower.domains.get(vm)
+    if state is None or state.state != RUNNING:
+        raise HomeAssistantError(
+            translation_domain=DOMAIN,
+            translation_key="vm_not_running",
+            translation_placeholders={"vm": vm},
+        )
+    try:
+        capture = await async_capture(coordinator.tower, vm)
+    except ScreenError as err:
+        raise HomeAssistantError(
+            translation_domain=DOMAIN,
+            translation_key=err.key,
+            translation_placeholders=err.placeholders,
+        ) from err
+    try:
+        await hass.async_add_executor_job(_write_file, filename, capture.content)
+    except OSError as err:
+        raise HomeAssistantError(
+            translation_domain=DOMAIN,
+            translation_key="screenshot_not_written",
+            translation_placeholders={
+                "vm": vm,
+                "filename": filename,
+                "error": err.strerror or str(err),
+            },
+        ) from err
+    if not call.return_response:
+        return None
+    size = capture.size
+    return {
+        "vm": vm,
+        "filename": filename,
+        "content_type": capture.content_type,
+        "bytes": len(capture.content),
+        "width": size[0] if size is not None else None,
+        "height": size[1] if size is not None else None,
+    }
+
+
+def _write_file(filename: str, content: bytes) -> None:
+    """Write the screen, creating its folder (in the executor)."""
+    path = Path(filename)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+
+
 @callback
 def async_setup_services(hass: HomeAssistant) -> None:
     """Register the integration's actions."""
@@ -81,5 +164,12 @@ def async_setup_services(hass: HomeAssistant) -> None:
         SERVICE_START_HANDOFF,
         _async_start_handoff,
         schema=HANDOFF_SCHEMA,
+        supports_response=SupportsResponse.OPTIONAL,
+    )
+    hass.services.async_register(
+        DOMAIN,
+        SERVICE_CAPTURE_SCREEN,
+        _async_capture_screen,
+        schema=CAPTURE_SCHEMA,
         supports_response=SupportsResponse.OPTIONAL,
     )

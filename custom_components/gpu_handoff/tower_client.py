@@ -28,6 +28,7 @@ from .protocol import (
     JobRecord,
     ProtocolError,
     Push,
+    Screenshot,
     StatusPush,
     Submitted,
     TowerStatus,
@@ -36,6 +37,7 @@ from .protocol import (
     error_of,
     parse_job_reply,
     parse_push,
+    parse_screenshot,
     parse_status,
     parse_submitted,
     parse_version,
@@ -44,6 +46,8 @@ from .protocol import (
 ERR_UNKNOWN_REQUEST: Final = "unknown_request"
 CONNECT_TIMEOUT: Final = 10.0
 REQUEST_TIMEOUT: Final = 30.0
+# A screenshot is shown or saved now or not at all.
+SCREENSHOT_TIMEOUT: Final = 10.0
 KEEPALIVE_INTERVAL: Final = 15
 KEEPALIVE_COUNT_MAX: Final = 3
 # Exit status OpenSSH reports when the forced command does not exist.
@@ -363,6 +367,14 @@ class TowerClient:
                 return None
             raise
         return _parsed(parse_job_reply, reply)
+
+    async def screenshot(self, domain: str) -> Screenshot:
+        """The domain's screen, as the agent sends it (a PNG from a current
+        agent, converted on the tower when virsh saved a PPM)."""
+        return _parsed(
+            parse_screenshot,
+            await self.request("screenshot", domain, timeout=SCREENSHOT_TIMEOUT),
+        )
 
     async def open_session(self, on_push: Callable[[Push], None]) -> TowerSession:
         """Open the agent session; ``on_push`` gets every pushed message."""

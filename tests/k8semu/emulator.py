@@ -14,6 +14,7 @@ import json
 import math
 from pathlib import Path
 import ssl
+import time
 from typing import Any, Literal, Self
 import uuid
 
@@ -785,6 +786,22 @@ class K8sEmulator:
 
         return self.modify("Pod", name, namespace, mutate=mutate)
 
+    def set_node_gpus(self, name: str, healthy: int, unhealthy: int = 0) -> JsonObj:
+        """The node's ``nvidia.com/gpu`` as its kubelet posts them from the
+        device plugin's devices (pkg/kubelet/cm/devicemanager/manager.go,
+        GetCapacity): capacity counts healthy and unhealthy devices,
+        allocatable the healthy ones. ``set_node_gpus(node, 0)`` is a kubelet
+        just restarted, before the device plugin registered again (its
+        capacity "can temporarily drop to zero till corresponding device
+        plugins re-register")."""
+
+        def mutate(node: JsonObj) -> None:
+            status = node.setdefault("status", {})
+            status.setdefault("capacity", {})[objects.GPU] = str(healthy + unhealthy)
+            status.setdefault("allocatable", {})[objects.GPU] = str(healthy)
+
+        return self.modify("Node", name, "", mutate=mutate)
+
     def node_is_up(self, name: str) -> bool:
         """Whether the node's kubelet is 'running'."""
         return name not in self._down
@@ -870,6 +887,39 @@ class K8sEmulator:
         else:
             self._stop_seconds[uid] = seconds
 
+    def start_pod_containers(self, name: str, namespace: str = "default") -> JsonObj:
+        """The kubelet got the pod's sandbox up and started its containers:
+        the sandbox condition turns True (generate.go), every container runs
+        (``state.running.startedAt`` now) and is ready, the pod is Running
+        with an IP, Ready and ContainersReady True."""
+        now = now_rfc3339()
+
+        def mutate(pod: JsonObj) -> None:
+            status = pod.setdefault("status", {})
+            status["phase"] = "Running"
+            status["podIP"] = "10.42.0.18"
+            status["podIPs"] = [{"ip": "10.42.0.18"}]
+            for cond in status.get("conditions") or []:
+                if cond["type"] in (
+                    objects.SANDBOX_CONDITION,
+                    "PodHasNetwork",
+                    "Ready",
+                    "ContainersReady",
+                ):
+                    if cond["status"] != "True":
+                        cond["lastTransitionTime"] = now
+                    cond["status"] = "True"
+                    cond.pop("reason", None)
+            for container in status.get("containerStatuses") or []:
+                image = container["image"]
+                digest = uuid.uuid5(uuid.NAMESPACE_URL, image).hex * 2
+                container["imageID"] = f"{image}@sha256:{digest}"
+                container["ready"] = True
+                container["started"] = True
+                container["state"] = {"running": {"startedAt": now}}
+
+        return self.modify("Pod", name, namespace, mutate=mutate)
+
     # ------------------------------------------------------ control: namespaces
 
     def terminate_namespace(self, name: str) -> JsonObj:
@@ -929,6 +979,52 @@ class K8sEmulator:
     ) -> JsonObj:
         """A core/v1 Event (see ``objects.make_event``)."""
         return self.create(objects.make_event(name, namespace, **kwargs))
+
+    def record_event(
+        self,
+        involved: JsonObj,
+        *,
+        reason: str,
+        message: str,
+        event_type: str = "Warning",
+        component: str = "kubelet",
+        host: str | None = None,
+    ) -> JsonObj:
+        """An event as the legacy recorder reports it (client-go
+        tools/record): the first one is a new Event named
+        ``<object>.<hex of the time in ns>`` in the object's namespace; the
+        same again (same object, reason, message, type and source) is
+        aggregated by its EventCorrelator: count + 1, lastTimestamp now."""
+        meta = involved["metadata"]
+        namespace = meta.get("namespace") or "default"
+        for event in self.list_objects("Event", namespace):
+            ref = event.get("involvedObject") or {}
+            if (
+                ref.get("uid") == meta.get("uid")
+                and event.get("reason") == reason
+                and event.get("message") == message
+                and event.get("type") == event_type
+                and (event.get("source") or {}).get("component") == component
+            ):
+
+                def again(stored: JsonObj) -> None:
+                    stored["count"] = int(stored.get("count") or 1) + 1
+                    stored["lastTimestamp"] = now_rfc3339()
+
+                return self.modify(
+                    "Event", event["metadata"]["name"], namespace, mutate=again
+                )
+        name = f"{meta['name']}.{time.time_ns():x}"
+        return self.add_event(
+            name,
+            namespace,
+            involved=involved,
+            reason=reason,
+            message=message,
+            event_type=event_type,
+            component=component,
+            host=host,
+        )
 
     # ----------------------------------------------------- control: recording
 

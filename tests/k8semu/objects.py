@@ -3,10 +3,29 @@ would have written), used by the control API and the demo seed."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 import uuid
 
 from .store import now_micro, now_rfc3339
+
+# The pod condition a kubelet sets once the pod's sandbox runs with its
+# network (pkg/kubelet/status/generate.go): PodHasNetwork in 1.25-1.27
+# (feature gate), PodReadyToStartContainers from 1.28 (beta, on, from 1.29).
+SANDBOX_CONDITION = "PodReadyToStartContainers"
+
+
+def rfc3339_ago(seconds: float) -> str:
+    """A metav1.Time ``seconds`` in the past."""
+    moment = datetime.now(UTC) - timedelta(seconds=seconds)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def micro_ago(seconds: float) -> str:
+    """A metav1.MicroTime ``seconds`` in the past."""
+    moment = datetime.now(UTC) - timedelta(seconds=seconds)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
 
 JsonObj = dict[str, Any]
 
@@ -203,15 +222,26 @@ def make_pod(
     image: str = "registry.example/app:1.0",
     container_name: str = "main",
     waiting_reason: str | None = None,
+    sandbox_ready: bool | None = None,
+    sandbox_condition: str | None = SANDBOX_CONDITION,
+    age: float = 0.0,
 ) -> JsonObj:
     """A scheduled pod with kubelet-written status.
 
     ``phase`` Pending with ``waiting_reason`` (e.g. ContainerCreating) models a
-    pod whose sandbox never starts; ``ready`` defaults to phase == Running.
+    pod whose sandbox never starts; with ``sandbox_ready`` True too, one whose
+    sandbox runs while an image is pulled (the kubelet pulls only once the
+    sandbox is up). ``ready`` defaults to phase == Running.
+    ``sandbox_condition``: the kubelet's name for that condition
+    (``PodHasNetwork`` for 1.25-1.27, None for a kubelet that sets neither).
+    ``age``: seconds since the pod was created and its kubelet wrote this
+    status (every timestamp is that far in the past).
     """
     if ready is None:
         ready = phase == "Running"
-    now = now_rfc3339()
+    if sandbox_ready is None:
+        sandbox_ready = phase != "Pending" or waiting_reason is None
+    now = rfc3339_ago(age)
     resources: JsonObj = {
         "requests": {"cpu": "100m", "memory": "128Mi"},
         "limits": {"memory": "256Mi"},
@@ -247,7 +277,12 @@ def make_pod(
     if empty_dir:
         volumes.append({"name": "scratch", "emptyDir": {}})
         container["volumeMounts"] = [{"name": "scratch", "mountPath": "/scratch"}]
-    meta: JsonObj = {"name": name, "namespace": namespace, "labels": dict(labels or {})}
+    meta: JsonObj = {
+        "name": name,
+        "namespace": namespace,
+        "labels": dict(labels or {}),
+        "creationTimestamp": now,
+    }
     if annotations:
         meta["annotations"] = dict(annotations)
     if owner:
@@ -282,9 +317,10 @@ def make_pod(
     if node:
         status["hostIP"] = "10.0.0.10"
         status["conditions"] = [
-            cond(
-                "PodReadyToStartContainers",
-                phase != "Pending" or waiting_reason is None,
+            *(
+                [cond(sandbox_condition, sandbox_ready)]
+                if sandbox_condition is not None
+                else []
             ),
             cond("Initialized", True),
             cond("Ready", ready, None if ready else "ContainersNotReady"),
@@ -443,10 +479,37 @@ def make_event(
     component: str = "kubelet",
     host: str | None = None,
     count: int = 1,
+    series: bool = False,
+    age: float = 0.0,
 ) -> JsonObj:
-    """A core/v1 Event about ``involved`` (a full object)."""
-    meta = involved.get("metadata") or {}
-    now = now_rfc3339()
+    """A core/v1 Event about ``involved`` (a full object), as the legacy
+    recorder (client-go tools/record) writes it: firstTimestamp,
+    lastTimestamp, count and source. With ``series``, as an events.k8s.io/v1
+    recorder writes it (client-go tools/events), read through core/v1:
+    eventTime, series (count, lastObservedTime) once it repeated, the
+    reporting controller and instance, no first/lastTimestamp, no count.
+    ``age``: seconds since it was first seen."""
+    if series:
+        event: JsonObj = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": name, "namespace": namespace},
+            "involvedObject": _reference(involved),
+            "reason": reason,
+            "message": message,
+            "type": event_type,
+            "source": {},
+            "firstTimestamp": None,
+            "lastTimestamp": None,
+            "eventTime": micro_ago(age),
+            "reportingComponent": component,
+            "reportingInstance": host or "",
+            "action": reason,
+        }
+        if count > 1:
+            event["series"] = {"count": count, "lastObservedTime": now_micro()}
+        return event
+    first = rfc3339_ago(age)
     source: JsonObj = {"component": component}
     if host:
         source["host"] = host
@@ -454,23 +517,29 @@ def make_event(
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"name": name, "namespace": namespace},
-        "involvedObject": {
-            "apiVersion": involved.get("apiVersion", "v1"),
-            "kind": involved.get("kind", "Pod"),
-            "name": meta.get("name"),
-            "namespace": meta.get("namespace"),
-            "uid": meta.get("uid"),
-            "resourceVersion": meta.get("resourceVersion"),
-        },
+        "involvedObject": _reference(involved),
         "reason": reason,
         "message": message,
         "type": event_type,
         "source": source,
         "reportingComponent": component,
         "reportingInstance": host or "",
-        "firstTimestamp": now,
-        "lastTimestamp": now,
+        "firstTimestamp": first,
+        "lastTimestamp": first if count == 1 else now_rfc3339(),
         "count": count,
+    }
+
+
+def _reference(involved: JsonObj) -> JsonObj:
+    """An ObjectReference to a full object."""
+    meta = involved.get("metadata") or {}
+    return {
+        "apiVersion": involved.get("apiVersion", "v1"),
+        "kind": involved.get("kind", "Pod"),
+        "name": meta.get("name"),
+        "namespace": meta.get("namespace"),
+        "uid": meta.get("uid"),
+        "resourceVersion": meta.get("resourceVersion"),
     }
 
 

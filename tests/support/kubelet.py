@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 import secrets
+import time
 from typing import Any
 
 from tests.k8semu import GPU_NODE, K8sEmulator
@@ -60,12 +61,17 @@ class Kubelet:
         vm: str = "gpu-node",
         interval: float = 0.05,
         reschedule: bool = False,
+        plugin_delay: float | None = 0.2,
     ) -> None:
         self.tower = tower
         self.cluster = cluster
         self.node = node
         self.vm = vm
         self.interval = interval
+        # After a boot the kubelet posts no GPUs until the NVIDIA device
+        # plugin registered again, this long later (None: it never does).
+        self.plugin_delay = plugin_delay
+        self._plugin_at: float | None = None
         self.up = cluster.node_is_up(node)
         self.workloads = self._workloads() if reschedule else []
         self._task: asyncio.Task[None] | None = None
@@ -124,8 +130,30 @@ class Kubelet:
             if running != self.up:
                 self.cluster.set_node_up(self.node, running)
                 self.up = running
+                if running:
+                    # A kubelet just started: capacity drops to zero until
+                    # the device plugin re-registers (devicemanager).
+                    self.cluster.set_node_gpus(self.node, 0)
+                    self._plugin_at = (
+                        None
+                        if self.plugin_delay is None
+                        else time.monotonic() + self.plugin_delay
+                    )
+            if (
+                self.up
+                and self._plugin_at is not None
+                and time.monotonic() >= self._plugin_at
+            ):
+                self._plugin_at = None
+                self.cluster.set_node_gpus(self.node, self._cards())
         if self.up and self.workloads:
             self._schedule()
+
+    def _cards(self) -> int:
+        """The cards the running VM holds (its live definition's), one GPU
+        each, as the device plugin advertises them."""
+        functions = self.tower.live_hostdevs(self.vm) or []
+        return len({address.rsplit(".", 1)[0] for address in functions})
 
     async def run(self) -> None:
         """Look every ``interval`` seconds until cancelled."""

@@ -205,6 +205,19 @@ class Sshd:
         self.stop()
         raise RuntimeError(f"sshd did not listen on port {self.port}: {self.log}")
 
+    def cut_connections(self) -> None:
+        """Kill sshd's per-connection processes (SIGKILL): every connection
+        drops at once; the listener stays, so clients can connect again."""
+        if self.process is None:
+            return
+        for pid in _descendants(self.process.pid):
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text(encoding="utf-8")
+                if comm.startswith("sshd"):
+                    os.kill(pid, signal.SIGKILL)
+            except OSError, ProcessLookupError:
+                continue
+
     def stop(self) -> None:
         """Stop sshd and every session it still serves (the tower goes away)."""
         if self.process is None:

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 import re
+import socket
 import subprocess
 
 import pytest
@@ -124,6 +125,7 @@ def test_python39(tmp_path: Path) -> None:
         "ok": True,
         "version": agent.VERSION,
         "verbs": sorted(agent.SERVE_VERBS),
+        "host_name": socket.gethostname(),
     }
     good = write_config(
         tmp_path / "good.json", gpu_node="g", gaming=["w"], state_dir=str(tmp_path)

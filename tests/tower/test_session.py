@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -185,6 +186,7 @@ def opened(session: Client) -> Message:
         "ok": True,
         "version": agent.VERSION,
         "verbs": sorted(agent.SESSION_VERBS),
+        "host_name": socket.gethostname(),
     }
     status = session.next()
     assert status["type"] == "status"

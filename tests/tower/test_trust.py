@@ -606,7 +606,10 @@ def test_a_closed_client_gets_no_traceback(split: SplitTower, verb: str) -> None
 # --- 7. what a client learns -------------------------------------------------------------
 
 
-def test_version_says_protocol_and_agent_version_only(split: SplitTower) -> None:
+def test_version_says_protocol_agent_version_and_name_only(split: SplitTower) -> None:
+    """No Python version, no paths: the tower's name is the only thing about
+    the machine, and it is the one its administrator configured."""
+    split.configure(name="Tower in the attic")
     split.start_sshd()
     reply = split.ssh("version")
     assert reply == {
@@ -614,6 +617,7 @@ def test_version_says_protocol_and_agent_version_only(split: SplitTower) -> None
         "ok": True,
         "version": agent.VERSION,
         "verbs": sorted(agent.SERVE_VERBS),
+        "host_name": "Tower in the attic",
     }
 
 

@@ -174,6 +174,10 @@ class Dom:
         self.agent_at: float | None = None
         self.agent_connected = False
         self.off_at: float | None = None
+        # the hostdevs of a live-only definition (``virsh create`` of a defined
+        # domain), while it runs from one; None: it runs from (or is) its
+        # persistent definition
+        self.live_hostdevs: list[JsonObj] | None = None
 
     @property
     def name(self) -> str:
@@ -191,8 +195,20 @@ class Dom:
         state = "running" if self.running else "shut off"
         return f"{state} ({self.reason})" if reason else state
 
+    def hostdevs(self) -> list[JsonObj]:
+        """The PCI functions of the definition it runs with (or would start with)."""
+        if self.live_hostdevs is not None:
+            return self.live_hostdevs
+        return list(self.spec.get("hostdevs", []))
+
+    def live_spec(self) -> JsonObj:
+        """What ``dumpxml`` shows: the live definition while it runs from one."""
+        if self.live_hostdevs is None:
+            return self.spec
+        return {**self.spec, "hostdevs": self.live_hostdevs}
+
     def addresses(self) -> list[str]:
-        return [pci_name(h["address"]) for h in self.spec.get("hostdevs", [])]
+        return [pci_name(h["address"]) for h in self.hostdevs()]
 
 
 class World:
@@ -283,6 +299,8 @@ class World:
         d.agent_at = None
         d.agent_connected = False
         d.off_at = None
+        # libvirt drops a live-only definition when the domain stops
+        d.live_hostdevs = None
 
     def _apply(self, action: JsonObj) -> None:
         op = action["op"]
@@ -303,6 +321,11 @@ class World:
         d = self.doms[name]
         if op == "start":
             self._boot(d, t, connected=False, events=True)
+        elif op == "create":
+            # a defined domain started from a live-only definition: the same
+            # boot (and events) as a start, with the file's hostdevs
+            self._boot(d, t, connected=False, events=True)
+            d.live_hostdevs = [dict(h) for h in action["hostdevs"]]
         elif op == "shutdown":
             # accepted with effect: the guest powers off after its duration
             if d.running:

@@ -237,6 +237,27 @@ class Tower:
     def set_shutdown_duration(self, name: str, seconds: float) -> None:
         self._set(name, "shutdown_duration", seconds)
 
+    def set_screen(
+        self,
+        name: str,
+        *,
+        mime: str = "image/png",
+        width: int = 160,
+        height: int = 100,
+        frame: PathLike | None = None,
+    ) -> None:
+        """What ``virsh screenshot`` saves for ``name`` while it runs, and the
+        type it names: ``image/png`` (libvirt >= 9.0 with QEMU >= 7.1; the
+        default) or ``image/x-portable-pixmap`` (QEMU's PPM, older ones). A
+        ``frame`` file (gzip-compressed if it ends in ``.gz``) is saved as it
+        is, a recorded real screen; else a ``width`` x ``height`` one is drawn."""
+        if mime not in ("image/png", "image/x-portable-pixmap"):
+            raise ValueError(f"virsh does not save screenshots as {mime}")
+        screen = {"mime": mime, "width": width, "height": height}
+        if frame is not None:
+            screen["frame"] = str(Path(frame).resolve())
+        self._set(name, "screen", screen)
+
     def guest_shutdown(self, name: str) -> None:
         """The guest powers itself off (the player shut the game VM down)."""
 
@@ -244,6 +265,33 @@ class Tower:
             if not model.world(data, t).doms[name].running:
                 raise RuntimeError(f"{name} is not running")
             model.record(data, "shutdown", name, t, mode="guest")
+
+        self._change(change)
+
+    def start_live(self, name: str, addresses: Iterable[str]) -> None:
+        """Start a defined domain with only these PCI functions, as ``virsh
+        create`` of its persistent definition without the other hostdevs
+        (partial lending) does: a live-only definition, gone when it stops."""
+        wanted = {model.pci_name(a) for a in addresses}
+
+        def change(data: dict[str, Any], t: float) -> None:
+            world = model.world(data, t)
+            dom = world.doms[name]
+            if dom.running:
+                raise RuntimeError(f"{name} is already running")
+            kept = [
+                dict(h)
+                for h in dom.spec.get("hostdevs", [])
+                if model.pci_name(h["address"]) in wanted
+            ]
+            missing = wanted - {model.pci_name(h["address"]) for h in kept}
+            if missing:
+                raise ValueError(f"{name} does not have {sorted(missing)}")
+            for dev in kept:
+                holder = world.holder(dev["address"], exclude=name)
+                if holder is not None:
+                    raise RuntimeError(f"{dev['address']} is held by {holder}")
+            model.record(data, "create", name, t, hostdevs=kept)
 
         self._change(change)
 
@@ -275,6 +323,30 @@ class Tower:
     def holder(self, address: str) -> str | None:
         """The running domain holding a PCI function, if any."""
         return self.world().holder(address)
+
+    def live_hostdevs(self, name: str) -> list[str] | None:
+        """The PCI functions a running domain holds: those of the definition
+        it runs with (a live-only one after ``virsh create``); None while shut off."""
+        dom = self.world().doms[name]
+        return dom.addresses() if dom.running else None
+
+    def defined_hostdevs(self, name: str) -> list[str]:
+        """The PCI functions of the domain's persistent definition."""
+        spec = self.world().doms[name].spec
+        return [model.pci_name(h["address"]) for h in spec.get("hostdevs", [])]
+
+    def runs_live_definition(self, name: str) -> bool:
+        """Whether the domain runs from a live-only definition (``virsh create``)."""
+        return self.world().doms[name].live_hostdevs is not None
+
+    def defined_xml(self, name: str) -> str:
+        """``virsh dumpxml --inactive``: the persistent definition."""
+        return domxml.dump_xml(self.world().doms[name].spec, None)
+
+    def live_xml(self, name: str) -> str:
+        """``virsh dumpxml``: the live definition while it runs."""
+        dom = self.world().doms[name]
+        return domxml.dump_xml(dom.live_spec(), dom.id)
 
     def events(self) -> list[str]:
         """Every event so far, as ``virsh event --all --timestamp`` prints them."""

@@ -19,8 +19,10 @@ Runs on Python >= 3.9 with the standard library only.
 from __future__ import annotations
 
 from collections.abc import Callable
+import gzip
 import json
 import os
+from pathlib import Path
 import select
 import signal
 import stat
@@ -92,6 +94,12 @@ COMMANDS: dict[str, list[Opt]] = {
         *_bools("console", "paused", "autodestroy", "bypass-cache", "force-boot"),
         Opt("pass-fds", STRING),
         Opt("reset-nvram", BOOL),
+    ],
+    "create": [
+        Opt("file", STRING, required=True, positional=True),
+        *_bools("console", "paused", "autodestroy"),
+        Opt("pass-fds", STRING, positional=True),
+        *_bools("validate", "reset-nvram"),
     ],
     "shutdown": [DOMAIN, Opt("mode", STRING)],
     "destroy": [DOMAIN, *_bools("graceful", "remove-logs")],
@@ -434,8 +442,11 @@ class Session:
             data = model.load(self.state_dir)
             world = model.world(data)
             dom = self.lookup(data, world, cmd.get("domain"))
-        inactive = bool(cmd.get("inactive"))
-        self.out.print(domxml.dump_xml(dom.spec, None if inactive else dom.id))
+        if cmd.get("inactive"):
+            # the persistent definition, also while a live-only one runs
+            self.out.print(domxml.dump_xml(dom.spec, None))
+        else:
+            self.out.print(domxml.dump_xml(dom.live_spec(), dom.id))
 
     def cmd_domstate(self, cmd: Cmd) -> None:
         with self.transaction():
@@ -463,6 +474,100 @@ class Session:
             model.record(data, "start", dom.name, t)
             model.save(self.state_dir, data)
         self.out.print_extra(f"Domain '{dom.name}' started\n")
+
+    def cmd_create(self, cmd: Cmd) -> None:
+        """Start a defined domain from a live-only definition (``virsh create``).
+
+        As libvirt (``virDomainObjListAdd`` with a live definition): the file
+        names a defined domain by name and UUID; that domain starts with the
+        file as its definition until it stops, and its persistent definition
+        stays as it was. A file naming no defined domain would make a
+        transient domain, which the simulator does not have.
+        """
+        path = str(cmd.get("file"))
+        fds = cmd.get("pass-fds")
+        for fd in [] if fds is None else str(fds).split(","):
+            if not fd.isdigit():
+                raise CommandFailedError(f"Unable to parse FD number '{fd}'")
+        text = _read_file(path)
+        failed = f"Failed to create domain from {path}"
+        flags = [
+            name
+            for name in ("console", "paused", "autodestroy", "validate", "reset-nvram")
+            if cmd.get(name)
+        ] + (["pass-fds"] if fds is not None else [])
+        if flags:
+            raise CommandFailedError(
+                failed,
+                f"Operation not supported: the tower simulator has no create --{flags[0]}",
+            )
+        try:
+            definition = domxml.read_definition(text)
+        except domxml.DefinitionError as err:
+            raise CommandFailedError(failed, str(err)) from None
+        with self.transaction():
+            data = model.load(self.state_dir)
+            t = model.now(data)
+            world = model.world(data, t)
+            dom = self._created_domain(world, definition, failed)
+            try:
+                hostdevs = domxml.live_hostdevs(definition, dom.spec)
+            except domxml.UnmodelledError as err:
+                raise CommandFailedError(
+                    failed,
+                    "Operation not supported: the tower simulator models a live "
+                    "definition only as its domain's persistent definition with "
+                    f"other PCI hostdevs, and {err}",
+                ) from None
+            for dev in hostdevs:
+                address = model.pci_name(dev["address"])
+                holder = world.holder(address, exclude=dom.name)
+                if holder is not None:
+                    raise CommandFailedError(
+                        failed,
+                        f"Requested operation is not valid: PCI device {address} "
+                        f"is in use by driver {model.DRIVER_NAME}, domain {holder}",
+                    )
+            model.record(data, "create", dom.name, t, hostdevs=hostdevs, file=path)
+            model.save(self.state_dir, data)
+        self.out.print_extra(f"Domain '{dom.name}' created from {path}\n")
+
+    @staticmethod
+    def _created_domain(
+        world: model.World, definition: domxml.Definition, failed: str
+    ) -> model.Dom:
+        """The defined domain a live definition is for, with libvirt's checks
+        (the UUID first, then the name, then whether it runs)."""
+        uuid = definition.uuid
+        by_uuid = None
+        if uuid is not None:
+            by_uuid = next((d for d in world.doms.values() if _uuid(d) == uuid), None)
+        if by_uuid is not None and by_uuid.name != definition.name:
+            raise CommandFailedError(
+                failed,
+                f"operation failed: domain '{by_uuid.name}' is already defined "
+                f"with uuid {_uuid(by_uuid)}",
+            )
+        by_name = world.doms.get(definition.name)
+        if by_uuid is None and by_name is not None:
+            raise CommandFailedError(
+                failed,
+                f"operation failed: domain '{by_name.name}' already exists "
+                f"with uuid {_uuid(by_name)}",
+            )
+        if by_uuid is None:
+            raise CommandFailedError(
+                failed,
+                "Operation not supported: the tower simulator has no transient "
+                f"domains, and no domain named '{definition.name}' is defined",
+            )
+        if by_uuid.running:
+            raise CommandFailedError(
+                failed,
+                f"Requested operation is not valid: domain '{by_uuid.name}' "
+                "is already active",
+            )
+        return by_uuid
 
     def cmd_shutdown(self, cmd: Cmd) -> None:
         modes: list[str] = []
@@ -572,10 +677,12 @@ class Session:
             t = model.now(data)
             world = model.world(data, t)
             dom = self.lookup(data, world, cmd.get("domain"))
+        screen = dom.spec.get("screen") or {}
+        mime = str(screen.get("mime", MIME_PNG))
         path = cmd.get("file")
         if path is None:
             stamp = time.strftime("%Y-%m-%d-%H:%M:%S", time.localtime(t))
-            path = f"{dom.name}-{stamp}.png"
+            path = f"{dom.name}-{stamp}{SCREEN_EXTENSIONS[mime]}"
         if not dom.running:
             raise CommandFailedError(
                 f"could not take a screenshot of {dom.name}", NOT_RUNNING
@@ -585,8 +692,8 @@ class Session:
         except OSError:
             raise CommandFailedError(f"cannot create file {path}") from None
         with os.fdopen(fd, "wb") as handle:
-            handle.write(png_image(dom.name, dom.boot_t or 0.0))
-        self.out.print_extra(f"Screenshot saved to {path}, with type of image/png")
+            handle.write(screen_image(dom.name, dom.boot_t or 0.0, screen))
+        self.out.print_extra(f"Screenshot saved to {path}, with type of {mime}")
 
     # --- event ----------------------------------------------------------------
 
@@ -706,6 +813,42 @@ class EventStream:
         return 0.02
 
 
+def _uuid(dom: model.Dom) -> str:
+    return str(dom.spec["uuid"]).lower()
+
+
+# virsh reads a domain's XML file itself, up to this size (VSH_MAX_XML_FILE)
+MAX_XML_FILE = 10 * 1024 * 1024
+
+
+def _read_file(path: str) -> str:
+    """The file's text, or virsh's error (``virFileReadAll``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as err:
+        raise CommandFailedError(
+            f"Failed to open file '{path}': {os.strerror(err.errno or 0)}"
+        ) from None
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_XML_FILE:
+                raise CommandFailedError(f"File '{path}' is too large")
+    except OSError as err:
+        raise CommandFailedError(
+            f"Failed to read file '{path}': {os.strerror(err.errno or 0)}"
+        ) from None
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
 def _pairs(cells: list[str], widths: list[int]) -> list[tuple[str, int]]:
     return list(zip(cells, widths))  # noqa: B905 - strict= needs Python 3.10
 
@@ -729,15 +872,36 @@ def _reader_gone(stream: IO[str]) -> bool:
 
 # --- screenshots ----------------------------------------------------------------
 
+# What `virsh screenshot` saves: a PNG with libvirt >= 9.0 and QEMU >= 7.1 (and
+# with libvirt's test driver), QEMU's PPM with older ones; the file name virsh
+# makes up without --file ends as libvirt's virFileExtensionForMimeType says.
+MIME_PNG = "image/png"
+MIME_PPM = "image/x-portable-pixmap"
+SCREEN_EXTENSIONS = {MIME_PNG: ".png", MIME_PPM: ".ppm"}
 
-def png_image(name: str, seed: float, width: int = 160, height: int = 100) -> bytes:
-    """A small real PNG: a colour band per domain, a stripe for the boot."""
+
+def screen_image(name: str, seed: float, screen: JsonObj) -> bytes:
+    """The file of a domain's screenshot, as its ``screen`` setting says
+    (``Tower.set_screen``): a recorded frame as it is, else a drawn one."""
+    frame = screen.get("frame")
+    if frame is not None:
+        data = Path(frame).read_bytes()
+        return gzip.decompress(data) if str(frame).endswith(".gz") else data
+    width = int(screen.get("width", 160))
+    height = int(screen.get("height", 100))
+    if screen.get("mime", MIME_PNG) == MIME_PPM:
+        return ppm_image(name, seed, width, height)
+    return png_image(name, seed, width, height)
+
+
+def _screen_rows(name: str, seed: float, width: int, height: int) -> list[bytes]:
+    """RGB rows: a colour band per domain, a stripe for the boot."""
     digest = zlib.crc32(name.encode("utf-8"))
     base = (digest & 0xFF, (digest >> 8) & 0xFF, (digest >> 16) & 0xFF)
     stripe = int(seed * 10) % width
     rows = []
     for y in range(height):
-        row = bytearray([0])
+        row = bytearray()
         for x in range(width):
             if abs(x - stripe) < 3:
                 row += b"\xff\xff\xff"
@@ -747,6 +911,18 @@ def png_image(name: str, seed: float, width: int = 160, height: int = 100) -> by
                     ((base[0] + shade) % 256, base[1], (base[2] + y * 2) % 256)
                 )
         rows.append(bytes(row))
+    return rows
+
+
+def ppm_image(name: str, seed: float, width: int, height: int) -> bytes:
+    """A binary PPM as QEMU's screendump writes it ("P6\\nW H\\n255\\n")."""
+    header = f"P6\n{width} {height}\n255\n".encode("ascii")
+    return header + b"".join(_screen_rows(name, seed, width, height))
+
+
+def png_image(name: str, seed: float, width: int = 160, height: int = 100) -> bytes:
+    """A small real PNG (filter type 0 on every row)."""
+    rows = [b"\x00" + row for row in _screen_rows(name, seed, width, height)]
 
     def chunk(kind: bytes, body: bytes) -> bytes:
         return (

@@ -36,6 +36,7 @@ import selectors
 import shlex
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -44,6 +45,7 @@ import time
 import traceback
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple
 import xml.etree.ElementTree as ET
+import zlib
 
 # --- protocol: the Home Assistant side imports these ---------------------------
 
@@ -114,6 +116,7 @@ SERVE_VERBS: Dict[str, Tuple[int, int]] = {
     "start": (1, 1),
     "handoff": (1, 1),
     "release": (0, 1),
+    "lend": (0, 0),
     "job": (1, 1),
     "jobs": (0, 0),
     "request": (1, 1),
@@ -132,6 +135,7 @@ SESSION_VERBS = frozenset(
         "start",
         "handoff",
         "release",
+        "lend",
         "job",
         "jobs",
         "request",
@@ -139,7 +143,7 @@ SESSION_VERBS = frozenset(
     }
 )
 # Verbs that submit a job, and so take a request id.
-JOB_VERBS = ("stop", "start", "handoff", "release")
+JOB_VERBS = ("stop", "start", "handoff", "release", "lend")
 # A session's request line, and the request's "id" (echoed in its reply).
 SESSION_MAX_LINE = 4096
 SESSION_MAX_ID = 64
@@ -157,7 +161,7 @@ REQUEST_OPTION = "--request="
 # carries a request id is kept at least this long, whatever MAX_JOBS says.
 REQUEST_KEEP_SECONDS = 3600.0
 JOB_STATES = ("queued", "running", "succeeded", "failed")
-JOB_KINDS = ("stop", "start", "handoff", "release")
+JOB_KINDS = ("stop", "start", "handoff", "release", "lend")
 MAX_JOBS = 50
 MAX_HOOK_REQUESTS = 20
 # A job whose runner has not taken its lock this long after creation is dead.
@@ -169,6 +173,8 @@ MAX_QUEUED_JOBS_DEFAULT = 8
 MAX_STREAMS_DEFAULT = 8
 # A stream's client that takes nothing for this long is gone: the stream ends.
 WRITE_TIMEOUT_DEFAULT = 30.0
+# The tower's name ("name"): at most what a host name label may hold.
+NAME_MAX = 63
 
 # Finding codes reported by `status`.
 FINDING_ROM_BAR = "rom_bar_not_off"
@@ -222,6 +228,7 @@ VIRSH_COMMANDS = frozenset(
         "qemu-agent-command",
         "event",
         "screenshot",
+        "create",
     }
 )
 
@@ -304,6 +311,9 @@ class Config:
         self.max_queued_jobs = int(data.get("max_queued_jobs", MAX_QUEUED_JOBS_DEFAULT))
         self.max_streams = int(data.get("max_streams", MAX_STREAMS_DEFAULT))
         self.write_timeout = float(data.get("write_timeout", WRITE_TIMEOUT_DEFAULT))
+        # What Home Assistant calls the tower (its entry and device) unless
+        # the user renames them there: the machine's host name by default.
+        self.name: str = data.get("name") or socket.gethostname()
         self.env = env
 
     @property
@@ -331,6 +341,7 @@ class Config:
             "max_queued_jobs": self.max_queued_jobs,
             "max_streams": self.max_streams,
             "write_timeout": self.write_timeout,
+            "name": self.name,
         }
 
 
@@ -383,6 +394,7 @@ def validate_config(data: Any) -> List[str]:
         "max_queued_jobs",
         "max_streams",
         "write_timeout",
+        "name",
     }
     problems.extend(f"{key}: unknown key" for key in sorted(data) if key not in known)
     uri = data.get("libvirt_uri", "qemu:///system")
@@ -482,6 +494,18 @@ def validate_config(data: Any) -> List[str]:
         timeout = data["write_timeout"]
         if not _is_number(timeout) or not 0 < timeout <= 3600:
             problems.append("write_timeout: must be a number in (0, 3600]")
+    if "name" in data:
+        name = data["name"]
+        if (
+            not isinstance(name, str)
+            or not 1 <= len(name) <= NAME_MAX
+            or not name.isprintable()
+            or not name.strip()
+        ):
+            problems.append(
+                f"name: must be 1 to {NAME_MAX} printable characters, "
+                "not only spaces (the tower's name in Home Assistant)"
+            )
     return problems
 
 
@@ -563,6 +587,25 @@ def cmd_shutdown(domain: str, mode: str) -> List[str]:
 
 def cmd_start(domain: str) -> List[str]:
     return ["start", "--domain", domain]
+
+
+def cmd_inactive_xml(domain: str) -> List[str]:
+    """The persistent definition (as `dumpxml` shows it while shut off)."""
+    return ["dumpxml", "--inactive", "--domain", domain]
+
+
+def cmd_defined_xml(domain: str) -> List[str]:
+    """The persistent definition, secrets included (a graphics password must
+    survive into a live definition made from it)."""
+    return ["dumpxml", "--inactive", "--security-info", "--domain", domain]
+
+
+def cmd_create(path: str) -> List[str]:
+    """Start a domain from an XML file. With the name and UUID of a defined,
+    inactive domain, libvirt starts THAT domain with the file as its live
+    definition only: the persistent one is left as it is, and comes back when
+    the domain stops (virDomainObjListAdd with VIR_DOMAIN_OBJ_LIST_ADD_LIVE)."""
+    return ["create", "--file", path]
 
 
 def cmd_screenshot(domain: str, path: str) -> List[str]:
@@ -821,6 +864,9 @@ def observe(cfg: Config, virsh: Virsh, ping: bool) -> Snapshot:
         cmds.append(cmd_domstate(name))
     if ping:
         cmds.extend(cmd_ping(name) for name in managed)
+    # The GPU node's persistent definition: while it runs with a live-only
+    # one (some cards lent to players), its own cards are still these.
+    cmds.append(cmd_inactive_xml(cfg.gpu_node))
     before = virsh.calls
     outs = virsh.batch(cmds)
     if not outs[0] and not any(outs[1:]):
@@ -840,6 +886,11 @@ def observe(cfg: Config, virsh: Virsh, ping: bool) -> Snapshot:
                 ('"return"' in answer) if record["state"] == "running" else None
             )
         snap.domains[name] = record
+    gpu = snap.domains[cfg.gpu_node]
+    gpu["defined_hostdevs"] = gpu["hostdevs"]
+    if gpu["exists"] and outs[-1]:
+        with contextlib.suppress(ET.ParseError):
+            gpu["defined_hostdevs"] = parse_domain_xml(outs[-1])["hostdevs"]
     others = [name for name in snap.existing if name not in managed]
     if others:
         cmds = []
@@ -857,8 +908,11 @@ def card_table(cfg: Config, snap: Snapshot) -> List[JsonObj]:
     """For each PCI function a managed domain claims: holder and claimants."""
     everything = snap.all_domains()
     addresses: List[str] = []
-    for name in cfg.managed:
-        for dev in snap.domains[name]["hostdevs"]:
+    gpu = snap.domains[cfg.gpu_node]
+    for devs in [gpu.get("defined_hostdevs", [])] + [
+        snap.domains[name]["hostdevs"] for name in cfg.managed
+    ]:
+        for dev in devs:
             if dev["address"] not in addresses:
                 addresses.append(dev["address"])
     cards = []
@@ -1283,8 +1337,11 @@ def new_job_id() -> str:
     )
 
 
+STOP_STEPS = ("wait_agent", "shutdown", "wait_shut_off")
+
+
 def _stop_steps(domain: str) -> List[JsonObj]:
-    return [_step(name, domain) for name in ("wait_agent", "shutdown", "wait_shut_off")]
+    return [_step(name, domain) for name in STOP_STEPS]
 
 
 def _start_steps(domain: str) -> List[JsonObj]:
@@ -1309,6 +1366,9 @@ def plan_job(cfg: Config, kind: str, target: Optional[str]) -> List[JsonObj]:
         return _start_steps(str(target))
     if kind == "handoff":
         return _stop_steps(cfg.gpu_node) + _start_steps(str(target))
+    if kind == "lend":
+        # Restart the GPU node with the cards no running gaming VM holds.
+        return [*_stop_steps(cfg.gpu_node), _step("start_free", cfg.gpu_node)]
     steps = _stop_steps(target) if target else []
     return steps + _start_steps(cfg.gpu_node)
 
@@ -1320,6 +1380,9 @@ def check_work(cfg: Config, kind: str, target: Optional[str]) -> None:
             raise AgentError(
                 ERR_UNKNOWN_DOMAIN, f"{str(target)[:80]!r} is not a configured domain"
             )
+    elif kind == "lend":
+        if target is not None:
+            raise AgentError(ERR_BAD_REQUEST, "a lend job names no domain")
     elif (kind == "handoff" or target is not None) and target not in cfg.gaming:
         raise AgentError(
             ERR_UNKNOWN_DOMAIN,
@@ -1770,7 +1833,12 @@ class JobRunner:
         self.save()
 
     def skip_rest(self, index: int, domain: str, detail: str) -> None:
+        """Skip the rest of this stop (or start) of `domain`: a lend job's
+        start of the GPU node still runs after its stop was skipped."""
+        group = STOP_STEPS if self.job["steps"][index]["name"] in STOP_STEPS else None
         for step in self.job["steps"][index:]:
+            if group is not None and step["name"] not in group:
+                continue
             if step["domain"] == domain and step["result"] is None:
                 step["started"] = step["started"] or now_iso()
                 self.end(step, "skipped", detail)
@@ -1897,6 +1965,130 @@ class JobRunner:
         message = f"start of {domain!r} failed: {result.error_text()}"
         self.end(step, "failed", message)
         raise AgentError(ERR_START_FAILED, message)
+
+    def step_start_free(self, index: int, step: JsonObj) -> None:
+        """Start the GPU node with every card of its persistent definition
+        that no other running domain holds: with all of them through its own
+        definition (`start`), with some through a live-only definition
+        (`create`), with none not at all.
+
+        The persistent definition is never written: a crash, a power cut or
+        a kill at any instruction leaves it as it was, and the GPU node's next
+        plain start has every card again.
+        """
+        domain = step["domain"]
+        self.begin(index)
+        snap = observe(self.cfg, self.virsh, ping=False)
+        mine = snap.domains.get(domain)
+        if mine is None or not mine["exists"]:
+            message = f"domain {domain!r} is not defined in libvirt"
+            self.end(step, "failed", message)
+            raise AgentError(ERR_DOMAIN_MISSING, message)
+        if Snapshot.holds(mine):
+            self.end(step, "ok", "already running")
+            return
+        busy = busy_cards(snap, domain)
+        defined = self.virsh.run(cmd_defined_xml(domain))
+        if defined.rc != 0:
+            message = (
+                f"cannot read the definition of {domain!r}: {defined.error_text()}"
+            )
+            self.end(step, "failed", message)
+            raise AgentError(ERR_START_FAILED, message)
+        try:
+            live, kept, left = live_definition(defined.out, busy)
+        except ET.ParseError as err:
+            message = (
+                f"the definition of {domain!r} is not XML libvirt would give: {err}"
+            )
+            self.end(step, "failed", message)
+            raise AgentError(ERR_START_FAILED, message) from err
+        if not kept and left:
+            self.end(step, "skipped", "every card is in use: the GPU node stays off")
+            return
+        if not left:
+            result = self.virsh.run(cmd_start(domain))
+            detail = "started with every card"
+        else:
+            result = self._create(live)
+            detail = "started without " + ", ".join(left) + " (live definition only)"
+        if result.rc == 0:
+            self.end(step, "ok", detail)
+            return
+        if self.state_of(domain) != "shut_off":
+            self.end(step, "ok", "already running")
+            return
+        message = f"start of {domain!r} failed: {result.error_text()}"
+        self.end(step, "failed", message)
+        raise AgentError(ERR_START_FAILED, message)
+
+    def _create(self, xml_text: str) -> VirshResult:
+        """`virsh create` from a private temporary file, removed afterwards."""
+        tmpdir = tempfile.mkdtemp(prefix="gpu-handoff-live-")
+        try:
+            path = os.path.join(tmpdir, "live.xml")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(xml_text)
+            return self.virsh.run(cmd_create(path))
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def card_of(address: str) -> str:
+    """The card a PCI function belongs to (`0000:03:00.1` -> `0000:03:00`):
+    the functions of one card go to one domain together."""
+    return address.rsplit(".", 1)[0]
+
+
+def busy_cards(snap: Snapshot, domain: str) -> List[str]:
+    """The cards a running domain other than `domain` holds a function of."""
+    return sorted(
+        {
+            card_of(dev["address"])
+            for name, other in snap.all_domains().items()
+            if name != domain and Snapshot.holds(other)
+            for dev in other["hostdevs"]
+        }
+    )
+
+
+# Namespaces libvirt domain XML uses, kept under their usual prefixes when a
+# live definition is written back (ElementTree would call them ns0, ns1...).
+LIBVIRT_NAMESPACES = {
+    "qemu": "http://libvirt.org/schemas/domain/qemu/1.0",
+    "lxc": "http://libvirt.org/schemas/domain/lxc/1.0",
+    "bhyve": "http://libvirt.org/schemas/domain/bhyve/1.0",
+    "xen": "http://libvirt.org/schemas/domain/xen/1.0",
+    "vmware": "http://libvirt.org/schemas/domain/vmware/1.0",
+    "test": "http://libvirt.org/schemas/domain/test/1.0",
+}
+
+
+def live_definition(xml_text: str, busy: List[str]) -> Tuple[str, List[str], List[str]]:
+    """The persistent definition without the PCI hostdevs of `busy` cards:
+    (XML, cards kept, cards left out)."""
+    for prefix, uri in LIBVIRT_NAMESPACES.items():
+        ET.register_namespace(prefix, uri)
+    root = ET.fromstring(xml_text)  # noqa: S314 - XML from libvirt itself
+    kept: List[str] = []
+    left: List[str] = []
+    devices = root.find("./devices")
+    for dev in list(devices) if devices is not None else []:
+        if dev.tag != "hostdev" or dev.get("type") != "pci":
+            continue
+        if dev.get("mode", "subsystem") != "subsystem":
+            continue
+        addr = dev.find("./source/address")
+        if addr is None:
+            continue
+        card = card_of(pci_address(addr))
+        target = left if card in busy else kept
+        if card not in target:
+            target.append(card)
+        if card in busy and devices is not None:
+            devices.remove(dev)
+    return ET.tostring(root, encoding="unicode"), kept, left
 
 
 def run_job(cfg: Config, job_id: str) -> int:
@@ -2040,8 +2232,147 @@ def verb_status(cfg: Config) -> JsonObj:
     return reply_ok(**status_body(cfg))
 
 
+# --- screenshots ----------------------------------------------------------------
+
+MIME_PNG = "image/png"
+# What `virsh screenshot` saves where libvirt is older than 9.0 or QEMU older
+# than 7.1 (QEMU's screendump in its default format): browsers cannot show a
+# PPM, so the agent sends it as a PNG.
+MIME_PPM = "image/x-portable-pixmap"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# zlib's default level: within a few percent of level 9's size on a screen,
+# in a fraction of its time.
+PNG_LEVEL = 6
+# A PPM header is "P6 WIDTH HEIGHT MAXVAL" and one whitespace byte (QEMU
+# writes 15 bytes); Netpbm allows comments between the fields, not pages.
+PPM_HEADER_MAX = 256
+# The widest and tallest screen converted (QEMU's own limit on a display).
+SCREEN_SIDE_MAX = 16384
+# The largest PPM read: a 4K screen is 24 MiB of PPM, a 5K one 42 MiB. It is
+# read in blocks, never whole; what is sent is bounded by screenshot_max_bytes.
+PPM_MAX_BYTES = 64 << 20
+# Rows are filtered and compressed this many bytes at a time.
+PPM_BLOCK_BYTES = 1 << 20
+_PPM_SPACE = rb"[ \t\n\r\v\f]"
+# Between two fields: whitespace and comments ("#" to the end of the line).
+_PPM_GAP = rb"(?:" + _PPM_SPACE + rb"|#[^\n\r]*[\n\r])+"
+_PPM_HEADER = re.compile(rb"P6" + (_PPM_GAP + rb"([0-9]{1,7})") * 3 + _PPM_SPACE)
+
+
+def parse_ppm_header(head: bytes, size: int) -> Tuple[int, int, int, int]:
+    """(width, height, maxval, offset of the pixels) of a binary PPM of ``size``
+    bytes whose first bytes are ``head``, as Netpbm defines the format.
+
+    One image of 8-bit samples (maxval 1 to 255), exactly as many pixel bytes
+    as the header says: anything else is refused, not guessed at.
+    """
+    found = _PPM_HEADER.match(head[:PPM_HEADER_MAX])
+    if found is None:
+        raise AgentError(
+            ERR_SCREENSHOT_FAILED, "the screenshot is not a PPM this agent can read"
+        )
+    width, height, maxval = (int(value) for value in found.groups())
+    if width == 0 or height == 0:
+        raise AgentError(ERR_SCREENSHOT_FAILED, f"the PPM is empty ({width}x{height})")
+    if width > SCREEN_SIDE_MAX or height > SCREEN_SIDE_MAX:
+        raise AgentError(
+            ERR_TOO_LARGE,
+            f"the screen is {width}x{height}; at most {SCREEN_SIDE_MAX} pixels a side"
+            " are read",
+        )
+    if not 0 < maxval < 256:
+        raise AgentError(
+            ERR_SCREENSHOT_FAILED,
+            f"the PPM's maximum value is {maxval}; only 8-bit samples are read",
+        )
+    offset = found.end()
+    if size != offset + width * height * 3:
+        raise AgentError(
+            ERR_SCREENSHOT_FAILED,
+            f"the PPM is {size} bytes, not the {offset + width * height * 3}"
+            f" its {width}x{height} header says",
+        )
+    return width, height, maxval, offset
+
+
+def png_chunk(kind: bytes, body: bytes) -> bytes:
+    crc = zlib.crc32(body, zlib.crc32(kind)) & 0xFFFFFFFF
+    return len(body).to_bytes(4, "big") + kind + body + crc.to_bytes(4, "big")
+
+
+def _too_large(size: int, limit: int, what: str = "") -> AgentError:
+    return AgentError(
+        ERR_TOO_LARGE,
+        f"screenshot is {size} bytes{what}, more than screenshot_max_bytes={limit}",
+    )
+
+
+def png_from_ppm(handle: IO[bytes], size: int, limit: int) -> Tuple[bytes, int, int]:
+    """The PPM in ``handle`` (``size`` bytes) as a PNG of at most ``limit``
+    bytes, with its width and height.
+
+    8-bit RGB, every row with filter type 0 (none): a screen compresses well
+    as it is, and the tower spends no time choosing filters. The PPM is read
+    and compressed a block of rows at a time, and the work stops as soon as
+    the PNG would exceed ``limit``.
+    """
+    if size > PPM_MAX_BYTES:
+        raise AgentError(
+            ERR_TOO_LARGE,
+            f"the PPM is {size} bytes; at most {PPM_MAX_BYTES} are converted",
+        )
+    width, height, maxval, offset = parse_ppm_header(handle.read(PPM_HEADER_MAX), size)
+    handle.seek(offset)
+    row = width * 3
+    # Samples scaled to 0-255 where maxval is lower (values above maxval are
+    # invalid in a PPM: they are shown at full intensity).
+    scale = (
+        None
+        if maxval == 255
+        else bytes(min(255, (v * 255 + maxval // 2) // maxval) for v in range(256))
+    )
+    rows_per_block = max(1, PPM_BLOCK_BYTES // row)
+    squeeze = zlib.compressobj(PNG_LEVEL)
+    parts: List[bytes] = []
+    produced = 0
+    done = 0
+    while done < height:
+        count = min(rows_per_block, height - done)
+        pixels = handle.read(count * row)
+        if len(pixels) != count * row:
+            raise AgentError(ERR_SCREENSHOT_FAILED, "the PPM ended early")
+        if scale is not None:
+            pixels = pixels.translate(scale)
+        view = memoryview(pixels)
+        rows = b"\x00" + b"\x00".join(
+            view[start : start + row] for start in range(0, len(pixels), row)
+        )
+        parts.append(squeeze.compress(rows))
+        produced += len(parts[-1])
+        if produced > limit:
+            raise _too_large(produced, limit, " as PNG before its end")
+        done += count
+    parts.append(squeeze.flush())
+    # 8-bit samples, RGB, deflate, filters of method 0, not interlaced.
+    header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + b"\x08\x02\0\0\0"
+    png = b"".join(
+        (
+            PNG_SIGNATURE,
+            png_chunk(b"IHDR", header),
+            png_chunk(b"IDAT", b"".join(parts)),
+            png_chunk(b"IEND", b""),
+        )
+    )
+    if len(png) > limit:
+        raise _too_large(len(png), limit, " as PNG")
+    return png, width, height
+
+
 def verb_screenshot(cfg: Config, domain: str) -> JsonObj:
+    """The domain's screen as `virsh screenshot` saves it; a PPM (older
+    libvirt or QEMU) is sent as a PNG. At most screenshot_max_bytes are sent."""
     virsh = Virsh(cfg)
+    limit = cfg.screenshot_max_bytes
     tmpdir = tempfile.mkdtemp(prefix="gpu-handoff-shot-")
     try:
         target = os.path.join(tmpdir, "screen")
@@ -2050,14 +2381,15 @@ def verb_screenshot(cfg: Config, domain: str) -> JsonObj:
             raise AgentError(ERR_SCREENSHOT_FAILED, result.error_text())
         match = re.search(r"with type of (\S+?)\.?$", result.out.strip())
         mime = match.group(1) if match else "application/octet-stream"
-        size = os.path.getsize(target)
-        if size > cfg.screenshot_max_bytes:
-            raise AgentError(
-                ERR_TOO_LARGE,
-                f"screenshot is {size} bytes, more than screenshot_max_bytes={cfg.screenshot_max_bytes}",
-            )
         with open(target, "rb") as handle:
-            data = handle.read(cfg.screenshot_max_bytes + 1)
+            size = os.fstat(handle.fileno()).st_size
+            if mime == MIME_PPM:
+                data, _width, _height = png_from_ppm(handle, size, limit)
+                mime = MIME_PNG
+            elif size > limit:
+                raise _too_large(size, limit)
+            else:
+                data = handle.read(size)  # virsh has finished writing it
         return reply_ok(
             domain=domain,
             mime=mime,
@@ -2520,7 +2852,11 @@ class Session:
                 failure = self.start_events()
                 self.send(
                     message(
-                        "hello", ok=True, version=VERSION, verbs=sorted(SESSION_VERBS)
+                        "hello",
+                        ok=True,
+                        version=VERSION,
+                        verbs=sorted(SESSION_VERBS),
+                        host_name=self.cfg.name,
                     )
                 )
                 self.recompute(force=True, drain=False)
@@ -2843,7 +3179,7 @@ def run_request(
 ) -> JsonObj:
     """The reply to one validated request (any user verb but watch and session)."""
     if verb == "version":
-        return version_reply()
+        return version_reply(cfg)
     if verb == "status":
         return verb_status(cfg)
     if verb in JOB_VERBS:
@@ -2905,6 +3241,162 @@ def parse_serve_request(
 
 # --- install ------------------------------------------------------------------------------
 
+DEFAULT_LIBVIRT_URI = "qemu:///system"
+PLACEHOLDER_KEY = "<public key of Home Assistant>"
+# NixOS marks itself twice: every activation creates /etc/NIXOS
+# (nixos/modules/system/etc/setup-etc.pl), and its os-release says ID=nixos
+# (nixos/modules/misc/version.nix). os-release is read from /etc, or from
+# /usr/lib where /etc has none (os-release(5)).
+NIXOS_MARKER = "/etc/NIXOS"
+OS_RELEASE_FILES = ("/etc/os-release", "/usr/lib/os-release")
+OS_RELEASE_MAX = 64 << 10
+# The NixOS module, in a checkout of the repository this file comes from.
+NIXOS_MODULE_IN_CHECKOUT = os.path.join("nixos", "module.nix")
+NIXOS_MODULE_PLACEHOLDER = "/path/to/gpu-handoff/nixos/module.nix"
+# A Nix string literal needs these escaped (`${` would interpolate).
+_NIX_ESCAPES = (
+    ("\\", "\\\\"),
+    ('"', '\\"'),
+    ("${", "\\${"),
+    ("\n", "\\n"),
+    ("\r", "\\r"),
+    ("\t", "\\t"),
+)
+
+
+def agent_config(
+    *,
+    gpu_node: str,
+    gaming: List[str],
+    libvirt_uri: str = DEFAULT_LIBVIRT_URI,
+    state_dir: str = DEFAULT_INSTALL_STATE_DIR,
+    timeouts: Optional[Dict[str, float]] = None,
+    path: Optional[List[str]] = None,
+    detach: Optional[str] = None,
+) -> JsonObj:
+    """The configuration `install` writes for these options.
+
+    The NixOS module writes the same for the same options: nixos/config.nix
+    (agentConfig, with these defaults) is its twin, and
+    tests/tower/test_nixos.py holds the two to each other. Every timeout is
+    written, as seconds in floating point, so the file says what applies.
+    """
+    seconds: Dict[str, float] = dict(TIMEOUT_DEFAULTS)
+    seconds.update(timeouts or {})
+    data: JsonObj = {
+        "libvirt_uri": libvirt_uri,
+        "gpu_node": gpu_node,
+        "gaming": list(gaming),
+        "state_dir": state_dir,
+        "timeouts": {kind: float(value) for kind, value in seconds.items()},
+    }
+    if path:
+        data["path"] = list(path)
+    if detach:
+        data["detach"] = detach
+    return data
+
+
+def hook_script(program: str, config_path: str) -> str:
+    """The libvirt qemu hook: libvirt's arguments to the `hook` verb, as is
+    (nixos/config.nix, hookScript, writes the same text)."""
+    return (
+        "#!/bin/sh\n# libvirt qemu hook of gpu-handoff: records, never waits.\n"
+        f'exec {shlex.quote(program)} --config {shlex.quote(config_path)} hook "$@"\n'
+    )
+
+
+def authorized_keys_line(program: str, config_path: str, key: str) -> str:
+    """The line that lets `key` run the agent's `serve` and nothing else
+    (nixos/config.nix, authorizedKeysLine, builds the same)."""
+    return f'restrict,command="{program} --config {config_path} serve" {key}'
+
+
+def _os_release_id(text: str) -> str:
+    for line in text.splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key == "ID":
+            return value.strip().strip("\"'")
+    return ""
+
+
+def is_nixos(root: str) -> bool:
+    """Whether the system under `root` ("" for this one) is NixOS."""
+    if os.path.lexists(_rooted(root, NIXOS_MARKER)):
+        return True
+    for name in OS_RELEASE_FILES:
+        try:
+            with open(_rooted(root, name), encoding="utf-8") as handle:
+                text = handle.read(OS_RELEASE_MAX)
+        except _READ_ERRORS:
+            continue
+        return _os_release_id(text) == "nixos"
+    return False
+
+
+def nix_string(text: str) -> str:
+    """`text` as a Nix string literal."""
+    for plain, escaped in _NIX_ESCAPES:
+        text = text.replace(plain, escaped)
+    return f'"{text}"'
+
+
+def nix_number(value: float) -> str:
+    """A positive finite number as a Nix literal (Nix has no `1e-05`)."""
+    if value.is_integer() and value < 1e15:
+        return str(int(value))
+    text = repr(value)
+    mantissa, sep, exponent = text.partition("e")
+    if sep and "." not in mantissa:
+        text = f"{mantissa}.0e{exponent}"
+    return text
+
+
+def nixos_module_path() -> Optional[str]:
+    """nixos/module.nix of the checkout this program runs from, if it is one."""
+    here = os.path.dirname(os.path.realpath(__file__))
+    top = os.path.dirname(os.path.dirname(os.path.dirname(here)))
+    module = os.path.join(top, NIXOS_MODULE_IN_CHECKOUT)
+    return module if os.path.isfile(module) else None
+
+
+def nixos_snippet(opts: Dict[str, Any], module: Optional[str]) -> str:
+    """What to add to a NixOS configuration for `install`'s options: the
+    module's options, only those that differ from its defaults."""
+    settings = [
+        "enable = true;",
+        f"user = {nix_string(opts['user'])};",
+        f"gpuNode = {nix_string(opts['gpu_node'])};",
+        "gaming = [ " + " ".join(nix_string(g) for g in opts["gaming"]) + " ];",
+    ]
+    if opts["uri"] != DEFAULT_LIBVIRT_URI:
+        settings.append(f"libvirtUri = {nix_string(opts['uri'])};")
+    if opts["state_dir"] != DEFAULT_INSTALL_STATE_DIR:
+        settings.append(f"stateDir = {nix_string(opts['state_dir'])};")
+    settings.extend(
+        f"timeouts.{kind} = {nix_number(seconds)};"
+        for kind, seconds in opts["timeouts"].items()
+    )
+    if opts["detach"]:
+        settings.append(f"detach = {nix_string(opts['detach'])};")
+    settings += [
+        "# Home Assistant's public key: the end of the line its setup shows.",
+        f"authorizedKeys = [ {nix_string(PLACEHOLDER_KEY)} ];",
+    ]
+    where = nix_string(module or NIXOS_MODULE_PLACEHOLDER)
+    return "\n".join(
+        [
+            "# GPU Handoff on NixOS: a module for the system configuration",
+            "# (README, Tower setup, NixOS); then run nixos-rebuild switch.",
+            "{",
+            f"  imports = [ {where} ];",
+            "  services.gpu-handoff = {",
+            *(f"    {line}" for line in settings),
+            "  };",
+            "}",
+        ]
+    )
+
 
 def _status_or_error(cfg: Config) -> JsonObj:
     try:
@@ -2949,20 +3441,19 @@ def _rooted(root: str, path: str) -> str:
     return os.path.join(root, path.lstrip("/")) if root else path
 
 
-def verb_install(
-    args: List[str], config_option: Optional[str], env: Dict[str, str], err: IO[str]
-) -> JsonObj:
+def _install_options(args: List[str], config_option: Optional[str]) -> Dict[str, Any]:
     opts: Dict[str, Any] = {
         "user": None,
         "gpu_node": None,
         "gaming": [],
-        "uri": "qemu:///system",
-        "prefix": DEFAULT_PREFIX,
+        "uri": DEFAULT_LIBVIRT_URI,
+        "prefix": None,
         "root": "",
         "force": False,
         "state_dir": DEFAULT_INSTALL_STATE_DIR,
         "detach": None,
         "config": config_option,
+        "timeouts": {},
     }
     names = {
         "--user": "user",
@@ -2975,6 +3466,7 @@ def verb_install(
         "--detach": "detach",
         "--config": "config",
     }
+    names.update({f"--timeout-{kind}": kind for kind in TIMEOUT_DEFAULTS})
     i = 0
     while i < len(args):
         arg = args[i]
@@ -2993,6 +3485,8 @@ def verb_install(
         i += 1
         if names[key] == "gaming":
             opts["gaming"].append(value)
+        elif names[key] in TIMEOUT_DEFAULTS:
+            opts["timeouts"][names[key]] = _install_seconds(key, value)
         else:
             opts[names[key]] = value
     if not opts["user"] or not opts["gpu_node"] or not opts["gaming"]:
@@ -3000,28 +3494,75 @@ def verb_install(
             ERR_BAD_REQUEST,
             "install: --user, --gpu-node and at least one --gaming are required",
         )
+    return opts
+
+
+def _install_seconds(option: str, value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise AgentError(
+            ERR_BAD_REQUEST, f"install: {option} takes a positive number of seconds"
+        )
+    return seconds
+
+
+def _install_data(opts: Dict[str, Any]) -> JsonObj:
+    data = agent_config(
+        gpu_node=opts["gpu_node"],
+        gaming=opts["gaming"],
+        libvirt_uri=opts["uri"],
+        state_dir=opts["state_dir"],
+        timeouts=opts["timeouts"],
+        detach=opts["detach"],
+    )
+    problems = validate_config(data)
+    if problems:
+        raise AgentError(ERR_CONFIG_INVALID, "; ".join(problems))
+    return data
+
+
+def install_on_nixos(opts: Dict[str, Any], err: IO[str]) -> JsonObj:
+    """NixOS installs nothing by hand (/etc and the libvirt hooks are the
+    system configuration's): what to add to it instead, writing nothing."""
+    if opts["prefix"] is not None or opts["config"] not in (None, DEFAULT_CONFIG_PATH):
+        raise AgentError(
+            ERR_BAD_REQUEST,
+            "install: --prefix and --config do not apply on NixOS, where the "
+            "module decides where the program and its configuration live",
+        )
+    _install_data(opts)  # the same checks as elsewhere, before anything is shown
+    snippet = nixos_snippet(opts, nixos_module_path())
+    notes = [
+        "This is NixOS: nothing was written. Add this to the system configuration:",
+        snippet,
+        "Once switched, restart libvirtd so it loads the hook: systemctl restart libvirtd",
+    ]
+    for line in notes:
+        err.write(line + "\n")
+    return reply_ok(installed=[], nixos=True, nixos_module=snippet, notes=notes)
+
+
+def verb_install(
+    args: List[str], config_option: Optional[str], env: Dict[str, str], err: IO[str]
+) -> JsonObj:
+    opts = _install_options(args, config_option)
+    root = os.path.abspath(opts["root"]) if opts["root"] else ""
+    if is_nixos(root):
+        return install_on_nixos(opts, err)
     try:
         account = pwd.getpwnam(opts["user"])
     except KeyError:
         raise AgentError(
             ERR_BAD_REQUEST, f"install: no user {opts['user']!r}"
         ) from None
-    root = os.path.abspath(opts["root"]) if opts["root"] else ""
     config_path = config_path_from(opts["config"], {})
     if not os.path.isabs(config_path):
         raise AgentError(ERR_BAD_REQUEST, "install: --config must be an absolute path")
-    program = os.path.join(opts["prefix"], "bin", "gpu-handoff")
-    data: JsonObj = {
-        "libvirt_uri": opts["uri"],
-        "gpu_node": opts["gpu_node"],
-        "gaming": opts["gaming"],
-        "state_dir": opts["state_dir"],
-    }
-    if opts["detach"]:
-        data["detach"] = opts["detach"]
-    problems = validate_config(data)
-    if problems:
-        raise AgentError(ERR_CONFIG_INVALID, "; ".join(problems))
+    program = os.path.join(opts["prefix"] or DEFAULT_PREFIX, "bin", "gpu-handoff")
+    data = _install_data(opts)
     real_config = _rooted(root, config_path)
     if os.path.exists(real_config) and not opts["force"]:
         raise AgentError(
@@ -3054,10 +3595,7 @@ def verb_install(
         real_hook = _rooted(root, HOOK_PATH)
         os.makedirs(os.path.dirname(real_hook), exist_ok=True)
         with open(real_hook, "w", encoding="utf-8") as handle:
-            handle.write(
-                "#!/bin/sh\n# libvirt qemu hook of gpu-handoff: records, never waits.\n"
-                f'exec {shlex.quote(program)} --config {shlex.quote(config_path)} hook "$@"\n'
-            )
+            handle.write(hook_script(program, config_path))
         os.chmod(real_hook, 0o755)  # noqa: S103 - programs and the state dir are world-readable
         written.append(real_hook)
     except OSError as error:
@@ -3077,10 +3615,7 @@ def verb_install(
         findings = status["findings"]
     else:
         status_error = status["error"]
-    key_line = (
-        f'restrict,command="{program} --config {config_path} serve" '
-        "<public key of Home Assistant>"
-    )
+    key_line = authorized_keys_line(program, config_path, PLACEHOLDER_KEY)
     notes = [
         f"Add this line to ~{opts['user']}/.ssh/authorized_keys:",
         f"  {key_line}",
@@ -3116,7 +3651,9 @@ USAGE = (
     "       job ID, request RID, jobs, watch, session, screenshot DOMAIN,\n"
     "       hook DOMAIN OP SUBOP EXTRA, serve, check-config,\n"
     "       install --user U --gpu-node N --gaming G [--gaming G2]\n"
-    "       [--uri URI] [--prefix DIR] [--state-dir DIR] [--root DIR] [--force]"
+    "       [--uri URI] [--prefix DIR] [--state-dir DIR] [--root DIR] [--force]\n"
+    "       [--timeout-agent S] [--timeout-shutdown S] [--timeout-start S]\n"
+    "       [--detach MODE] (on NixOS: prints the module's settings instead)"
 )
 
 
@@ -3138,9 +3675,13 @@ def _dispatch(
     return run_request(cfg, verb, args, request_id, requested_by), 0
 
 
-def version_reply() -> JsonObj:
-    """The protocol (in every reply), the agent's version and its verbs."""
-    return reply_ok(version=VERSION, verbs=sorted(SERVE_VERBS))
+def version_reply(cfg: Optional[Config] = None) -> JsonObj:
+    """The protocol (in every reply), the agent's version, its verbs and the
+    tower's name. Without a configuration (the command line's ``version``,
+    which answers even when the configuration is broken) the name is the
+    machine's host name, the configuration's default."""
+    host_name = cfg.name if cfg is not None else socket.gethostname()
+    return reply_ok(version=VERSION, verbs=sorted(SERVE_VERBS), host_name=host_name)
 
 
 def _run_verb(

@@ -1,0 +1,354 @@
+"""Partial lending: while someone plays, the GPU node keeps the cards nobody
+plays with.
+
+With the option on, a handoff ends for the player as soon as their VM runs;
+then the GPU node starts again with every free card (a live-only definition on
+the tower: `virsh create` of its own definition without the busy cards), its
+node comes back Ready with that many GPUs, and GPU Handoff's cordon goes. A
+player who stops brings the GPU node back with more. The persistent
+definition never changes. Without the option nothing of this happens
+(tests/test_handoff.py).
+
+Real parts: sshd forcing the real agent, the tower simulator (its `create`
+pinned against real virsh in tests/towersim/test_conformance_create.py), the
+Kubernetes emulator with the kubelet stand-in, which advertises the cards the
+GPU node runs with once its device plugin registers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+import signal
+import subprocess
+import sys
+
+from homeassistant.core import HomeAssistant
+import pytest
+from pytest_homeassistant_custom_component.common import (
+    MockConfigEntry,
+    async_capture_events,
+)
+
+from custom_components.gpu_handoff.const import (
+    CONF_LEND_FREE_CARDS,
+    EVENT_CARDS_RETURNED,
+    EVENT_HANDOFF_STEP,
+    EVENT_HANDOFF_SUCCEEDED,
+    EVENT_RETURN_SUCCEEDED,
+    EVENT_STOP_SUCCEEDED,
+)
+from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.support.sshd import Sshd
+from tests.support.stories import (
+    HANDOFF,
+    SWITCH_1,
+    SWITCH_2,
+    cordoned,
+    idle,
+    setup_entry,
+    switch,
+    until,
+)
+from tests.support.testdriver import AGENT
+from tests.towersim import Tower
+
+GTX_960 = "0000:01:00"
+RTX_1 = "0000:03:00"  # Gaming station 1's
+RTX_2 = "0000:04:00"  # Gaming station 2's
+BOUND = 60.0
+
+
+def _cards(sim: Tower) -> set[str] | None:
+    """The cards the GPU node runs with (None while it is off)."""
+    functions = sim.live_hostdevs("gpu-node")
+    if functions is None:
+        return None
+    return {address.rsplit(".", 1)[0] for address in functions}
+
+
+def _gpus(cluster: K8sEmulator) -> int:
+    node = cluster.get("Node", GPU_NODE, "")
+    return int(node["status"]["allocatable"].get("nvidia.com/gpu", 0))
+
+
+@pytest.fixture
+async def lending(
+    hass: HomeAssistant, entry: MockConfigEntry, sim: Tower, no_pdb: None
+) -> str:
+    """The option on; the GPU node's persistent definition before anything."""
+    hass.config_entries.async_update_entry(
+        entry, options=entry.options | {CONF_LEND_FREE_CARDS: True}
+    )
+    await setup_entry(hass, entry)
+    return sim.defined_xml("gpu-node")
+
+
+async def _serving_with(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    cards: set[str],
+) -> None:
+    """Everything settles with the GPU node serving these cards."""
+    await until(lambda: _cards(sim) == cards, BOUND)
+    await until(lambda: idle(entry) and not entry.runtime_data.controller.requests)
+    await until(lambda: not cordoned(cluster))
+    await until(lambda: _gpus(cluster) == len(cards))
+    await entry.runtime_data.coordinator.async_refresh()
+    await hass.async_block_till_done()
+    await until(lambda: hass.states.get(HANDOFF).state == "serving")
+
+
+def _uses(hass: HomeAssistant) -> dict[str, str]:
+    cards = hass.states.get(HANDOFF).attributes["cards"]
+    return {row["card"]: row["use"] for row in cards}
+
+
+async def test_one_player_leaves_the_cluster_two_cards(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    lending: str,
+) -> None:
+    """Gaming station 1 plays with its RTX 3050; the GPU node serves again
+    with the GTX 960 and the other RTX 3050. The player's handoff succeeded
+    before the GPU node's restart began."""
+    handed = async_capture_events(hass, EVENT_HANDOFF_SUCCEEDED)
+    returned = async_capture_events(hass, EVENT_RETURN_SUCCEEDED)
+    cards_back = async_capture_events(hass, EVENT_CARDS_RETURNED)
+    steps = async_capture_events(hass, EVENT_HANDOFF_STEP)
+
+    await switch(hass, "turn_on", SWITCH_1)
+    await until(lambda: bool(handed), BOUND)
+    assert sim.is_running("gaming-1")
+    assert not returned  # the player did not wait for the GPU node
+    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_2})
+
+    assert len(returned) == len(cards_back) == 1
+    assert handed[0].time_fired < returned[0].time_fired
+    assert sim.runs_live_definition("gpu-node")
+    assert sim.defined_xml("gpu-node") == lending
+    assert len(sim.calls("shutdown", "gpu-node")) == 1
+    assert len(sim.calls("create")) == 1
+    assert _uses(hass) == {GTX_960: "cluster", RTX_1: "player", RTX_2: "cluster"}
+    assert hass.states.get(SWITCH_1).state == "on"
+    # The restart shows as the GPU node's return, step by step.
+    return_steps = [e.data["step"] for e in steps if e.data["kind"] == "return"]
+    assert "starting_gpu_node" in return_steps
+    assert return_steps[-1] == "uncordoning"
+    assert entry.runtime_data.controller.last_error == {}
+
+
+async def test_two_players_leave_the_gtx_960_and_cost_one_restart(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    lending: str,
+) -> None:
+    """Both players at once: the second request waits behind the first, so
+    the GPU node restarts once, after both, with the GTX 960 alone."""
+    await hass.services.async_call(
+        "switch", "turn_on", {"entity_id": [SWITCH_1, SWITCH_2]}, blocking=True
+    )
+    await until(lambda: sim.is_running("gaming-1") and sim.is_running("gaming-2"))
+    await _serving_with(hass, entry, sim, cluster, {GTX_960})
+    assert len(sim.calls("shutdown", "gpu-node")) == 1
+    assert len(sim.calls("create")) == 1
+    assert sim.defined_xml("gpu-node") == lending
+    assert _uses(hass) == {GTX_960: "cluster", RTX_1: "player", RTX_2: "player"}
+
+
+async def test_players_stopping_one_then_the_other(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    lending: str,
+) -> None:
+    """Each player who stops brings the GPU node back with one more card;
+    the last one with every card, from its own definition."""
+    stopped = async_capture_events(hass, EVENT_STOP_SUCCEEDED)
+    await hass.services.async_call(
+        "switch", "turn_on", {"entity_id": [SWITCH_1, SWITCH_2]}, blocking=True
+    )
+    await _serving_with(hass, entry, sim, cluster, {GTX_960})
+
+    await switch(hass, "turn_off", SWITCH_1)
+    await until(lambda: not sim.is_running("gaming-1"), BOUND)
+    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1})
+    assert sim.runs_live_definition("gpu-node")
+
+    await switch(hass, "turn_off", SWITCH_2)
+    await until(lambda: not sim.is_running("gaming-2"), BOUND)
+    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
+    assert not sim.runs_live_definition("gpu-node")  # a plain start
+    assert sim.defined_xml("gpu-node") == lending
+    assert [e.data["vm"] for e in stopped] == ["gaming-1", "gaming-2"]
+    assert sim.destroy_attempts() == []
+
+
+async def test_a_stop_while_the_gpu_node_restarts(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    lending: str,
+) -> None:
+    """The player quits while the GPU node is still coming back with two
+    cards: the stop waits its turn, then the GPU node comes back with all."""
+    controller = entry.runtime_data.controller
+    await switch(hass, "turn_on", SWITCH_1)
+    await until(
+        lambda: (
+            controller.operation is not None and controller.operation.kind == "return"
+        ),
+        BOUND,
+    )
+    await switch(hass, "turn_off", SWITCH_1)
+    assert controller.requests.get("gaming-1") == "stop"
+    await until(lambda: not sim.is_running("gaming-1"), BOUND)
+    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
+    assert sim.defined_xml("gpu-node") == lending
+
+
+async def test_a_restart_while_the_gpu_node_restarts_with_fewer_cards(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    lending: str,
+) -> None:
+    """Home Assistant stops while the GPU node's lending restart runs (its
+    tower job stored); after the restart the same job is followed to its
+    end and the GPU node serves with two cards, started once."""
+    controller = entry.runtime_data.controller
+    await switch(hass, "turn_on", SWITCH_1)
+    await until(
+        lambda: (
+            (controller.pending or {}).get("kind") == "return"
+            and (controller.pending or {}).get("job") is not None
+            and (controller.pending["job"] or {}).get("job_id") is not None
+        ),
+        BOUND,
+    )
+    assert await hass.config_entries.async_unload(entry.entry_id)
+    await hass.async_block_till_done()
+    await setup_entry(hass, entry)
+    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_2})
+    assert len(sim.calls("create")) == 1
+    assert sim.defined_xml("gpu-node") == lending
+
+
+async def test_an_ssh_cut_while_the_gpu_node_restarts(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    sim_sshd: Sshd,
+    lending: str,
+) -> None:
+    """Every SSH connection is cut while the lending job runs: the job goes
+    on on the tower and is followed again once Home Assistant reconnects."""
+    controller = entry.runtime_data.controller
+    await switch(hass, "turn_on", SWITCH_1)
+    await until(
+        lambda: (
+            (controller.pending or {}).get("kind") == "return"
+            and ((controller.pending or {}).get("job") or {}).get("job_id") is not None
+        ),
+        BOUND,
+    )
+    sim_sshd.cut_connections()
+    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_2})
+    assert len(sim.calls("create")) == 1
+
+
+def _lent_gpu_node(sim: Tower) -> None:
+    """Gaming station 1 plays; the GPU node runs with the other two cards
+    from a live-only definition, as after a lending handoff."""
+    sim.guest_shutdown("gpu-node")
+    sim.wait_until(lambda: not sim.is_running("gpu-node"), timeout=30, what="off")
+    subprocess.run(
+        [str(sim.virsh), "-c", sim.uri, "start", "--domain", "gaming-1"],
+        check=True,
+        capture_output=True,
+    )
+    sim.start_live(
+        "gpu-node",
+        [f"{card}.{fn}" for card in (GTX_960, RTX_2) for fn in (0, 1)],
+    )
+
+
+@pytest.mark.parametrize("moment", ["waiting_for_guest_agent", "shut_down", "created"])
+def test_an_agent_killed_mid_lend_leaves_the_definition(
+    sim: Tower, agent_config: Path, moment: str
+) -> None:
+    """A lend job's runner killed (SIGKILL) while it waits for the guest
+    agent, after it asked for the shutdown, and after its `virsh create`:
+    each time the GPU node's persistent definition is byte for byte what it
+    was, and a plain start gives it every card again. (The agent never
+    writes that definition: the reduced set exists only as the running
+    domain's live definition.)"""
+    _lent_gpu_node(sim)
+    before = sim.defined_xml("gpu-node")
+    full = sorted(sim.defined_hostdevs("gpu-node"))
+    if moment == "waiting_for_guest_agent":
+        sim.set_agent_delay("gpu-node", None)  # the guest agent never answers
+    else:
+        sim.set_shutdown_duration("gpu-node", 1000.0)  # 10 s here
+    cfg = agent.load_config(str(agent_config), {"PATH": "/usr/bin:/bin"})
+    job_id = str(agent.create_job(cfg, "lend", None, "cli")["id"])
+    runner = subprocess.Popen(
+        [sys.executable, str(AGENT), "--config", str(agent_config), "run-job", job_id],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        if moment == "waiting_for_guest_agent":
+            sim.wait_until(
+                lambda: len(sim.calls("qemu-agent-command", "gpu-node")) >= 2,
+                timeout=BOUND,
+                what="the moment",
+            )
+        elif moment == "shut_down":
+            sim.wait_until(
+                lambda: bool(sim.calls("shutdown", "gpu-node")),
+                timeout=BOUND,
+                what="the moment",
+            )
+        else:
+            sim.set_shutdown_duration("gpu-node", 1.0)
+            sim.wait_until(
+                lambda: bool(sim.calls("create")), timeout=BOUND, what="the moment"
+            )
+    finally:
+        runner.send_signal(signal.SIGKILL)
+        runner.wait()
+    assert sim.defined_xml("gpu-node") == before
+    if sim.is_running("gpu-node"):
+        if moment == "waiting_for_guest_agent":
+            sim.set_agent_delay("gpu-node", 0.0)
+        sim.set_shutdown_duration("gpu-node", 1.0)
+        sim.guest_shutdown("gpu-node")
+        sim.wait_until(
+            lambda: not sim.is_running("gpu-node"), timeout=BOUND, what="the moment"
+        )
+    subprocess.run(
+        [str(sim.virsh), "-c", sim.uri, "shutdown", "--domain", "gaming-1"],
+        check=True,
+        capture_output=True,
+    )
+    sim.wait_until(
+        lambda: not sim.is_running("gaming-1"), timeout=BOUND, what="the moment"
+    )
+    subprocess.run(
+        [str(sim.virsh), "-c", sim.uri, "start", "--domain", "gpu-node"],
+        check=True,
+        capture_output=True,
+    )
+    assert sorted(sim.live_hostdevs("gpu-node") or []) == full
+    assert sim.defined_xml("gpu-node") == before
