@@ -1,11 +1,16 @@
 """The demo, end to end: Home Assistant as its own process, onboarded and set
 up through its REST API, hands the cards over and back (guests 100x faster);
-two towers side by side; Ctrl-C with its output piped into a reader that
-Ctrl-C stops too; a browser screenshot. And the demo's parts that decide what
-a user sees: the kubelet stand-in, the log check, the page text check."""
+with the lending option set through the options flow, the GPU node serves the
+free cards while a station plays; the simulator's ghost switch raises the GPU
+node's Health problem and heals it; two towers side by side; Ctrl-C with its
+output piped into a reader that Ctrl-C stops too; a browser screenshot. And
+the demo's parts that decide what a user sees: the kubelet stand-in, the
+ghost it plays in the cluster emulator (judged by the integration with its
+real bound), the log check, the page text check."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -13,27 +18,44 @@ import re
 import select
 import shutil
 import signal
+import sqlite3
 import struct
 import subprocess
 import sys
 import time
 from typing import Any
 
+from homeassistant.core import HomeAssistant
 import pytest
+from pytest_homeassistant_custom_component.common import MockConfigEntry
 import yaml
 
+from custom_components.gpu_handoff.const import DOMAIN
+from custom_components.gpu_handoff.health import CONTAINERS_NOT_STARTING, NO_PROBLEM
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from scripts.gpu_handoff_demo import ghost
+from scripts.gpu_handoff_demo.cluster import seed
 from scripts.gpu_handoff_demo.demo import SCREEN
 from scripts.gpu_handoff_demo.home_assistant import log_problems
 from scripts.gpu_handoff_demo.screenshot import find_browser, text_problems
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.kubelet import Kubelet
 from tests.support.sshd import sshd_available
+from tests.support.stories import setup_entry
 from tests.towersim import Tower
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = [sys.executable, "-m", "scripts.gpu_handoff_demo"]
 SUMMARY = re.compile(r"^demo: handoff \d+\.\d s, return \d+\.\d s: ok$", re.MULTILINE)
+LENDING = re.compile(
+    r"^demo: handoff \d+\.\d s, GPU node serving 2 cards \d+\.\d s, "
+    r"return \d+\.\d s: ok$",
+    re.MULTILINE,
+)
+GHOST = re.compile(
+    r"^demo: ghost GPU node: Health problem \d+\.\d s, cleared \d+\.\d s: ok$",
+    re.MULTILINE,
+)
 CLEAN_LOG = "demo: Home Assistant's log: no errors, no tracebacks"
 STRINGS = json.loads(
     (REPO / "custom_components" / "gpu_handoff" / "strings.json").read_text("utf-8")
@@ -70,6 +92,41 @@ def _store(config: Path, key: str) -> Any:
     return json.loads((config / ".storage" / key).read_text("utf-8"))["data"]
 
 
+def _entity_id(config: Path, platform: str, translation_key: str | None) -> str:
+    """The one entity of ``platform`` with ``translation_key``, from the
+    kept entity registry."""
+    (found,) = [
+        e["entity_id"]
+        for e in _store(config, "core.entity_registry")["entities"]
+        if e["platform"] == platform and e.get("translation_key") == translation_key
+    ]
+    return str(found)
+
+
+def _history(config: Path, entity_id: str) -> list[tuple[str, dict[str, Any], float]]:
+    """What Home Assistant's recorder kept of ``entity_id``: each state with
+    its attributes and when, in order."""
+    with contextlib.closing(
+        sqlite3.connect(config / "home-assistant_v2.db")
+    ) as database:
+        rows = database.execute(
+            "SELECT states.state, state_attributes.shared_attrs, "
+            "states.last_updated_ts FROM states "
+            "JOIN states_meta ON states.metadata_id = states_meta.metadata_id "
+            "LEFT JOIN state_attributes "
+            "ON states.attributes_id = state_attributes.attributes_id "
+            "WHERE states_meta.entity_id = ? ORDER BY states.state_id",
+            (entity_id,),
+        ).fetchall()
+    return [(state, json.loads(attrs or "{}"), moment) for state, attrs, moment in rows]
+
+
+def _changes(history: list[tuple[str, dict[str, Any], float]]) -> list[str]:
+    """The states one after the other, repeats left out."""
+    states = [state for state, _, _ in history]
+    return [s for i, s in enumerate(states) if i == 0 or states[i - 1] != s]
+
+
 def test_scripted_demo() -> None:
     """``--scripted --fast`` exits 0 with its summary line, after a run in which
     Home Assistant logged no error and no traceback, showed no repair and
@@ -81,6 +138,74 @@ def test_scripted_demo() -> None:
     assert CLEAN_LOG in result.stdout, output
     assert result.stdout.rstrip().endswith("demo: stopped"), output
     assert not _work_dir(result.stdout).exists()
+
+
+def test_lending_demo() -> None:
+    """``--lend``: the option is turned on through the options flow; Gaming
+    station 1's handoff ends with the GPU node serving the two cards nobody
+    plays with (Home Assistant recorded it lending 2), and turning the
+    station off brings all three back."""
+    result = _demo("--scripted", "--fast", "--lend", "--keep")
+    output = result.stdout + result.stderr
+    work = _work_dir(result.stdout)
+    try:
+        assert result.returncode == 0, output
+        assert LENDING.search(result.stdout), output
+        assert CLEAN_LOG in result.stdout, output
+        config = work / "home-assistant"
+        (entry,) = [
+            e
+            for e in _store(config, "core.config_entries")["entries"]
+            if e["domain"] == DOMAIN
+        ]
+        assert entry["options"]["lend_free_cards"] is True
+        # The flow kept what the user did not change.
+        assert entry["options"]["drain_timeout"] == 300
+        lent = _changes(_history(config, _entity_id(config, DOMAIN, "gpus_lent")))
+        assert lent[0] == "3"
+        assert lent[-1] == "3"
+        # While the station played, the GPU node came back with two cards.
+        assert "2" in lent, lent
+        handoff = _changes(
+            _history(config, _entity_id(config, DOMAIN, "handoff_state"))
+        )
+        assert handoff.count("serving") >= 3, handoff
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_ghost_switch_demo() -> None:
+    """``--scripted --ghost``: the simulator's "Play a ghost GPU node" switch,
+    a toggle helper on the dashboard, turned on and off through Home
+    Assistant: the GPU node's Health shows the problem (containers do not
+    start) while it is on, with its Kubernetes node Ready throughout, and
+    clears once it is off; the handoff and return work afterwards."""
+    result = _demo("--scripted", "--fast", "--ghost", "--keep")
+    output = result.stdout + result.stderr
+    work = _work_dir(result.stdout)
+    try:
+        assert result.returncode == 0, output
+        assert GHOST.search(result.stdout), output
+        assert SUMMARY.search(result.stdout), output
+        assert CLEAN_LOG in result.stdout, output
+        config = work / "home-assistant"
+        (toggle,) = _store(config, "input_boolean")["items"]
+        assert toggle["name"] == "Play a ghost GPU node"
+        switch = _changes(_history(config, _entity_id(config, "input_boolean", None)))
+        assert switch == ["off", "on", "off"]
+        health = _history(config, _entity_id(config, DOMAIN, "node_health"))
+        assert _changes(health) == ["off", "on", "off"]
+        on = [state for state, _, _ in health].index("on")
+        _, problem, raised = health[on]
+        assert problem["reason"] == CONTAINERS_NOT_STARTING
+        assert set(problem["pods_not_starting"]) == _seeded_pods()
+        assert health[-1][1]["reason"] == NO_PROBLEM
+        # A ghost is Ready: the Kubernetes node was Ready when the problem
+        # showed (it went off only with the handoff that followed).
+        ready = _history(config, _entity_id(config, DOMAIN, "node_ready"))
+        assert [state for state, _, moment in ready if moment <= raised][-1] == "on"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_two_towers_side_by_side() -> None:
@@ -104,6 +229,16 @@ def test_two_towers_side_by_side() -> None:
         _check_kept(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _seeded_pods() -> set[str]:
+    """The pods the demo's cluster has on tower 1's GPU node."""
+    emu = K8sEmulator()
+    seed(emu, 1)
+    return {
+        f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        for pod in ghost.pods_on(emu, GPU_NODE)
+    }
 
 
 def _check_kept(work: Path) -> None:
@@ -153,30 +288,62 @@ def _check_kept(work: Path) -> None:
     _check_dashboard(_store(config, "lovelace.gpu_handoff")["config"], by_id)
 
 
+def _cards(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every card, those a conditional card holds too."""
+    found = []
+    for view in dashboard["views"]:
+        for section in view["sections"]:
+            for card in section["cards"]:
+                found.append(card)
+                if card["type"] == "conditional":
+                    found.append(card["card"])
+    return found
+
+
 def _check_dashboard(
     dashboard: dict[str, Any], registry: dict[str, dict[str, Any]]
 ) -> None:
-    """Every row is one of the integration's entities; an attribute row only
-    shows an attribute whose values the integration translates."""
+    """Every row is one of the integration's entities or the simulator's ghost
+    switch; an attribute row only shows an attribute whose values the
+    integration translates; every GPU node card shows its Health; every VM's
+    screen is shown, while it is not unavailable."""
+    cards = _cards(dashboard)
     rows = [
-        row
-        for view in dashboard["views"]
-        for section in view["sections"]
-        for card in section["cards"]
+        row.get("row", row)  # a conditional row holds the row it shows
+        for card in cards
         for row in card.get("entities", [])
     ]
     assert rows
-    switches = set()
+    switches, ghosts, health = set(), set(), set()
     for row in rows:
         entity = registry[row["entity"]]
-        assert entity["platform"] == "gpu_handoff"
         platform = row["entity"].split(".")[0]
+        if entity["platform"] == "input_boolean":
+            ghosts.add(row["entity"])
+            continue
+        assert entity["platform"] == "gpu_handoff"
         if platform == "switch":
             switches.add(row["entity"])
+        if entity["translation_key"] == "node_health":
+            health.add(row["entity"])
         if row.get("type") == "attribute":
             translations = STRINGS["entity"][platform][entity["translation_key"]]
             assert translations["state_attributes"][row["attribute"]]["state"]
     assert len(switches) == 4
+    assert len(ghosts) == 2
+    assert len(health) == 2
+    screens = [card["entity"] for card in cards if card["type"] == "picture-entity"]
+    assert {registry[s]["translation_key"] for s in screens} == {"screen"}
+    assert len(set(screens)) == 6  # three VMs a tower
+    shown_while = {
+        card["card"]["entity"]: card["conditions"]
+        for card in cards
+        if card["type"] == "conditional"
+    }
+    for screen in screens:
+        assert shown_while[screen] == [
+            {"condition": "state", "entity": screen, "state_not": "unavailable"}
+        ]
 
 
 def test_ctrl_c_with_the_reader_of_its_output_gone() -> None:
@@ -308,3 +475,58 @@ async def test_kubelet_follows_the_vm_and_brings_workloads_back(
     sim.advance(60)
     kubelet.step()
     assert not cluster.node_is_up(GPU_NODE)
+
+
+def _health(hass: HomeAssistant) -> tuple[str, str, list[str]]:
+    state = hass.states.get("binary_sensor.gpu_node_health")
+    assert state is not None
+    return (
+        state.state,
+        state.attributes["reason"],
+        state.attributes["pods_not_starting"],
+    )
+
+
+async def _refresh(hass: HomeAssistant, entry: MockConfigEntry) -> None:
+    await entry.runtime_data.coordinator.async_refresh()
+    await hass.async_block_till_done()
+
+
+async def test_the_ghost_is_seen_at_the_next_refresh(
+    hass: HomeAssistant, entry: MockConfigEntry, cluster: K8sEmulator
+) -> None:
+    """What the ghost switch does to the cluster, judged by the integration
+    with its real five-minute bound: one refresh after the node turns ghost,
+    its Health shows the problem with every pod on it, while the node stays
+    Ready; a pod that arrives meanwhile waits too (too recent to be named);
+    healed, the problem clears at the next refresh."""
+    await setup_entry(hass, entry)
+    assert _health(hass)[:2] == ("off", NO_PROBLEM)
+    pods = {
+        f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        for pod in ghost.pods_on(cluster, GPU_NODE)
+    }
+    assert ghost.haunt(cluster, GPU_NODE) == len(pods)
+    await _refresh(hass, entry)
+    state, reason, stuck = _health(hass)
+    assert (state, reason) == ("on", CONTAINERS_NOT_STARTING)
+    assert set(stuck) == pods
+    assert hass.states.get("binary_sensor.gpu_node_kubernetes_node").state == "on"
+    assert cluster.node_is_up(GPU_NODE)
+
+    cluster.add_pod("late", "ai", node=GPU_NODE)
+    assert ghost.keep_haunted(cluster, GPU_NODE) == 1
+    assert ghost.keep_haunted(cluster, GPU_NODE) == 0
+    late = cluster.get("Pod", "late", "ai")
+    assert ghost.waiting(late)
+    assert late["status"]["containerStatuses"][0]["state"] == {
+        "waiting": {"reason": "ContainerCreating"}
+    }
+    await _refresh(hass, entry)
+    assert _health(hass)[0] == "on"
+    assert set(_health(hass)[2]) == pods
+
+    assert ghost.heal(cluster, GPU_NODE) == len(pods) + 1
+    assert not any(ghost.waiting(pod) for pod in ghost.pods_on(cluster, GPU_NODE))
+    await _refresh(hass, entry)
+    assert _health(hass) == ("off", NO_PROBLEM, [])

@@ -6,13 +6,16 @@ import asyncio
 import sys
 
 from . import __doc__ as overview
-from .demo import main_async, parser
+from .demo import check, main_async, parser
 
 
 def main() -> int:
     """Entry point."""
     description = (overview or "").split("\n\n")[0]
-    return asyncio.run(main_async(parser(description).parse_args()))
+    arguments = parser(description)
+    args = arguments.parse_args()
+    check(arguments, args)
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

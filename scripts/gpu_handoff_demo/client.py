@@ -21,6 +21,7 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
     EVENT_RETURN_SUCCEEDED,
+    EVENT_RETURN_UNHEALTHY,
     EVENT_STOP_SUCCEEDED,
 )
 
@@ -38,6 +39,7 @@ EVENTS = (
     EVENT_RETURN_SUCCEEDED,
     EVENT_HANDOFF_FAILED,
     EVENT_CARDS_RETURNED,
+    EVENT_RETURN_UNHEALTHY,
 )
 USERNAME = "demo"
 WAIT = 300.0  # seconds any single wait may take at most
@@ -175,6 +177,64 @@ class HomeAssistantClient:
             raise DemoError(f"config flow aborted: {result.get('reason')}")
         return result
 
+    async def options_flow(self, entry_id: str, changes: dict[str, Any]) -> None:
+        """Change an entry's options through its options flow, as the
+        integration's Configure dialog does (the form opens with the current
+        values filled in, the user changes some and submits); return once
+        the entry has been reloaded with them."""
+        async with self.session.ws_connect(f"{self.base}/api/websocket") as ws:
+            await self._authenticate(ws)
+            await ws.send_json({"id": 1, "type": "config_entries/subscribe"})
+            form = await self.request(
+                "POST",
+                "/api/config/config_entries/options/flow",
+                {"handler": entry_id, "show_advanced_options": False},
+            )
+            if form.get("type") != "form":
+                raise DemoError(f"the options flow did not open a form: {form}")
+            fields = {field["name"]: field for field in form["data_schema"]}
+            unknown = set(changes) - set(fields)
+            if unknown:
+                raise DemoError(f"the options form has no {sorted(unknown)}")
+            values: dict[str, Any] = {}
+            for name, field in fields.items():
+                shown = (field.get("description") or {}).get("suggested_value")
+                if shown is None:
+                    shown = field.get("default")
+                if shown is not None:
+                    values[name] = shown
+            result = await self.request(
+                "POST",
+                f"/api/config/config_entries/options/flow/{form['flow_id']}",
+                values | changes,
+            )
+            if result.get("type") != "create_entry":
+                raise DemoError(f"the options flow did not finish: {result}")
+            async with asyncio.timeout(WAIT):
+                await _reloaded(ws, entry_id)
+
+    async def create_toggle(self, name: str, icon: str) -> str:
+        """A toggle helper (``input_boolean``), created as Settings > Helpers
+        creates one; its entity id, as the entity registry has it."""
+        item = await self.websocket(
+            {"type": "input_boolean/create", "name": name, "icon": icon}
+        )
+        found: list[str] = []
+
+        async def registered() -> bool:
+            found[:] = [
+                str(entity["entity_id"])
+                for entity in await self.websocket(
+                    {"type": "config/entity_registry/list"}
+                )
+                if entity["platform"] == "input_boolean"
+                and entity.get("unique_id") == item["id"]
+            ]
+            return bool(found)
+
+        await until(registered, 30, f"the toggle {name!r} to have an entity")
+        return found[0]
+
     async def state(self, entity_id: str) -> dict[str, Any] | None:
         """An entity's state object, or None."""
         result: dict[str, Any] | None = await self.request(
@@ -255,6 +315,32 @@ class HomeAssistantClient:
                     f"event {event['event_type']}: {name}"
                     + (f" {extra}" if extra else "")
                 )
+
+
+async def _reloaded(ws: aiohttp.ClientWebSocketResponse, entry_id: str) -> None:
+    """Follow ``config_entries/subscribe`` until the entry has left the loaded
+    state and is loaded again."""
+    left = False
+    async for message in ws:
+        if message.type != aiohttp.WSMsgType.TEXT:
+            break
+        data = json.loads(message.data)
+        if data.get("type") == "result" and not data.get("success"):
+            raise DemoError(f"config_entries/subscribe: {data.get('error')}")
+        if data.get("type") != "event":
+            continue
+        for change in data["event"]:
+            entry = change["entry"]
+            if entry["entry_id"] != entry_id:
+                continue
+            state = entry["state"]
+            if state in ("setup_error", "setup_retry", "failed_unload"):
+                raise DemoError(f"the integration did not load again: {state}")
+            if state != "loaded":
+                left = True
+            elif left:
+                return
+    raise DemoError("Home Assistant closed the websocket")
 
 
 async def add_tower(ha: HomeAssistantClient, tower: DemoTower, kubeconfig: str) -> str:

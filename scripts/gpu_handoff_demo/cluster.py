@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.k8semu import GPU_NODE, K8sEmulator, seed_demo
+from tests.k8semu import GPU, GPU_NODE, K8sEmulator, seed_demo
 
 PRODUCT = "NVIDIA-GeForce-RTX-3050"
 
@@ -80,3 +80,14 @@ def cordoned(emu: K8sEmulator, node: str) -> bool:
     """Whether ``node`` is cordoned."""
     obj = emu.get("Node", node, "")
     return bool(obj and obj["spec"].get("unschedulable"))
+
+
+def gpus_requested(emu: K8sEmulator, node: str) -> int:
+    """The GPUs the pods on ``node`` request (not those being deleted)."""
+    return sum(
+        int(container.get("resources", {}).get("requests", {}).get(GPU, 0))
+        for pod in emu.list_objects("Pod")
+        if pod["spec"].get("nodeName") == node
+        and not pod["metadata"].get("deletionTimestamp")
+        for container in pod["spec"]["containers"]
+    )

@@ -1,11 +1,15 @@
 """The demo's Lovelace dashboard: for every tower, its gaming switches, its GPU
-node and which VM holds each card.
+node with its health, which VM holds each card, the VMs' screens, and the
+simulator's ghost switch.
 
 Rows are the integration's own entities, so Home Assistant shows their
-translated names and states; only the step a switch is at and the tower job
-(state attributes, also translated) are attribute rows. Entities are found
-in the entity and device registries by what they are (their device and
-translation key), not by guessed entity ids.
+translated names and states; only the step a switch is at, the tower job and
+the reason of a health problem (state attributes, also translated) are
+attribute rows. A VM's screen shows while the VM runs (an off VM has none:
+its Screen entity is unavailable then). Entities are found in the entity and
+device registries by what they are (their device and translation key), not
+by guessed entity ids. The ghost switch is the demo's own (a toggle helper,
+``ghost.py``), in a card of its own under the cards.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 from custom_components.gpu_handoff.const import DOMAIN
 from custom_components.gpu_handoff.models import domain_identifier, tower_identifier
 
+from .ghost import help_text
 from .output import DemoError
 from .towers import CARDS, DemoTower
 
@@ -37,6 +42,9 @@ class TowerEntities:
     gpus_lent: str
     gpus_in_use: str
     pods_left: str
+    health: str
+    screens: dict[str, str]  # VM (the GPU node first) -> its Screen
+    ghost: str = ""  # the simulator's ghost switch (a toggle helper)
 
 
 def find_entities(
@@ -78,6 +86,9 @@ def find_entities(
         gpus_lent=entity(device(tower_identifier(entry)), "gpus_lent"),
         gpus_in_use=entity(node, "gpus_in_use"),
         pods_left=entity(node, "pods_left"),
+        health=entity(node, "node_health"),
+        screens={tower.gpu_node: entity(node, "screen")}
+        | {vm: entity(d, "screen") for vm, d in vms.items()},
     )
 
 
@@ -118,6 +129,20 @@ def _gpu_node_card(found: TowerEntities) -> dict[str, Any]:
                 "name": "Tower job",
             },
             {"entity": found.node_ready},
+            {"entity": found.health},
+            # Why, while there is a problem.
+            {
+                "type": "conditional",
+                "conditions": [
+                    {"condition": "state", "entity": found.health, "state": "on"}
+                ],
+                "row": {
+                    "type": "attribute",
+                    "entity": found.health,
+                    "attribute": "reason",
+                    "name": "Reason",
+                },
+            },
             {"entity": found.cordoned},
             {"entity": found.gpus_lent},
             {"entity": found.gpus_in_use},
@@ -144,15 +169,54 @@ def _cards_card(found: TowerEntities) -> dict[str, Any]:
     return {"type": "markdown", "title": "Cards", "content": content}
 
 
+def _screen_card(found: TowerEntities, vm: str) -> dict[str, Any]:
+    """The VM's screen, while it runs (the picture is fetched from the tower
+    when the card shows it)."""
+    screen = found.screens[vm]
+    return {
+        "type": "conditional",
+        "conditions": [
+            {"condition": "state", "entity": screen, "state_not": "unavailable"}
+        ],
+        "card": {
+            "type": "picture-entity",
+            "entity": screen,
+            "show_name": True,
+            "show_state": False,
+        },
+    }
+
+
+def _simulator_card(found: TowerEntities) -> dict[str, Any]:
+    """The demo's ghost switch, and what it does."""
+    return {
+        "type": "entities",
+        "title": "Simulator",
+        "show_header_toggle": False,
+        "entities": [{"entity": found.ghost}],
+    }
+
+
+def _simulator_help() -> dict[str, Any]:
+    return {"type": "markdown", "content": help_text()}
+
+
+def _columns(found: TowerEntities) -> list[list[dict[str, Any]]]:
+    """The tower's cards in three columns: the players with their screens,
+    the GPU node with its screen, the cards and the simulator."""
+    tower = found.tower
+    return [
+        [_play_card(found), *(_screen_card(found, vm) for vm in tower.gaming)],
+        [_gpu_node_card(found), _screen_card(found, tower.gpu_node)],
+        [_cards_card(found), _simulator_card(found), _simulator_help()],
+    ]
+
+
 def dashboard(towers: list[TowerEntities]) -> dict[str, Any]:
     """The Lovelace configuration: a sections view, one section per tower (with
-    one tower: one section per card)."""
+    one tower: one section per column of cards)."""
     if len(towers) == 1:
-        found = towers[0]
-        sections = [
-            {"type": "grid", "cards": [card]}
-            for card in (_play_card(found), _gpu_node_card(found), _cards_card(found))
-        ]
+        sections = [{"type": "grid", "cards": cards} for cards in _columns(towers[0])]
     else:
         sections = [
             {
@@ -164,9 +228,7 @@ def dashboard(towers: list[TowerEntities]) -> dict[str, Any]:
                         "heading_style": "title",
                         "icon": "mdi:desktop-tower",
                     },
-                    _play_card(found),
-                    _gpu_node_card(found),
-                    _cards_card(found),
+                    *(card for cards in _columns(found) for card in cards),
                 ],
             }
             for found in towers

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 from pathlib import Path
 import secrets
 import shutil
@@ -20,9 +21,18 @@ from homeassistant.util.package import is_docker_env, is_virtual_env
 import yaml
 
 from custom_components.gpu_handoff.const import (
+    CONF_LEND_FREE_CARDS,
+    DOMAIN,
     EVENT_CARDS_RETURNED,
     EVENT_HANDOFF_FAILED,
     EVENT_HANDOFF_SUCCEEDED,
+    EVENT_RETURN_UNHEALTHY,
+)
+from custom_components.gpu_handoff.coordinator import ISSUE_NODE_HEALTH
+from custom_components.gpu_handoff.health import (
+    CONTAINERS_NOT_STARTING,
+    NO_PROBLEM,
+    STUCK_BOUND,
 )
 from tests.k8semu import K8sEmulator
 from tests.support.kubelet import Kubelet
@@ -30,13 +40,14 @@ from tests.support.sshd import sshd_available
 
 from . import home_assistant, screenshot
 from .client import USERNAME, WAIT, HomeAssistantClient, add_tower, until
-from .cluster import cordoned, seed
+from .cluster import cordoned, gpus_requested, seed
 from .dashboard import URL_PATH, VIEW_PATH, TowerEntities, dashboard, find_entities
+from .ghost import BACKDATE, GhostSwitch, switch_name
 from .home_assistant import HOST
 from .output import DemoError, before_stop_lines, keep_transcript, log, say
 from .packages import REQUIREMENTS_DEMO, frontend_packages
 from .places import new_run_dir, reachable, shown
-from .towers import DemoTower, start_tower
+from .towers import CARDS, DemoTower, start_tower
 
 # Home Assistant's notices that this installation method (Home Assistant Core
 # in a Python virtual environment) is unsupported: true, and no concern of a
@@ -44,7 +55,9 @@ from .towers import DemoTower, start_tower
 INSTALLATION_NOTICES = ("deprecated_method", "deprecated_method_architecture")
 # The browser window for a screenshot (width, height) by towers: one tower's
 # cards side by side; with more, a column of cards per tower.
-SCREEN = {1: (1400, 620), 2: (1400, 1220)}
+SCREEN = {1: (1400, 900), 2: (1400, 1850)}
+# What goes wrong in a handoff or a return, by its event.
+FAILURES = (EVENT_HANDOFF_FAILED, EVENT_RETURN_UNHEALTHY)
 
 
 def free_port() -> int:
@@ -86,6 +99,7 @@ class Demo:
         self.session: aiohttp.ClientSession | None = None
         self.ha: HomeAssistantClient | None = None
         self.entities: list[TowerEntities] = []
+        self.ghosts: list[GhostSwitch] = []
         self.password = secrets.token_urlsafe(12)
 
     @property
@@ -145,8 +159,16 @@ class Demo:
             tower.entry_id = await add_tower(ha, tower, kubeconfig)
             for vm, title in tower.titles.items():
                 self.vm_names[f"{tower.entry_id}:{vm}"] = title
-            self.entities.append(await self._wait_loaded(tower))
+            found = await self._wait_loaded(tower)
             log(f"{tower.name}: GPU Handoff is loaded, the GPU node serves the cluster")
+            if self.args.lend:
+                await ha.options_flow(tower.entry_id, {CONF_LEND_FREE_CARDS: True})
+                found = await self._wait_loaded(tower)
+                log(
+                    f'{tower.name}: options: "Keep lending the free cards while '
+                    'someone plays" on; reloaded, the GPU node serves'
+                )
+            self.entities.append(await self._add_ghost_switch(found))
         await ha.wait_running()
         await self._ignore_installation_notice()
         await self._save_dashboard()
@@ -182,6 +204,19 @@ class Demo:
         )
         kubelet.start()
         self.kubelets.append(kubelet)
+
+    async def _add_ghost_switch(self, found: TowerEntities) -> TowerEntities:
+        """The tower's "Play a ghost GPU node" switch, created as a toggle
+        helper and followed from now on."""
+        ha, emu, tower = self.ha, self.emu, found.tower
+        if ha is None or emu is None:
+            raise DemoError("the demo is not started")
+        toggle = await ha.create_toggle(switch_name(tower), "mdi:ghost")
+        ghost = GhostSwitch(ha, emu, tower, toggle=toggle, health=found.health)
+        ghost.start()
+        self.ghosts.append(ghost)
+        log(f'{tower.name}: simulator switch "{switch_name(tower)}" ({toggle})')
+        return dataclasses.replace(found, ghost=toggle)
 
     async def _wait_loaded(self, tower: DemoTower) -> TowerEntities:
         """Until the tower's entry is loaded and its GPU node serves; its entities."""
@@ -264,14 +299,19 @@ class Demo:
         )
         log("dashboard saved")
 
-    async def health(self) -> list[str]:
-        """What a user would see as wrong: repairs, integrations not loaded."""
+    async def health(self, *, ghosts: bool = False) -> list[str]:
+        """What a user would see as wrong: repairs (but, with ``ghosts``, the
+        GPU nodes' health repairs a ghost raises), integrations not loaded."""
         ha = self.ha
         if ha is None:
             return ["Home Assistant is not started"]
+        expected = {
+            f"{ISSUE_NODE_HEALTH}_{tower.entry_id}" for tower in self.towers if ghosts
+        }
         problems = [
             f"repair {issue['domain']}.{issue['issue_id']}"
             for issue in await ha.issues()
+            if not (issue["domain"] == DOMAIN and issue["issue_id"] in expected)
         ]
         problems += [
             f"integration {entry['domain']} ({entry['title']}): {entry['state']}"
@@ -282,65 +322,111 @@ class Demo:
 
     async def scripted(self) -> list[str]:
         """Hand the first gaming VM of every tower its cards and back, all
-        towers at once; one summary line per tower."""
+        towers at once (with ``--ghost``, first play a ghost GPU node and heal
+        it); one summary line per tower."""
         results = await asyncio.gather(
-            *(self._hand_over_and_back(found) for found in self.entities)
+            *(self._scripted_tower(found) for found in self.entities)
         )
         problems = await self.health()
         if problems:
             raise DemoError("; ".join(problems))
         if len(results) == 1:
-            return [f"demo: {results[0]}"]
+            return [f"demo: {line}" for line in results[0]]
         return [
-            f"demo: {found.tower.name}: {result}"
-            for found, result in zip(self.entities, results, strict=True)
+            f"demo: {found.tower.name}: {line}"
+            for found, lines in zip(self.entities, results, strict=True)
+            for line in lines
         ]
 
-    async def _hand_over_and_back(self, found: TowerEntities) -> str:
+    async def _scripted_tower(self, found: TowerEntities) -> list[str]:
+        lines = []
+        if self.args.ghost:
+            lines.append(await self._ghost_and_back(found))
+        played = await self._play(found)
+        back = await self._stop_playing(found)
+        if found.tower.sim.destroy_attempts():
+            raise DemoError(f"something asked {found.tower.name} to force a VM off")
+        lines.append(f"{played}, {back}: ok")
+        return lines
+
+    async def prepare(self) -> None:
+        """What ``--play`` and ``--ghost`` ask for before the dashboard is
+        looked at: each tower's first gaming station playing, each GPU node
+        a ghost."""
+        if self.args.play:
+            for line in await asyncio.gather(*map(self._play, self.entities)):
+                log(line)
+            if self.args.lend:
+                await asyncio.gather(*map(self._workloads_back, self.entities))
+        if self.args.ghost:
+            await asyncio.gather(*map(self._haunt, self.entities))
+
+    def _happened(self, tower: DemoTower, mark: int, event_type: str) -> bool:
+        """Whether the tower's ``event_type`` fired since event ``mark``;
+        DemoError if a handoff or return of the tower failed meanwhile."""
+        mine = [
+            e
+            for e in self.events[mark:]
+            if e["data"].get("config_entry_id") == tower.entry_id
+        ]
+        for event in mine:
+            if event["event_type"] in FAILURES:
+                raise DemoError(
+                    f"{tower.name}: {event['event_type']}: {event['data'].get('error')}"
+                )
+        return any(e["event_type"] == event_type for e in mine)
+
+    @staticmethod
+    def _gpu_node_cards(tower: DemoTower) -> int:
+        """The cards the GPU node runs with now (0 while it is off)."""
+        functions = tower.sim.live_hostdevs(tower.gpu_node) or []
+        return len({address.rsplit(".", 1)[0] for address in functions})
+
+    async def _play(self, found: TowerEntities) -> str:
+        """Turn the tower's first gaming station on; once it plays (and, with
+        ``--lend``, once the GPU node serves the free cards), how long it took."""
         ha, emu, tower = self.ha, self.emu, found.tower
         if ha is None or emu is None:
             raise DemoError("the demo is not started")
         vm = tower.gaming[0]
-        switch, handoff = found.switches[vm], found.handoff
-        title = tower.titles[vm]
-        mark = 0
-
-        def happened(event_type: str) -> bool:
-            mine = [
-                e
-                for e in self.events[mark:]
-                if e["data"].get("config_entry_id") == tower.entry_id
-            ]
-            for event in mine:
-                if event["event_type"] == EVENT_HANDOFF_FAILED:
-                    raise DemoError(f"the handoff failed: {event['data'].get('error')}")
-            return any(e["event_type"] == event_type for e in mine)
+        switch, handoff, title = found.switches[vm], found.handoff, tower.titles[vm]
+        lend: bool = self.args.lend
+        # The station plays with one card; the GPU node keeps the others.
+        free = len(CARDS) - 1
 
         async def states() -> tuple[dict[str, Any], dict[str, Any]] | None:
             on, node = await ha.state(switch), await ha.state(handoff)
             return (on, node) if on and node else None
 
         async def handed_over() -> bool:
-            if not happened(EVENT_HANDOFF_SUCCEEDED) or not (now := await states()):
+            if not self._happened(tower, mark, EVENT_HANDOFF_SUCCEEDED):
+                return False
+            if not (now := await states()) or not tower.sim.is_running(vm):
                 return False
             on, node = now
-            return (
+            if lend:
+                return bool(on["state"] == "on")
+            return bool(
                 on["state"] == "on"
                 and on["attributes"].get("step") == "idle"
                 and node["state"] == "off"
-                and tower.sim.is_running(vm)
             )
 
-        async def returned() -> bool:
-            if not happened(EVENT_CARDS_RETURNED) or not (now := await states()):
+        async def lent() -> bool:
+            if not self._happened(tower, mark, EVENT_CARDS_RETURNED):
+                return False
+            if not (now := await states()):
                 return False
             on, node = now
+            lent_now = await ha.state(found.gpus_lent)
             return (
-                on["state"] == "off"
+                on["state"] == "on"
                 and on["attributes"].get("step") == "idle"
                 and node["state"] == "serving"
                 and not cordoned(emu, tower.k8s_node)
-                and tower.sim.is_running(tower.gpu_node)
+                and self._gpu_node_cards(tower) == free
+                and lent_now is not None
+                and lent_now["state"] == str(free)
             )
 
         t0 = time.monotonic()
@@ -349,24 +435,127 @@ class Demo:
         await ha.call("switch", "turn_on", {"entity_id": switch})
         await until(handed_over, WAIT, f"the handoff to {title}")
         handed = time.monotonic() - t0
-        log(f"{title} plays after {handed:.1f} s; turning it off")
-        t1 = time.monotonic()
+        if not lend:
+            return f"handoff {handed:.1f} s"
+        log(f"{title} plays after {handed:.1f} s; the GPU node restarts with the rest")
+        await until(lent, WAIT, f"{tower.name}'s GPU node to serve {free} cards")
+        node = tower.titles[tower.gpu_node]
+        serving = time.monotonic() - t0
+        return f"handoff {handed:.1f} s, {node} serving {free} cards {serving:.1f} s"
+
+    async def _workloads_back(self, found: TowerEntities) -> None:
+        """Until the workloads the restart evicted are back on the GPU node and
+        Home Assistant shows their GPUs in use (at its next look at the
+        cluster: every 30 s unless something happens on the tower)."""
+        ha, emu, tower = self.ha, self.emu, found.tower
+        if ha is None or emu is None:
+            raise DemoError("the demo is not started")
+
+        async def shown() -> bool:
+            requested = gpus_requested(emu, tower.k8s_node)
+            in_use = await ha.state(found.gpus_in_use)
+            return bool(requested and in_use and in_use["state"] == str(requested))
+
+        log(f"{tower.name}: waiting for Home Assistant to see the workloads back")
+        await until(shown, WAIT, f"{tower.name}'s workloads back on the GPU node")
+
+    async def _stop_playing(self, found: TowerEntities) -> str:
+        """Turn the tower's first gaming station off; once every card is back
+        with the cluster, how long it took."""
+        ha, emu, tower = self.ha, self.emu, found.tower
+        if ha is None or emu is None:
+            raise DemoError("the demo is not started")
+        vm = tower.gaming[0]
+        switch, handoff, title = found.switches[vm], found.handoff, tower.titles[vm]
+
+        async def returned() -> bool:
+            if not self._happened(tower, mark, EVENT_CARDS_RETURNED):
+                return False
+            on, node = await ha.state(switch), await ha.state(handoff)
+            return bool(
+                on
+                and node
+                and on["state"] == "off"
+                and on["attributes"].get("step") == "idle"
+                and node["state"] == "serving"
+                and not cordoned(emu, tower.k8s_node)
+                and self._gpu_node_cards(tower) == len(CARDS)
+            )
+
+        log(f"turning {title} off")
+        t0 = time.monotonic()
         mark = len(self.events)
         await ha.call("switch", "turn_off", {"entity_id": switch})
         await until(returned, WAIT, f"the cards to come back to {tower.name}")
-        back = time.monotonic() - t1
-        if tower.sim.destroy_attempts():
-            raise DemoError(f"something asked {tower.name} to force a VM off")
-        return f"handoff {handed:.1f} s, return {back:.1f} s: ok"
+        return f"return {time.monotonic() - t0:.1f} s"
+
+    async def _health_is(self, found: TowerEntities, problem: bool) -> bool:
+        """Whether the GPU node's Health sensor, and its repair, say
+        ``problem`` (the ghost's: containers do not start) or no problem."""
+        ha = self.ha
+        if ha is None:
+            raise DemoError("Home Assistant is not started")
+        state = await ha.state(found.health)
+        if state is None:
+            return False
+        reason = CONTAINERS_NOT_STARTING if problem else NO_PROBLEM
+        issue = f"{ISSUE_NODE_HEALTH}_{found.tower.entry_id}"
+        raised = any(
+            i["domain"] == DOMAIN and i["issue_id"] == issue for i in await ha.issues()
+        )
+        return (
+            state["state"] == ("on" if problem else "off")
+            and state["attributes"].get("reason") == reason
+            and raised == problem
+        )
+
+    async def _flip_ghost(self, found: TowerEntities, on: bool) -> float:
+        """Flip the tower's ghost switch as the dashboard does; the seconds
+        until the Health sensor (and its repair) followed."""
+        ha = self.ha
+        if ha is None:
+            raise DemoError("Home Assistant is not started")
+        name = switch_name(found.tower)
+        log(f'turning "{name}" {"on" if on else "off"}')
+        t0 = time.monotonic()
+        service = "turn_on" if on else "turn_off"
+        await ha.call("input_boolean", service, {"entity_id": found.ghost})
+
+        async def followed() -> bool:
+            return await self._health_is(found, on)
+
+        what = "the Health problem" if on else "the Health problem to clear"
+        await until(followed, WAIT, f"{found.tower.name}: {what}")
+        return time.monotonic() - t0
+
+    async def _haunt(self, found: TowerEntities) -> None:
+        seconds = await self._flip_ghost(found, True)
+        log(f"{found.tower.name}: Health shows the problem after {seconds:.1f} s")
+
+    async def _ghost_and_back(self, found: TowerEntities) -> str:
+        raised = await self._flip_ghost(found, True)
+        cleared = await self._flip_ghost(found, False)
+        node = found.tower.titles[found.tower.gpu_node]
+        return (
+            f"ghost {node}: Health problem {raised:.1f} s, cleared {cleared:.1f} s: ok"
+        )
 
     async def screenshot(self, output: Path) -> None:
         """The dashboard as the demo user sees it, checked, saved as PNG."""
         ha = self.ha
         if ha is None:
             raise DemoError("Home Assistant is not started")
-        problems = await self.health()
-        expect = ["Play", "Cards"] + [
-            title for tower in self.towers for title in tower.titles.values()
+        ghosts: bool = self.args.ghost
+        problems = await self.health(ghosts=ghosts)
+        expect = ["Play", "Cards", "Health"]
+        expect += [title for tower in self.towers for title in tower.titles.values()]
+        expect += [switch_name(tower) for tower in self.towers]
+        # Every screen the dashboard shows: those of the VMs that run.
+        shown_screens = [
+            screen
+            for found in self.entities
+            for screen in found.screens.values()
+            if (state := await ha.state(screen)) and state["state"] != "unavailable"
         ]
         raw = sorted(
             {vm for tower in self.towers for vm in tower.titles}
@@ -379,17 +568,24 @@ class Demo:
             login=(USERNAME, self.password),
             size=SCREEN[min(len(self.towers), 2)],
             expect=expect,
+            images=len(shown_screens),
             raw=raw,
             profile=self.work / "chromium-profile",
         )
-        log(f"screenshot: {output}")
+        log(f"screenshot: {output} ({len(shown_screens)} screens shown)")
         if problems:
             raise DemoError("the dashboard shows: " + "; ".join(problems))
-        log("screenshot: no raw codes, nothing unknown, no repairs, all loaded")
+        log(
+            "screenshot: no raw codes, nothing unknown, "
+            + ("no repairs but the ghosts'" if ghosts else "no repairs")
+            + ", all loaded"
+        )
 
     async def stop(self) -> list[str]:
         """Stop everything that was started, in reverse order; what Home
         Assistant's log says went wrong."""
+        for ghost in self.ghosts:
+            await ghost.stop()
         if self.events_task is not None:
             self.events_task.cancel()
             await asyncio.gather(self.events_task, return_exceptions=True)
@@ -441,6 +637,7 @@ async def main_async(args: argparse.Namespace) -> int:
         await demo.start()
         if args.scripted:
             return await demo.scripted()
+        await demo.prepare()
         if args.screenshot:
             await demo.screenshot(Path(args.screenshot))
             return []
@@ -448,7 +645,8 @@ async def main_async(args: argparse.Namespace) -> int:
             "\n"
             f"  Home Assistant:  {demo.url}\n"
             f"  login:           {USERNAME} / {demo.password}\n"
-            "  Toggle a gaming station on the dashboard; Ctrl-C stops the demo.\n"
+            "  Toggle a gaming station, or play a ghost GPU node, on the "
+            "dashboard;\n  Ctrl-C stops the demo.\n"
         )
         while not stop.is_set():
             if demo.ha_process is None or demo.ha_process.poll() is not None:
@@ -502,6 +700,17 @@ def towers_count(text: str) -> int:
     return value
 
 
+def check(arguments: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what cannot go together (argparse's error: usage, exit 2)."""
+    if args.play and args.scripted:
+        arguments.error("--play and --scripted: --scripted plays by itself")
+    if args.ghost and args.play and not args.lend:
+        arguments.error(
+            "--ghost with --play needs --lend: without it the GPU node is off "
+            "while a station plays, and its health is not judged"
+        )
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     """The command line."""
     arguments = argparse.ArgumentParser(prog="scripts/demo", description=description)
@@ -525,6 +734,31 @@ def parser(description: str) -> argparse.ArgumentParser:
         metavar="PNG",
         help="save the dashboard as a logged-in browser shows it, check its "
         "text, exit (needs Debian's headless Chromium)",
+    )
+    arguments.add_argument(
+        "--lend",
+        action="store_true",
+        help='turn on "Keep lending the free cards while someone plays" for '
+        "every tower, through its options flow: after a handoff the GPU node "
+        "serves the cards no player uses",
+    )
+    arguments.add_argument(
+        "--play",
+        action="store_true",
+        help="once started, turn each tower's first gaming station on and wait "
+        "until it plays (with --lend: until the GPU node serves the free "
+        "cards); not with --scripted",
+    )
+    arguments.add_argument(
+        "--ghost",
+        action="store_true",
+        help='once started, turn "Play a ghost GPU node" on (a dashboard switch '
+        "of the simulator): the GPU node stays Ready with its lease renewing "
+        "while every pod on it waits for its sandbox (FailedCreatePodSandBox) "
+        f"since {BACKDATE / 60:g} minutes, past the integration's "
+        f"{STUCK_BOUND / 60:g}-minute bound, so its Health problem shows at the "
+        "next refresh (which the demo asks for at once); with --scripted, turn "
+        "it on and off again (the problem clears)",
     )
     arguments.add_argument(
         "--port",

@@ -93,6 +93,8 @@ def prepare_config(config: Path, port: int) -> None:
         "recorder": {},
         "history": {},
         "logbook": {},
+        # The toggle helpers the demo creates (its simulator's own switches).
+        "input_boolean": {},
         "logger": {
             "default": "warning",
             "logs": {f"custom_components.{DOMAIN}": "info"},

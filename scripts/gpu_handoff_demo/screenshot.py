@@ -6,7 +6,8 @@ over the DevTools protocol. The demo user logs in through Home Assistant's
 login flow, as its login page does, and the browser opens the dashboard with
 the authorization code that page would hand on (``auth_callback``): the
 frontend exchanges it for its own tokens. Once the page's text has settled,
-the page is captured. The visible text (shadow DOM included) is checked too: no raw
+the page is captured, once the pictures it should show (the VMs' screens)
+have loaded too. The visible text (shadow DOM included) is checked: no raw
 codes (snake_case state or step names, libvirt domain names), nothing
 "Unknown" or "Unavailable".
 """
@@ -18,9 +19,11 @@ import base64
 import contextlib
 import itertools
 import json
+import os
 from pathlib import Path
 import re
 import shutil
+import signal
 import subprocess
 import time
 from typing import Any
@@ -53,6 +56,22 @@ VISIBLE_TEXT = """
   };
   walk(document);
   return texts;
+})()
+"""
+# How many pictures have loaded (shadow roots included).
+LOADED_IMAGES = """
+(() => {
+  let loaded = 0;
+  const walk = (root) => {
+    for (const node of root.querySelectorAll("*")) {
+      if (node.shadowRoot) walk(node.shadowRoot);
+      if (node.tagName === "IMG" && node.complete && node.naturalWidth > 0) {
+        loaded += 1;
+      }
+    }
+  };
+  walk(document);
+  return loaded;
 })()
 """
 SNAKE_CASE = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
@@ -172,6 +191,11 @@ class Browser:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 await asyncio.to_thread(self.process.wait)
+        if self.process is not None:
+            # Its helper processes (same session) would write to the profile
+            # after it is removed.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
         shutil.rmtree(self.profile, ignore_errors=True)
 
 
@@ -183,13 +207,15 @@ async def take(
     login: tuple[str, str],
     size: tuple[int, int],
     expect: list[str],
+    images: int = 0,
     raw: list[str],
     profile: Path,
 ) -> list[str]:
     """Open ``path`` logged in as ``login`` (user name, password) in a window
-    of ``size`` (width, height), wait until
-    the page shows every text in ``expect`` and has settled, save a PNG to
-    ``output``; what is wrong with the page's text (see ``text_problems``)."""
+    of ``size`` (width, height), wait until the page shows every text in
+    ``expect`` and at least ``images`` loaded pictures and has settled, save a
+    PNG to ``output``; what is wrong with the page's text (see
+    ``text_problems``)."""
     binary = find_browser()
     if binary is None:
         raise DemoError(
@@ -212,7 +238,7 @@ async def take(
             mobile=False,
         )
         await browser.send("Page.navigate", url=f"{ha.base}{path}?{query}")
-        texts = await _settled(browser, expect)
+        texts = await _settled(browser, expect, images)
         shot = await browser.send("Page.captureScreenshot", format="png")
         await asyncio.to_thread(_save, output, base64.b64decode(shot["data"]))
         return text_problems(texts, raw)
@@ -226,17 +252,20 @@ def _save(path: Path, data: bytes) -> None:
     path.write_bytes(data)
 
 
-async def _settled(browser: Browser, expect: list[str]) -> list[str]:
-    """The page's visible text once it shows ``expect`` and stays the same for
-    a second and a half (numbers aside: "40 seconds ago" counts on)."""
+async def _settled(browser: Browser, expect: list[str], images: int) -> list[str]:
+    """The page's visible text once it shows ``expect`` and ``images`` loaded
+    pictures and stays the same for a second and a half (numbers aside: "40
+    seconds ago" counts on)."""
     deadline = time.monotonic() + 90
     texts: list[str] = []
+    loaded = 0
     last = ""
     same = 0
     while time.monotonic() < deadline:
         texts = await browser.evaluate(VISIBLE_TEXT) or []
+        loaded = int(await browser.evaluate(LOADED_IMAGES) or 0)
         joined = "\n".join(texts)
-        if all(word in joined for word in expect):
+        if all(word in joined for word in expect) and loaded >= images:
             shape = re.sub(r"\d+", "#", joined)
             same = same + 1 if shape == last else 0
             last = shape
@@ -244,4 +273,6 @@ async def _settled(browser: Browser, expect: list[str]) -> list[str]:
                 return list(texts)
         await asyncio.sleep(0.5)
     missing = [word for word in expect if word not in "\n".join(texts)]
+    if loaded < images:
+        missing.append(f"{images} pictures ({loaded} loaded)")
     raise DemoError(f"the dashboard did not show {missing} in time: {texts[:40]}")
