@@ -54,12 +54,17 @@ def test_install_into_root(tmp_path: Path) -> None:
         "gpu_node": "gpu-node",
         "gaming": ["win-1", "win-2"],
         "state_dir": "/var/lib/gpu-handoff",
+        # Every timeout is written, so the file says what applies.
+        "timeouts": agent.TIMEOUT_DEFAULTS,
     }
     assert agent.validate_config(config) == []
     assert (root / "var/lib/gpu-handoff").is_dir()
     hook = root / "etc/libvirt/hooks/qemu.d/gpu-handoff"
     assert hook.read_text(encoding="utf-8").splitlines()[-1] == (
         'exec /usr/local/bin/gpu-handoff --config /etc/gpu-handoff/config.json hook "$@"'
+    )
+    assert hook.read_text(encoding="utf-8") == agent.hook_script(
+        "/usr/local/bin/gpu-handoff", "/etc/gpu-handoff/config.json"
     )
     assert os.access(hook, os.X_OK)
     line = reply["authorized_keys_line"]
@@ -169,3 +174,38 @@ def test_install_config_option(tmp_path: Path) -> None:
         "--config /etc/gh/c.json hook"
         in (tmp_path / "etc/libvirt/hooks/qemu.d/gpu-handoff").read_text()
     )
+
+
+def test_install_timeouts(tmp_path: Path) -> None:
+    """--timeout-KIND sets one timeout; the others keep the agent's defaults."""
+    rc, reply, _ = install(
+        tmp_path,
+        "--timeout-agent",
+        "240",
+        "--timeout-start=12.5",
+        uri=f"test+unix:///default?socket={tmp_path}/none",
+    )
+    assert rc == 0, reply
+    config = json.loads(
+        (tmp_path / "etc/gpu-handoff/config.json").read_text(encoding="utf-8")
+    )
+    assert config["timeouts"] == {
+        **agent.TIMEOUT_DEFAULTS,
+        "agent": 240.0,
+        "start": 12.5,
+    }
+    assert agent.validate_config(config) == []
+
+
+def test_install_timeout_errors(tmp_path: Path) -> None:
+    user = pwd.getpwuid(os.getuid()).pw_name
+    base = ["install", "--user", user, "--gpu-node", "g", "--gaming", "w"]
+    base += ["--root", str(tmp_path)]
+    for value in ("0", "-5", "nan", "inf", "soon", ""):
+        run = run_agent([*base, "--timeout-shutdown", value])
+        assert run.reply["error"]["code"] == "bad_request", value
+        assert "--timeout-shutdown" in run.reply["error"]["message"]
+    assert run_agent([*base, "--timeout-later", "5"]).reply["error"]["code"] == (
+        "bad_request"
+    )
+    assert not any(tmp_path.iterdir())
