@@ -8,7 +8,8 @@ each violation names the seed and cycle that replay it.
 
 Options come from the environment: ``GPU_HANDOFF_CHAOS_CYCLES`` (default 20),
 ``GPU_HANDOFF_CHAOS_SEED`` (default 1), ``GPU_HANDOFF_CHAOS_JSON``,
-``GPU_HANDOFF_CHAOS_LAG_LIMIT`` (seconds, default 0.5).
+``GPU_HANDOFF_CHAOS_LAG_LIMIT`` (seconds, default 0.5), ``GPU_HANDOFF_CHAOS_LEND``
+(1: the tower lends its free cards while someone plays).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tests.k8semu import K8sEmulator
 
 CYCLES = int(os.environ.get("GPU_HANDOFF_CHAOS_CYCLES", "20"))
 SEED = int(os.environ.get("GPU_HANDOFF_CHAOS_SEED", "1"))
+LEND = os.environ.get("GPU_HANDOFF_CHAOS_LEND") == "1"
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +59,13 @@ async def test_chaos_soak(
 ) -> None:
     """Cycles 1..CYCLES of SEED: no invariant may break."""
     summary = await run_soak(
-        hass, k8s_emulator, tmp_path / "chaos", seed=SEED, cycles=CYCLES, log=_progress
+        hass,
+        k8s_emulator,
+        tmp_path / "chaos",
+        seed=SEED,
+        cycles=CYCLES,
+        log=_progress,
+        lend=LEND,
     )
     text = json.dumps(summary, indent=2)
     sys.stdout.write("\n" + text + "\n")

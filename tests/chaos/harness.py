@@ -93,6 +93,7 @@ from custom_components.gpu_handoff.const import (
     CONF_AUTO_RETURN,
     CONF_DRAIN_TIMEOUT,
     CONF_KUBECONFIG,
+    CONF_LEND_FREE_CARDS,
     CONF_SCAN_INTERVAL,
     DOMAIN,
     EVENT_CARDS_RETURNED,
@@ -575,8 +576,10 @@ class ChaosRig:
         cordon_bound: float = CORDON_NET_BOUND,
         recover: bool = True,
         log: Callable[[str], None] | None = None,
+        lend: bool = False,
     ) -> None:
         self.hass = hass
+        self.lend = lend
         self.recover = recover
         self.cordon_bound = cordon_bound
         self.cluster = cluster
@@ -684,6 +687,7 @@ class ChaosRig:
                 CONF_SCAN_INTERVAL: SCAN_INTERVAL,
                 CONF_DRAIN_TIMEOUT: DRAIN_TIMEOUT,
                 CONF_AUTO_RETURN: True,
+                CONF_LEND_FREE_CARDS: self.lend,
             },
             subentries_data=gaming_subentries(1, 2),
         )
@@ -1307,6 +1311,8 @@ class ChaosRig:
         world = await asyncio.to_thread(self.sim.world)
         running = {name for name, dom in world.doms.items() if dom.running}
         if any(vm in running for vm in GAMING):
+            if self.lend:
+                return await self._check_lending(world, running)
             return "playing"
         if GPU not in running:
             self._violate(
@@ -1328,6 +1334,46 @@ class ChaosRig:
         if self.operator_cordon:
             return "serving_operator_cordon"
         return "serving"
+
+    async def _check_lending(self, world: Any, running: set[str]) -> str:
+        """Lending, someone plays: the GPU node serves with exactly the cards
+        no running domain holds (its live definition), uncordoned; or it does
+        not, and a failure of the GPU node's return was reported."""
+        gpu = world.doms[GPU]
+        taken = {
+            address.rsplit(".", 1)[0]
+            for name in running
+            if name != GPU
+            for address in world.doms[name].addresses()
+        }
+        defined = {
+            address.rsplit(".", 1)[0] for address in self.sim.defined_hostdevs(GPU)
+        }
+        free = defined - taken
+        if GPU not in running:
+            if free and self._reported(GPU) is not None:
+                self._violate(
+                    "cards_not_lent",
+                    f"the GPU node is off while {sorted(free)} are free, and no "
+                    "failure of its return was reported",
+                )
+            return "playing"
+        lent = {address.rsplit(".", 1)[0] for address in gpu.addresses()}
+        if lent != free and self._reported(GPU) is not None:
+            self._violate(
+                "cards_not_lent",
+                f"the GPU node runs with {sorted(lent)}, the free cards are "
+                f"{sorted(free)}, and no failure of its return was reported",
+            )
+        if self._our_cordon() and not await self._wait(
+            lambda: not self._our_cordon(), self.cordon_bound
+        ):
+            self._violate(
+                "own_cordon_outlives",
+                f"GPU Handoff's cordon ({self._our_cordon()!r}) is still on the "
+                f"lending GPU node {self.cordon_bound:.0f} s after it serves again",
+            )
+        return "playing_and_lending"
 
     def _node_ready(self) -> bool:
         return any(
@@ -1817,6 +1863,7 @@ async def run_soak(
     cordon_bound: float = CORDON_NET_BOUND,
     recover: bool = True,
     log: Callable[[str], None] | None = None,
+    lend: bool = False,
 ) -> dict[str, Any]:
     """Build the rig, run ``plans`` (or cycles 1..``cycles`` of ``seed``),
     tear it down; the summary."""
@@ -1830,6 +1877,7 @@ async def run_soak(
         cordon_bound=cordon_bound,
         recover=recover,
         log=log,
+        lend=lend,
     )
     if plans is None:
         assert cycles is not None

@@ -31,8 +31,9 @@ from tests.chaos.harness import (
 from tests.k8semu import K8sEmulator
 from tests.support.testdriver import AGENT
 
-# (seed, cycles): about 20 cycles in all, a few minutes at most.
-CI_SEEDS = ((22, 10), (24, 10))
+# (seed, cycles, lend): about 30 cycles in all, a few minutes at most; one
+# with the tower lending its free cards while someone plays.
+CI_SEEDS = ((22, 10, False), (24, 10, False), (26, 10, True))
 # A correct product settles within seconds; a broken one need not be waited
 # for as long as the soak waits (2 minutes).
 SHORT_BOUND = 15.0
@@ -66,17 +67,18 @@ def test_plans_are_seeded() -> None:
     )
 
 
-@pytest.mark.parametrize(("seed", "cycles"), CI_SEEDS)
+@pytest.mark.parametrize(("seed", "cycles", "lend"), CI_SEEDS)
 async def test_fixed_seeds(
     hass: HomeAssistant,
     k8s_emulator: K8sEmulator,
     tmp_path: Path,
     seed: int,
     cycles: int,
+    lend: bool,
 ) -> None:
     """A few seeded cycles of the soak: no invariant breaks."""
     summary = await run_soak(
-        hass, k8s_emulator, tmp_path / "chaos", seed=seed, cycles=cycles
+        hass, k8s_emulator, tmp_path / "chaos", seed=seed, cycles=cycles, lend=lend
     )
     assert summary["cycles"] == cycles
     assert summary["violations"] == []
@@ -269,3 +271,66 @@ async def test_a_request_queued_across_a_restart_is_carried_out(
         settle_bound=SHORT_BOUND,
     )
     assert summary["violations"] == []
+
+
+async def test_an_operator_cordon_placed_after_an_operator_uncordon_is_kept(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Found by ``scripts/chaos --cycles 200 --seed 1`` (cycle 191): an
+    operator lifts GPU Handoff's cordon while a player plays (the mark stays:
+    `kubectl uncordon` changes spec.unschedulable only), cordons the node
+    again later, and the return must keep that cordon. (Fixed: a mark on a
+    node nobody cordons is removed as soon as it is seen.)"""
+    plans = [
+        Plan(0, 1, "on", "gaming-1"),
+        Plan(
+            0,
+            2,
+            "on",
+            "gaming-2",
+            (Fault("operator_cordon", "before", (("action", "remove"),)),),
+        ),
+        Plan(
+            0,
+            3,
+            "both_off",
+            None,
+            (Fault("operator_cordon", "before", (("action", "place"),)),),
+        ),
+    ]
+    summary = await run_soak(
+        hass,
+        k8s_emulator,
+        tmp_path / "chaos",
+        seed=0,
+        plans=plans,
+        settle_bound=SHORT_BOUND,
+    )
+    assert summary["faults"]["fired"] == {"operator_cordon": 2}
+    assert summary["violations"] == []
+
+
+async def test_a_tower_that_stops_lending_is_caught(
+    hass: HomeAssistant,
+    k8s_emulator: K8sEmulator,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lending on, a product that never restarts the GPU node with the free
+    cards after a handoff: the GPU node stays off while a player uses one
+    card, reported as exactly that."""
+    monkeypatch.setattr(
+        "custom_components.gpu_handoff.controller.HandoffController._lends_after",
+        lambda self, kind: False,
+    )
+    plans = [Plan(0, 1, "on", "gaming-1")]
+    summary = await run_soak(
+        hass,
+        k8s_emulator,
+        tmp_path / "chaos",
+        seed=0,
+        plans=plans,
+        settle_bound=SHORT_BOUND,
+        lend=True,
+    )
+    assert _invariants(summary) == [(1, "cards_not_lent")]

@@ -172,9 +172,9 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 CONTROLLER,
-                "            except Exception as err:  # noqa: BLE001 - every "
+                "        except Exception as err:  # noqa: BLE001 - every "
                 "failure must end the operation\n",
-                "            except (HomeAssistantError, TowerError, ClusterError) "
+                "        except (HomeAssistantError, TowerError, ClusterError) "
                 "as err:\n",
             ),
         ),
@@ -197,7 +197,9 @@ MUTANTS: tuple[Mutant, ...] = (
                 "                    return await self._async_finish_reconfigure()\n",
             ),
         ),
-        ("tests/test_config_flow.py",),
+        (
+            "tests/test_config_flow.py::test_reconfigure_same_address_never_repins_a_changed_host_key",
+        ),
     ),
     Mutant(
         "reconfigure_drops_the_new_user",
@@ -210,7 +212,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "{k: v for k, v in tower.items() if k != CONF_USERNAME}",
             ),
         ),
-        ("tests/test_config_flow.py",),
+        ("tests/test_config_flow.py::test_reconfigure_same_address",),
     ),
     Mutant(
         "operator_cordon_lifted",
@@ -290,6 +292,71 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
         ("tests/test_cluster_promise.py::test_the_lease_age_is_its_real_age",),
+    ),
+    Mutant(
+        "no_return_after_a_failed_handoff",
+        "a failed handoff that left the GPU node off (GPU Handoff stopped it) "
+        "ends with the cards back",
+        (
+            Patch(
+                RUNNER,
+                "            return (\n                stopped_by_us\n",
+                "            return (\n                False\n                and stopped_by_us\n",
+            ),
+        ),
+        (
+            (
+                "tests/test_failed_handoff.py::"
+                "test_a_handoff_that_fails_after_the_gpu_node_stopped_returns_the_cards"
+            ),
+        ),
+    ),
+    Mutant(
+        "waiting_requests_forgotten_on_restart",
+        "requests waiting behind a running operation survive a restart",
+        (
+            Patch(
+                CONTROLLER,
+                'for queued in stored.get("queued", []):',
+                "for queued in []:",
+            ),
+        ),
+        (
+            (
+                "tests/test_failed_handoff.py::"
+                "test_a_request_waiting_behind_a_restart_is_carried_out"
+            ),
+        ),
+    ),
+    Mutant(
+        "stale_cordon_mark_kept",
+        "a mark of ours on a node someone uncordoned is removed, so a later "
+        "operator cordon is never taken for ours",
+        (
+            Patch(
+                CONTROLLER,
+                "        if node is not None and node.stale_mark and not self._forgetting:",
+                "        if node is not None and node.stale_mark and self._forgetting:",
+            ),
+        ),
+        (
+            (
+                "tests/test_cluster_promise.py::"
+                "test_an_operator_cordon_after_an_operator_uncordon_is_not_taken_for_ours"
+            ),
+        ),
+    ),
+    Mutant(
+        "no_lending_after_a_handoff",
+        "with lending on, the GPU node serves the free cards while someone plays",
+        (
+            Patch(
+                CONTROLLER,
+                "follow_up = follow_up or (succeeded and self._lends_after(kind))",
+                "follow_up = follow_up or False",
+            ),
+        ),
+        ("tests/test_lending.py::test_one_player_leaves_the_cluster_two_cards",),
     ),
 )
 
