@@ -267,16 +267,21 @@ async def test_an_ssh_cut_while_the_gpu_node_restarts(
     assert len(sim.calls("create")) == 1
 
 
+def _virsh(sim: Tower, command: str, domain: str) -> None:
+    """Run one virsh command on the simulated tower, as an operator would."""
+    subprocess.run(
+        [str(sim.virsh), "-c", sim.uri, command, "--domain", domain],
+        check=True,
+        capture_output=True,
+    )
+
+
 def _lent_gpu_node(sim: Tower) -> None:
     """Gaming station 1 plays; the GPU node runs with the other two cards
     from a live-only definition, as after a lending handoff."""
     sim.guest_shutdown("gpu-node")
     sim.wait_until(lambda: not sim.is_running("gpu-node"), timeout=30, what="off")
-    subprocess.run(
-        [str(sim.virsh), "-c", sim.uri, "start", "--domain", "gaming-1"],
-        check=True,
-        capture_output=True,
-    )
+    _virsh(sim, "start", "gaming-1")
     sim.start_live(
         "gpu-node",
         [f"{card}.{fn}" for card in (GTX_960, RTX_2) for fn in (0, 1)],
@@ -312,18 +317,18 @@ def test_an_agent_killed_mid_lend_leaves_the_definition(
             sim.wait_until(
                 lambda: len(sim.calls("qemu-agent-command", "gpu-node")) >= 2,
                 timeout=BOUND,
-                what="the moment",
+                what="that moment",
             )
         elif moment == "shut_down":
             sim.wait_until(
                 lambda: bool(sim.calls("shutdown", "gpu-node")),
                 timeout=BOUND,
-                what="the moment",
+                what="that moment",
             )
         else:
             sim.set_shutdown_duration("gpu-node", 1.0)
             sim.wait_until(
-                lambda: bool(sim.calls("create")), timeout=BOUND, what="the moment"
+                lambda: bool(sim.calls("create")), timeout=BOUND, what="that moment"
             )
     finally:
         runner.send_signal(signal.SIGKILL)
@@ -335,20 +340,12 @@ def test_an_agent_killed_mid_lend_leaves_the_definition(
         sim.set_shutdown_duration("gpu-node", 1.0)
         sim.guest_shutdown("gpu-node")
         sim.wait_until(
-            lambda: not sim.is_running("gpu-node"), timeout=BOUND, what="the moment"
+            lambda: not sim.is_running("gpu-node"), timeout=BOUND, what="that moment"
         )
-    subprocess.run(
-        [str(sim.virsh), "-c", sim.uri, "shutdown", "--domain", "gaming-1"],
-        check=True,
-        capture_output=True,
-    )
+    _virsh(sim, "shutdown", "gaming-1")
     sim.wait_until(
-        lambda: not sim.is_running("gaming-1"), timeout=BOUND, what="the moment"
+        lambda: not sim.is_running("gaming-1"), timeout=BOUND, what="that moment"
     )
-    subprocess.run(
-        [str(sim.virsh), "-c", sim.uri, "start", "--domain", "gpu-node"],
-        check=True,
-        capture_output=True,
-    )
+    _virsh(sim, "start", "gpu-node")
     assert sorted(sim.live_hostdevs("gpu-node") or []) == full
     assert sim.defined_xml("gpu-node") == before

@@ -49,6 +49,25 @@ def _invariants(summary: dict[str, Any]) -> list[tuple[int, str]]:
     return sorted({(v["cycle"], v["invariant"]) for v in summary["violations"]})
 
 
+async def _replay(
+    hass: HomeAssistant,
+    k8s_emulator: K8sEmulator,
+    tmp_path: Path,
+    plans: list[Plan],
+    **options: Any,
+) -> dict[str, Any]:
+    """Run these plans (seed 0) with the short settle bound; the summary."""
+    return await run_soak(
+        hass,
+        k8s_emulator,
+        tmp_path / "chaos",
+        seed=0,
+        plans=plans,
+        settle_bound=SHORT_BOUND,
+        **options,
+    )
+
+
 def test_plans_are_seeded() -> None:
     """The same seed and cycle give the same plan; seeds differ; over many
     cycles every request kind, fault kind and moment is drawn."""
@@ -104,15 +123,8 @@ async def test_a_controller_that_skips_the_uncordon_is_caught(
         Plan(0, 1, "on", "gaming-1"),
         Plan(0, 2, "off", "gaming-1"),
     ]
-    summary = await run_soak(
-        hass,
-        k8s_emulator,
-        tmp_path / "chaos",
-        seed=0,
-        plans=plans,
-        settle_bound=SHORT_BOUND,
-        cordon_bound=3.0,
-        recover=False,
+    summary = await _replay(
+        hass, k8s_emulator, tmp_path, plans, cordon_bound=3.0, recover=False
     )
     assert (2, "own_cordon_outlives") in _invariants(summary)
     assert {cycle for cycle, _ in _invariants(summary)} == {2}
@@ -149,14 +161,12 @@ async def test_an_agent_that_stops_before_the_guest_agent_answers_is_caught(
         ),
         Plan(0, 2, "off", "gaming-1"),
     ]
-    summary = await run_soak(
+    summary = await _replay(
         hass,
         k8s_emulator,
-        tmp_path / "chaos",
-        seed=0,
-        plans=plans,
+        tmp_path,
+        plans,
         agent=_agent_without_wait(tmp_path / "broken-agent"),
-        settle_bound=SHORT_BOUND,
     )
     assert _invariants(summary) == [(2, "stop_before_guest_agent")]
 
@@ -184,14 +194,7 @@ async def test_no_rollback_under_the_hooks_stop_job(
             ),
         )
     ]
-    summary = await run_soak(
-        hass,
-        k8s_emulator,
-        tmp_path / "chaos",
-        seed=0,
-        plans=plans,
-        settle_bound=SHORT_BOUND,
-    )
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
     assert summary["faults"]["fired"] == {"guest_shutdown": 1, "unmanaged_pod": 1}
     assert "rollback_under_running_job" not in {
         invariant for _, invariant in _invariants(summary)
@@ -218,14 +221,7 @@ async def test_a_job_that_ends_while_the_session_is_down_is_followed_to_its_end(
             (Fault("agent_killed", "mid_job", (("signal", "TERM"),)),),
         ),
     ]
-    summary = await run_soak(
-        hass,
-        k8s_emulator,
-        tmp_path / "chaos",
-        seed=0,
-        plans=plans,
-        settle_bound=SHORT_BOUND,
-    )
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
     assert summary["violations"] == []
 
 
@@ -238,14 +234,7 @@ async def test_a_vm_started_by_hand_whose_handoff_fails_leaves_a_serving_node(
     (Fixed: a failed handoff follows the hook's stop of the GPU node to its end
     and, GPU Handoff having stopped it, starts it again.)"""
     plans = [Plan(0, 1, "hand", "gaming-2", (Fault("unmanaged_pod", "before"),))]
-    summary = await run_soak(
-        hass,
-        k8s_emulator,
-        tmp_path / "chaos",
-        seed=0,
-        plans=plans,
-        settle_bound=SHORT_BOUND,
-    )
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
     assert summary["violations"] == []
 
 
@@ -262,14 +251,7 @@ async def test_a_request_queued_across_a_restart_is_carried_out(
             0, 2, "both_off", None, (Fault("ha_restart", "mid_job", (("down", 0.2),)),)
         ),
     ]
-    summary = await run_soak(
-        hass,
-        k8s_emulator,
-        tmp_path / "chaos",
-        seed=0,
-        plans=plans,
-        settle_bound=SHORT_BOUND,
-    )
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
     assert summary["violations"] == []
 
 
@@ -298,14 +280,7 @@ async def test_an_operator_cordon_placed_after_an_operator_uncordon_is_kept(
             (Fault("operator_cordon", "before", (("action", "place"),)),),
         ),
     ]
-    summary = await run_soak(
-        hass,
-        k8s_emulator,
-        tmp_path / "chaos",
-        seed=0,
-        plans=plans,
-        settle_bound=SHORT_BOUND,
-    )
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
     assert summary["faults"]["fired"] == {"operator_cordon": 2}
     assert summary["violations"] == []
 
@@ -324,13 +299,5 @@ async def test_a_tower_that_stops_lending_is_caught(
         lambda self, kind: False,
     )
     plans = [Plan(0, 1, "on", "gaming-1")]
-    summary = await run_soak(
-        hass,
-        k8s_emulator,
-        tmp_path / "chaos",
-        seed=0,
-        plans=plans,
-        settle_bound=SHORT_BOUND,
-        lend=True,
-    )
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
     assert _invariants(summary) == [(1, "cards_not_lent")]
