@@ -39,6 +39,7 @@ from custom_components.gpu_handoff.const import (
 )
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.support.kubelet import Kubelet
 from tests.support.sshd import Sshd
 from tests.support.stories import (
     HANDOFF,
@@ -349,3 +350,45 @@ def test_an_agent_killed_mid_lend_leaves_the_definition(
     _virsh(sim, "start", "gpu-node")
     assert sorted(sim.live_hostdevs("gpu-node") or []) == full
     assert sim.defined_xml("gpu-node") == before
+
+
+async def test_workloads_that_need_more_gpus_than_are_lent_wait(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    kubelet: Kubelet,
+    lending: str,
+) -> None:
+    """Both play: the GPU node comes back with one GPU, so of the two
+    workloads the drain evicted (one GPU each) one runs on it again and the
+    other waits, Pending and unscheduled for lack of nvidia.com/gpu; once
+    nobody plays the GPU node has all three and the waiting one runs."""
+    kubelet.follow_workloads()
+    await hass.services.async_call(
+        "switch", "turn_on", {"entity_id": [SWITCH_1, SWITCH_2]}, blocking=True
+    )
+    await _serving_with(hass, entry, sim, cluster, {GTX_960})
+
+    def workloads() -> list[tuple[str, str]]:
+        return sorted(
+            (pod["spec"].get("nodeName") or "-", pod["status"]["phase"])
+            for pod in cluster.list_objects("Pod", "ai")
+            if not pod["metadata"].get("deletionTimestamp")
+        )
+
+    await until(lambda: workloads() == [("-", "Pending"), (GPU_NODE, "Running")])
+    waiting = next(
+        pod
+        for pod in cluster.list_objects("Pod", "ai")
+        if not pod["spec"].get("nodeName")
+    )
+    [scheduled] = waiting["status"]["conditions"]
+    assert (scheduled["type"], scheduled["reason"]) == ("PodScheduled", "Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in scheduled["message"]
+
+    await hass.services.async_call(
+        "switch", "turn_off", {"entity_id": [SWITCH_1, SWITCH_2]}, blocking=True
+    )
+    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
+    await until(lambda: workloads() == [(GPU_NODE, "Running"), (GPU_NODE, "Running")])

@@ -24,7 +24,8 @@ import secrets
 import time
 from typing import Any
 
-from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.k8semu import GPU, GPU_NODE, K8sEmulator
+from tests.k8semu.objects import make_pod
 from tests.towersim import Tower
 
 
@@ -95,31 +96,98 @@ class Kubelet:
             )
         return found
 
+    def follow_workloads(self) -> None:
+        """From now on, play the scheduler for the node's workloads as they
+        are now (what ``reschedule=True`` does at the start)."""
+        self.workloads = self._workloads()
+
+    def _free_gpus(self, node: dict[str, Any]) -> int:
+        """Allocatable GPUs minus what the pods bound to the node request, as
+        kube-scheduler's NodeResourcesFit counts them."""
+        allocatable = int(node["status"].get("allocatable", {}).get(GPU, 0))
+        used = sum(
+            _gpus(pod)
+            for pod in self.cluster.list_objects("Pod")
+            if pod["spec"].get("nodeName") == self.node
+            and pod["status"].get("phase") not in ("Succeeded", "Failed")
+        )
+        return allocatable - used
+
     def _schedule(self) -> None:
-        """Recreate the node's evicted workloads once it takes pods again."""
+        """Recreate the node's evicted workloads once it takes pods again. A
+        pod that needs more GPUs than the node has free is left Pending and
+        unbound, as kube-scheduler leaves it (PodScheduled False,
+        Unschedulable: "Insufficient nvidia.com/gpu"), and bound as soon as
+        they are free."""
         node = self.cluster.get("Node", self.node, "")
         if node is None or node["spec"].get("unschedulable"):
             return
+        free = self._free_gpus(node)
         for workload in self.workloads:
-            present = {
-                _owner_name(pod)
+            mine = [
+                pod
                 for pod in self.cluster.list_objects("Pod", workload.namespace)
-                if not pod["metadata"].get("deletionTimestamp")
-            }
-            if workload.owner in present:
+                if _owner_name(pod) == workload.owner
+                and not pod["metadata"].get("deletionTimestamp")
+            ]
+            if mine:
+                for pod in mine:
+                    if not pod["spec"].get("nodeName") and workload.gpus <= free:
+                        self._bind(pod)
+                        free -= workload.gpus
                 continue
             owner = self.cluster.get("ReplicaSet", workload.owner, workload.namespace)
             if owner is None:
                 continue
-            self.cluster.add_pod(
+            fits = workload.gpus <= free
+            pod = self.cluster.add_pod(
                 f"{workload.owner}-{secrets.token_hex(3)}",
                 workload.namespace,
-                node=self.node,
+                node=self.node if fits else None,
+                phase="Running" if fits else "Pending",
                 labels=workload.labels,
                 owner=self.cluster.owner_ref(owner),
                 image=workload.image,
                 gpu_request=workload.gpus,
             )
+            if fits:
+                free -= workload.gpus
+            else:
+                self._unschedulable(pod)
+
+    def _unschedulable(self, pod: dict[str, Any]) -> None:
+        """The status kube-scheduler writes for a pod no node can take."""
+
+        def mutate(obj: dict[str, Any]) -> None:
+            obj["status"] = {
+                "phase": "Pending",
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/2 nodes are available: 1 Insufficient "
+                        "nvidia.com/gpu, 1 node(s) had untolerated taint "
+                        "{node-role.kubernetes.io/control-plane: }.",
+                    }
+                ],
+                "qosClass": "Burstable",
+            }
+
+        meta = pod["metadata"]
+        self.cluster.modify("Pod", meta["name"], meta["namespace"], mutate=mutate)
+
+    def _bind(self, pod: dict[str, Any]) -> None:
+        """Bind a waiting pod to the node (kube-scheduler), and run it (the
+        kubelet): the status a fresh running pod has."""
+        meta = pod["metadata"]
+        running = make_pod(meta["name"], meta["namespace"], node=self.node)
+
+        def mutate(obj: dict[str, Any]) -> None:
+            obj["spec"]["nodeName"] = self.node
+            obj["status"] = running["status"]
+
+        self.cluster.modify("Pod", meta["name"], meta["namespace"], mutate=mutate)
 
     def step(self) -> None:
         """Look once: the node follows the VM; workloads come back if asked."""
