@@ -17,6 +17,7 @@ GPU node runs with once its device plugin registers.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from pytest_homeassistant_custom_component.common import (
 from custom_components.gpu_handoff.const import (
     CONF_LEND_FREE_CARDS,
     EVENT_CARDS_RETURNED,
+    EVENT_HANDOFF_FAILED,
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
     EVENT_RETURN_SUCCEEDED,
@@ -392,3 +394,31 @@ async def test_workloads_that_need_more_gpus_than_are_lent_wait(
     )
     await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
     await until(lambda: workloads() == [(GPU_NODE, "Running"), (GPU_NODE, "Running")])
+
+
+async def test_an_agent_that_cannot_lend_is_reported(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    lending: str,
+) -> None:
+    """An agent older than lending (its hello lists no `lend`): the player
+    gets their VM, and the GPU node's return fails saying the agent must be
+    updated, without asking the agent for a job it does not know."""
+    tower = entry.runtime_data.coordinator.tower
+    await until(lambda: tower.session is not None and not tower.session.closed)
+    session = tower.session
+    assert session is not None
+    session.hello = replace(
+        session.hello, verbs=tuple(v for v in session.hello.verbs if v != "lend")
+    )
+    handed = async_capture_events(hass, EVENT_HANDOFF_SUCCEEDED)
+    failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
+    await switch(hass, "turn_on", SWITCH_1)
+    await until(lambda: bool(handed) and bool(failed), BOUND)
+    await until(lambda: idle(entry))
+    assert (failed[0].data["vm"], failed[0].data["kind"]) == ("gpu-node", "return")
+    assert failed[0].data["code"] == "agent_cannot_lend"
+    assert "update it" in entry.runtime_data.controller.last_error["gpu-node"]
+    assert sim.calls("create") == []
+    assert sim.is_running("gaming-1")

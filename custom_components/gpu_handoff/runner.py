@@ -400,8 +400,25 @@ class OperationRunner:
             self._host.phase(PHASE_RETURNING)
         elif not free:
             return False
+        self._check_agent_lends()
         await self._job(JobKind.LEND, None)
         return bool(free)
+
+    def _check_agent_lends(self) -> None:
+        """An agent older than lending (0.3.0) has no `lend`: say so before
+        anything is asked of it (with the session down, its answer says it)."""
+        session = self.tower.session
+        if (
+            session is not None
+            and not session.closed
+            and JobKind.LEND.value not in session.hello.verbs
+        ):
+            raise RunnerError(
+                "agent_cannot_lend",
+                f"the agent on the tower ({session.hello.version}) cannot lend "
+                "cards yet: update it to the version this integration ships",
+                version=session.hello.version,
+            )
 
     async def finish_job(self) -> None:
         """Follow the stored job to its end (an operation being abandoned)."""
