@@ -580,6 +580,7 @@ class ChaosRig:
     ) -> None:
         self.hass = hass
         self.lend = lend
+        self._return_failure_reported = False
         self.recover = recover
         self.cordon_bound = cordon_bound
         self.cluster = cluster
@@ -1321,6 +1322,7 @@ class ChaosRig:
                 f"(failures reported: {self._failures_text()})",
             )
             return "half_state"
+        self._return_failure_reported = False
         if not await self._wait(self._node_ready, 3.0):
             self._violate("harness_error", "the kubelet stand-in did not follow")
         if self._our_cordon() and not await self._wait(
@@ -1351,13 +1353,19 @@ class ChaosRig:
         }
         free = defined - taken
         if GPU not in running:
-            if free and self._reported(GPU) is not None:
+            # A failed return stays reported (repair, last_error) until the
+            # user acts or the next request brings the GPU node back: a
+            # later cycle that leaves it off is not a new silence.
+            if free and self._reported(GPU) is None:
+                self._return_failure_reported = True
+            elif free and not self._return_failure_reported:
                 self._violate(
                     "cards_not_lent",
                     f"the GPU node is off while {sorted(free)} are free, and no "
                     "failure of its return was reported",
                 )
             return "playing"
+        self._return_failure_reported = False
         lent = {address.rsplit(".", 1)[0] for address in gpu.addresses()}
         if lent != free and self._reported(GPU) is not None:
             self._violate(
