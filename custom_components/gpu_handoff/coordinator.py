@@ -55,6 +55,7 @@ from .protocol import (
     TowerStatus,
     Version,
 )
+from .tower import gpu_handoff as agent
 from .tower_client import (
     AgentVersionError,
     TowerAuthError,
@@ -83,6 +84,21 @@ LIFECYCLE_STATES: Final = {
     "pmsuspended": "pmsuspended",
 }
 ISSUE_AGENT_OUTDATED: Final = "agent_outdated"
+# The agent's version against the one this integration ships (same protocol).
+ISSUE_AGENT_VERSION: Final = "agent_version"
+# The agent this integration ships, and so expects on the tower.
+AGENT_VERSION: Final = agent.VERSION
+
+
+def version_key(version: str) -> tuple[int, ...] | None:
+    """``"0.3.0"`` -> ``(0, 3, 0)``; None for a version that is not dotted
+    numbers (compared with nothing)."""
+    parts = version.split(".")
+    if not all(part.isdigit() for part in parts):
+        return None
+    return tuple(int(part) for part in parts)
+
+
 ISSUE_NODE_HEALTH: Final = "node_health"
 ISSUE_NEW_GAMING_VM: Final = "new_gaming_vm"
 
@@ -440,6 +456,7 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
                 logged = None
                 _LOGGER.debug("Agent session open (agent %s)", session.hello.version)
                 self._show_agent(session.hello)
+                self._compare_agent_version(session.hello.version)
                 self._session_changed()
                 await session.wait_closed()
                 self.session_connected = False
@@ -466,6 +483,31 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
         name = hello.host_name or device.name
         if (device.sw_version, device.name) != (hello.version, name):
             registry.async_update_device(device.id, sw_version=hello.version, name=name)
+
+    def _compare_agent_version(self, theirs: str) -> None:
+        """The agent this integration ships is AGENT_VERSION. An older one on
+        the tower works (same protocol) but lacks what came since (lending
+        the free cards, its name, the screen's conversion): a repair says how
+        to update it. A newer one is reported as such, never guessed at."""
+        issue_id = f"{ISSUE_AGENT_VERSION}_{self.config_entry.entry_id}"
+        ours_key, theirs_key = version_key(AGENT_VERSION), version_key(theirs)
+        if ours_key is None or theirs_key is None or theirs_key == ours_key:
+            ir.async_delete_issue(self.hass, DOMAIN, issue_id)
+            return
+        older = theirs_key < ours_key
+        ir.async_create_issue(
+            self.hass,
+            DOMAIN,
+            issue_id,
+            is_fixable=False,
+            severity=ir.IssueSeverity.WARNING,
+            translation_key="agent_older" if older else "agent_newer",
+            translation_placeholders={
+                "host": self.config_entry.data[CONF_HOST],
+                "theirs": theirs,
+                "ours": AGENT_VERSION,
+            },
+        )
 
     def _session_changed(self) -> None:
         if self.session_listener is not None:
