@@ -373,13 +373,13 @@ class HandoffController:
         auto = self._entry.options.get(CONF_AUTO_RETURN, DEFAULT_AUTO_RETURN)
         session_ended = bool(ended) and not playing and not self.desired
         node = data.node
-        # The safety net: our own cordon on a GPU node that serves again
-        # (an operation interrupted between the node's return and the uncordon).
+        # The safety net: our own cordon on a GPU node that serves again (an
+        # operation interrupted between the node's return and the uncordon, a
+        # failed handoff whose rollback could not reach the tower). Whoever
+        # plays: a lending GPU node serves while they do.
         leftover = (
             gpu is not None
             and gpu.state == RUNNING
-            and not playing
-            and not self.desired
             and node is not None
             and node.ready is True
             and node.cordon_owner == CORDON_OWNER_US

@@ -301,3 +301,30 @@ async def test_a_tower_that_stops_lending_is_caught(
     plans = [Plan(0, 1, "on", "gaming-1")]
     summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
     assert _invariants(summary) == [(1, "cards_not_lent")]
+
+
+async def test_a_lending_gpu_node_loses_a_cordon_left_by_a_failed_handoff(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Found by ``scripts/chaos --lend --cycles 100 --seed 1`` (cycle 21):
+    Gaming station 2 plays, the GPU node serves the free cards; the handoff
+    to Gaming station 1 fails while libvirt is away after the drain, and its
+    rollback cannot reach the tower. The cordon must still go once the GPU
+    node serves. (Fixed: the safety net lifts GPU Handoff's own cordon on a
+    serving GPU node whoever plays.)"""
+    plans = [
+        Plan(0, 1, "on", "gaming-2"),
+        Plan(
+            0,
+            2,
+            "on",
+            "gaming-1",
+            (
+                Fault("eviction_error", "job", (("count", 1), ("status", 504))),
+                Fault("libvirt_down", "draining", (("seconds", 0.7),)),
+            ),
+        ),
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
+    assert summary["faults"]["fired"].get("libvirt_down") == 1
+    assert summary["violations"] == []
