@@ -488,7 +488,12 @@ class HandoffController:
         self.operation = None
         self.drain = None
         self.requests.pop(vm, None)
-        follow_up = follow_up or (succeeded and self._lends_after(kind))
+        # Lending: the free cards go back after the last of a burst of
+        # requests, even when that one was a stop that failed (the requests
+        # before it, merged into it, changed what is free).
+        follow_up = follow_up or (
+            (succeeded or kind == "stop") and self._lends_after(kind)
+        )
         self.pending = (
             {"vm": self.coordinator.data.tower.gpu_node, "kind": "return", "job": None}
             if follow_up

@@ -328,3 +328,33 @@ async def test_a_lending_gpu_node_loses_a_cordon_left_by_a_failed_handoff(
     summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
     assert summary["faults"]["fired"].get("libvirt_down") == 1
     assert summary["violations"] == []
+
+
+async def test_a_failed_stop_after_a_merged_one_still_lends_the_free_cards(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Found by ``scripts/chaos --lend --cycles 100 --seed 1`` (cycle 79):
+    both play and both quit; the first stop leaves the GPU node's restart to
+    the second (merged), and the second fails (its guest ignores the
+    shutdown). The first one's card must still go back to the cluster.
+    (Fixed: the lending restart follows the last request of a burst even
+    when that one was a stop that failed.)"""
+    plans = [
+        Plan(0, 1, "both_on"),
+        Plan(
+            0,
+            2,
+            "both_off",
+            None,
+            (
+                Fault(
+                    "guest_shutdown",
+                    "before",
+                    (("mode", "ignored"), ("seconds", 1.9), ("target", "gaming-2")),
+                ),
+            ),
+        ),
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
+    assert summary["faults"]["fired"] == {"guest_shutdown": 1}
+    assert summary["violations"] == []

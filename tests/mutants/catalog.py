@@ -352,8 +352,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 CONTROLLER,
-                "follow_up = follow_up or (succeeded and self._lends_after(kind))",
-                "follow_up = follow_up or False",
+                '(succeeded or kind == "stop") and self._lends_after(kind)',
+                "False",
             ),
         ),
         ("tests/test_lending.py::test_one_player_leaves_the_cluster_two_cards",),
