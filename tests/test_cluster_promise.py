@@ -590,6 +590,43 @@ async def test_a_removed_gaming_vm_leaves_the_desired_set(
     assert sim.is_running("gpu-node")
 
 
+async def test_a_stop_that_outlives_the_other_player_returns_the_cards(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Both play, and Gaming station 2 is no longer in Home Assistant. Gaming
+    station 1 is turned off while Gaming station 2 still runs (so its stop is
+    a plain stop), and Gaming station 2 shuts down while that stop runs. The
+    session GPU Handoff knew of ended with nobody playing: the cards go back.
+    (Found as a rare timeout of the test above: the stop had begun from a
+    view in which Gaming station 2 still ran.)"""
+    returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
+    await setup_entry(hass, entry)
+    await play(hass, entry, sim, 1)
+    await play(hass, entry, sim, 2)
+    subentry = next(
+        sub_id
+        for sub_id, sub in entry.subentries.items()
+        if sub.unique_id == "gaming-2"
+    )
+    assert hass.config_entries.async_remove_subentry(entry, subentry)
+    await hass.async_block_till_done()
+    sim.set_shutdown_duration("gaming-1", 300.0)  # 3 s here
+    await switch(hass, "turn_off", SWITCH_1)
+    controller = entry.runtime_data.controller
+    await until(lambda: (controller.pending or {}).get("job") is not None)
+    sim.guest_shutdown("gaming-2")
+    await until(lambda: bool(returned))
+    await until(lambda: idle(entry))
+    assert sim.is_running("gpu-node")
+    assert not sim.is_running("gaming-1")
+    assert not sim.is_running("gaming-2")
+    await until(lambda: not cordoned(cluster))
+
+
 async def test_removing_a_gaming_vm_mid_handoff_ends_it_safely(
     hass: HomeAssistant,
     sim: Tower,

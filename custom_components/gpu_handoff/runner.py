@@ -344,7 +344,7 @@ class OperationRunner:
             # Resume the job the stored operation asked for.
             await self._job(pending.kind, pending.domain)
             if pending.kind is not JobKind.RELEASE:
-                return False
+                return await self._return_if_nobody_plays(settings)
             await self._node_back()
             return True
         status = await self.tower.status()
@@ -359,12 +359,33 @@ class OperationRunner:
             # (Lending: the GPU node may run with some cards already; the
             # return that follows restarts it with every free card.)
             await self._job(JobKind.STOP, vm)
-            return False
+            return await self._return_if_nobody_plays(settings)
         # Nobody else plays: stop the VM and start the GPU node in one job.
         # The return begins now (the Handoff state goes to `starting` and
         # only forward from there, whatever the snapshot lags behind).
         self._host.phase(PHASE_RETURNING)
         await self._job(JobKind.RELEASE, vm)
+        await self._node_back()
+        return True
+
+    async def _return_if_nobody_plays(self, settings: Settings) -> bool:
+        """After a stop that began while someone else played: if nobody plays
+        now (they quit meanwhile, or the view the stop began with lagged), the
+        gaming session GPU Handoff knew of has ended, so the cards go back
+        now, as they would have in one job. Lending: the controller's return
+        does it. True when they went back."""
+        if not settings.auto_return or settings.lend_free:
+            return False
+        status = await self.tower.status()
+        gpu = status.domains.get(status.gpu_node)
+        playing = any(
+            (domain := status.domains.get(vm)) is not None and domain.state == RUNNING
+            for vm in status.gaming
+        )
+        if gpu is None or gpu.state != SHUT_OFF or playing:
+            return False
+        self._host.phase(PHASE_RETURNING)
+        await self._job(JobKind.RELEASE, None)
         await self._node_back()
         return True
 
