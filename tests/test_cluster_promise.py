@@ -560,6 +560,23 @@ async def test_removing_the_entry_mid_handoff(
     assert sim.calls("shutdown") == []
 
 
+async def _both_play_then_gaming_2_is_removed(
+    hass: HomeAssistant, entry: MockConfigEntry, sim: Tower
+) -> None:
+    """Both play; Gaming station 2 is removed from Home Assistant (its VM
+    keeps running)."""
+    await setup_entry(hass, entry)
+    await play(hass, entry, sim, 1)
+    await play(hass, entry, sim, 2)
+    subentry = next(
+        sub_id
+        for sub_id, sub in entry.subentries.items()
+        if sub.unique_id == "gaming-2"
+    )
+    assert hass.config_entries.async_remove_subentry(entry, subentry)
+    await hass.async_block_till_done()
+
+
 async def test_a_removed_gaming_vm_leaves_the_desired_set(
     hass: HomeAssistant,
     entry: MockConfigEntry,
@@ -571,16 +588,7 @@ async def test_a_removed_gaming_vm_leaves_the_desired_set(
     keeps running) and later stops. It must not block the return when
     Gaming station 1's session ends."""
     returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
-    await setup_entry(hass, entry)
-    await play(hass, entry, sim, 1)
-    await play(hass, entry, sim, 2)
-    subentry = next(
-        sub_id
-        for sub_id, sub in entry.subentries.items()
-        if sub.unique_id == "gaming-2"
-    )
-    assert hass.config_entries.async_remove_subentry(entry, subentry)
-    await hass.async_block_till_done()
+    await _both_play_then_gaming_2_is_removed(hass, entry, sim)
     assert entry.state is ConfigEntryState.LOADED
     await until(lambda: entry.runtime_data.controller.desired == {"gaming-1"})
     sim.guest_shutdown("gaming-2")
@@ -604,16 +612,7 @@ async def test_a_stop_that_outlives_the_other_player_returns_the_cards(
     (Found as a rare timeout of the test above: the stop had begun from a
     view in which Gaming station 2 still ran.)"""
     returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
-    await setup_entry(hass, entry)
-    await play(hass, entry, sim, 1)
-    await play(hass, entry, sim, 2)
-    subentry = next(
-        sub_id
-        for sub_id, sub in entry.subentries.items()
-        if sub.unique_id == "gaming-2"
-    )
-    assert hass.config_entries.async_remove_subentry(entry, subentry)
-    await hass.async_block_till_done()
+    await _both_play_then_gaming_2_is_removed(hass, entry, sim)
     sim.set_shutdown_duration("gaming-1", 300.0)  # 3 s here
     await switch(hass, "turn_off", SWITCH_1)
     controller = entry.runtime_data.controller

@@ -53,6 +53,17 @@ EVENT_STOP_SUCCEEDED: Final = "gpu_handoff_stop_succeeded"
 EVENT_RETURN_SUCCEEDED: Final = "gpu_handoff_return_succeeded"
 # The cards went back, but the GPU node does not advertise them to the cluster.
 EVENT_RETURN_UNHEALTHY: Final = "gpu_handoff_return_unhealthy"
+# Every event GPU Handoff fires (the logbook describes each).
+EVENTS: Final = (
+    EVENT_HANDOFF_STARTED,
+    EVENT_HANDOFF_STEP,
+    EVENT_HANDOFF_SUCCEEDED,
+    EVENT_STOP_SUCCEEDED,
+    EVENT_RETURN_SUCCEEDED,
+    EVENT_HANDOFF_FAILED,
+    EVENT_CARDS_RETURNED,
+    EVENT_RETURN_UNHEALTHY,
+)
 
 SERVICE_RETURN_CARDS: Final = "return_cards"
 SERVICE_START_HANDOFF: Final = "start_handoff"

@@ -702,12 +702,16 @@ class HandoffController:
             translation_placeholders={"vm": name, "error": message},
         )
 
+    def _device(self, vm: str) -> dr.DeviceEntry | None:
+        """``vm``'s device (the GPU node's or a gaming VM's), if registered."""
+        return dr.async_get(self.hass).async_get_device_by_identifier(
+            domain_identifier(self._entry.entry_id, vm), self._entry.entry_id
+        )
+
     def _device_name(self, vm: str) -> str:
         """What the user calls ``vm`` (its device's name, theirs if they
         renamed it), else its libvirt name."""
-        device = dr.async_get(self.hass).async_get_device_by_identifier(
-            domain_identifier(self._entry.entry_id, vm), self._entry.entry_id
-        )
+        device = self._device(vm)
         if device is None:
             return vm
         return device.name_by_user or device.name or vm
@@ -720,9 +724,7 @@ class HandoffController:
         return f"{ISSUE_HANDOFF_FAILED}_{self._entry.entry_id}_{vm}"
 
     def _fire(self, event: str, vm: str, **data: Any) -> None:
-        device = dr.async_get(self.hass).async_get_device_by_identifier(
-            domain_identifier(self._entry.entry_id, vm), self._entry.entry_id
-        )
+        device = self._device(vm)
         self.hass.bus.async_fire(
             event,
             {

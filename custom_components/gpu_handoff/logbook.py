@@ -13,17 +13,7 @@ from homeassistant.components.logbook.const import (
 from homeassistant.core import Event, HomeAssistant, callback
 from homeassistant.helpers import device_registry as dr
 
-from .const import (
-    DOMAIN,
-    EVENT_CARDS_RETURNED,
-    EVENT_HANDOFF_FAILED,
-    EVENT_HANDOFF_STARTED,
-    EVENT_HANDOFF_STEP,
-    EVENT_HANDOFF_SUCCEEDED,
-    EVENT_RETURN_SUCCEEDED,
-    EVENT_RETURN_UNHEALTHY,
-    EVENT_STOP_SUCCEEDED,
-)
+from .const import DOMAIN, EVENTS
 
 OPERATIONS: Final = {
     "handoff": "the handoff of the cards",
@@ -94,14 +84,5 @@ def async_describe_events(
             LOGBOOK_ENTRY_MESSAGE: describe(event),
         }
 
-    for event_type in (
-        EVENT_HANDOFF_STARTED,
-        EVENT_HANDOFF_STEP,
-        EVENT_HANDOFF_SUCCEEDED,
-        EVENT_STOP_SUCCEEDED,
-        EVENT_RETURN_SUCCEEDED,
-        EVENT_HANDOFF_FAILED,
-        EVENT_CARDS_RETURNED,
-        EVENT_RETURN_UNHEALTHY,
-    ):
+    for event_type in EVENTS:
         async_describe_event(DOMAIN, event_type, async_describe)

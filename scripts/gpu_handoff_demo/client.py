@@ -13,17 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from custom_components.gpu_handoff.const import (
-    DOMAIN,
-    EVENT_CARDS_RETURNED,
-    EVENT_HANDOFF_FAILED,
-    EVENT_HANDOFF_STARTED,
-    EVENT_HANDOFF_STEP,
-    EVENT_HANDOFF_SUCCEEDED,
-    EVENT_RETURN_SUCCEEDED,
-    EVENT_RETURN_UNHEALTHY,
-    EVENT_STOP_SUCCEEDED,
-)
+from custom_components.gpu_handoff.const import DOMAIN, EVENTS
 
 from .home_assistant import CORE_CONFIG, HOST
 from .output import DemoError, log
@@ -31,16 +21,6 @@ from .output import DemoError, log
 if TYPE_CHECKING:
     from .towers import DemoTower
 
-EVENTS = (
-    EVENT_HANDOFF_STARTED,
-    EVENT_HANDOFF_STEP,
-    EVENT_HANDOFF_SUCCEEDED,
-    EVENT_STOP_SUCCEEDED,
-    EVENT_RETURN_SUCCEEDED,
-    EVENT_HANDOFF_FAILED,
-    EVENT_CARDS_RETURNED,
-    EVENT_RETURN_UNHEALTHY,
-)
 USERNAME = "demo"
 WAIT = 300.0  # seconds any single wait may take at most
 

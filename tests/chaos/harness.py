@@ -1349,7 +1349,8 @@ class ChaosRig:
             for address in world.doms[name].addresses()
         }
         defined = {
-            address.rsplit(".", 1)[0] for address in self.sim.defined_hostdevs(GPU)
+            address.rsplit(".", 1)[0]
+            for address in await asyncio.to_thread(self.sim.defined_hostdevs, GPU)
         }
         free = defined - taken
         if GPU not in running:
