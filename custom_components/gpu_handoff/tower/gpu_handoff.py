@@ -26,6 +26,8 @@ import contextlib
 import datetime as dt
 import errno
 import fcntl
+import functools
+import grp
 import json
 import os
 import pwd
@@ -73,6 +75,8 @@ ERR_TOO_LARGE = "too_large"
 ERR_SCREENSHOT_FAILED = "screenshot_failed"
 ERR_EXISTS = "exists"
 ERR_INSTALL_FAILED = "install_failed"
+ERR_NOT_INSTALLED = "not_installed"
+ERR_NIXOS = "nixos"
 ERR_STATE_DIR_UNSAFE = "state_dir_unsafe"
 ERR_QUEUE_FULL = "queue_full"
 ERR_TOO_MANY_STREAMS = "too_many_streams"
@@ -101,6 +105,8 @@ ERROR_CODES = frozenset(
         ERR_SCREENSHOT_FAILED,
         ERR_EXISTS,
         ERR_INSTALL_FAILED,
+        ERR_NOT_INSTALLED,
+        ERR_NIXOS,
         ERR_STATE_DIR_UNSAFE,
         ERR_QUEUE_FULL,
         ERR_TOO_MANY_STREAMS,
@@ -243,12 +249,14 @@ _STREAM_ERRORS = (OSError, ValueError, AttributeError)
 
 
 class AgentError(Exception):
-    """An error answered to the caller as {"code", "message"}."""
+    """An error answered to the caller as {"code", "message"}, plus the
+    `extra` fields some verbs add (install's "reason" and "left")."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, **extra: Any) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.extra = extra
 
 
 _JOB_ERRORS = (AgentError, KeyError, TypeError)
@@ -269,12 +277,10 @@ def reply_ok(**fields: Any) -> JsonObj:
     return out
 
 
-def reply_error(code: str, message: str) -> JsonObj:
-    return {
-        "protocol": PROTOCOL,
-        "ok": False,
-        "error": {"code": code, "message": message},
-    }
+def reply_error(code: str, message: str, **extra: Any) -> JsonObj:
+    error: JsonObj = {"code": code, "message": message}
+    error.update(extra)
+    return {"protocol": PROTOCOL, "ok": False, "error": error}
 
 
 # --- configuration --------------------------------------------------------------
@@ -1151,23 +1157,11 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def write_json_at(dfd: int, name: str, data: Any) -> None:
-    """Replace `name` in the directory atomically: a new file made with O_EXCL,
-    its mode set on the descriptor, renamed over the old one (a symbolic link
-    there is replaced, never followed)."""
+    """Replace `name` in the directory atomically (see replace_file_at), as a
+    state record: mode 0600, not synced (a record lost with the machine is
+    read as missing, and every reader copes with that)."""
     payload = (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
-    tmp = f".tmp-{secrets.token_hex(8)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_EXCL | _NEW_FILE, STATE_FILE_MODE, dir_fd=dfd)
-    try:
-        try:
-            os.fchmod(fd, STATE_FILE_MODE)
-            _write_all(fd, payload)
-        finally:
-            os.close(fd)
-        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dfd)
-        raise
+    replace_file_at(dfd, name, payload, STATE_FILE_MODE, durable=False)
 
 
 def open_file_at(dfd: int, name: str, flags: int, where: str) -> int:
@@ -3360,6 +3354,45 @@ def nixos_module_path() -> Optional[str]:
     return module if os.path.isfile(module) else None
 
 
+# What install adds to a tower's accounts and services, when asked.
+# sudo runs commands with its secure_path; this is the usual one where PATH is unset.
+ADMIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+ADMIN_TIMEOUT = 120.0
+ADMIN_OUTPUT_MAX = 400
+# A name every useradd takes (POSIX portable characters, lower case, 32 at
+# most): never an option, never a path.
+USER_NAME_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+LIBVIRT_GROUP = "libvirt"
+# libvirt loads its hooks when its daemon starts: the monolithic libvirtd, or
+# the QEMU driver's own virtqemud where the modular daemons run.
+LIBVIRT_UNITS = ("libvirtd.service", "virtqemud.service")
+# The key types an OpenSSH public key line for Home Assistant may name.
+KEY_TYPES = (
+    "ssh-ed25519",
+    "ecdsa-sha2-nistp256",
+    "ecdsa-sha2-nistp384",
+    "ecdsa-sha2-nistp521",
+    "ssh-rsa",
+    "sk-ssh-ed25519@openssh.com",
+    "sk-ecdsa-sha2-nistp256@openssh.com",
+)
+# A 16384-bit RSA key is 2.8 KB of base64.
+KEY_LINE_MAX = 8192
+SSH_DIR = ".ssh"
+SSH_DIR_MODE = 0o700
+AUTHORIZED_KEYS = "authorized_keys"
+AUTHORIZED_KEYS_MODE = 0o600
+AUTHORIZED_KEYS_MAX = 4 << 20
+PROGRAM_MODE = 0o755
+CONFIG_MODE = 0o644
+# The first line of this module's docstring: how `update` knows the program
+# it replaces is this agent (in the first AGENT_HEAD bytes of the file).
+AGENT_MARKER = b"gpu-handoff: the tower agent of GPU Handoff."
+AGENT_HEAD = 4096
+PROGRAM_MAX = 16 << 20
+VERSION_LINE_RE = re.compile(rb'^VERSION = "([0-9A-Za-z.+-]{1,40})"$', re.MULTILINE)
+
+
 def nixos_snippet(opts: Dict[str, Any], module: Optional[str]) -> str:
     """What to add to a NixOS configuration for `install`'s options: the
     module's options, only those that differ from its defaults."""
@@ -3379,10 +3412,16 @@ def nixos_snippet(opts: Dict[str, Any], module: Optional[str]) -> str:
     )
     if opts["detach"]:
         settings.append(f"detach = {nix_string(opts['detach'])};")
-    settings += [
-        "# Home Assistant's public key: the end of the line its setup shows.",
-        f"authorizedKeys = [ {nix_string(PLACEHOLDER_KEY)} ];",
-    ]
+    if opts["key"]:
+        settings += [
+            "# Home Assistant's public key.",
+            f"authorizedKeys = [ {nix_string(opts['key'])} ];",
+        ]
+    else:
+        settings += [
+            "# Home Assistant's public key: the end of the line its setup shows.",
+            f"authorizedKeys = [ {nix_string(PLACEHOLDER_KEY)} ];",
+        ]
     where = nix_string(module or NIXOS_MODULE_PLACEHOLDER)
     return "\n".join(
         [
@@ -3398,14 +3437,9 @@ def nixos_snippet(opts: Dict[str, Any], module: Optional[str]) -> str:
     )
 
 
-def _status_or_error(cfg: Config) -> JsonObj:
-    try:
-        return verb_status(cfg)
-    except AgentError as error:
-        return reply_error(error.code, error.message)
-
-
-def _as_account(account: pwd.struct_passwd, work: Callable[[], JsonObj]) -> JsonObj:
+def _as_account(
+    account: pwd.struct_passwd, work: Callable[[], JsonObj], what: str
+) -> JsonObj:
     """`work`'s reply, computed in a child process that is `account` (root only)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -3416,7 +3450,7 @@ def _as_account(account: pwd.struct_passwd, work: Callable[[], JsonObj]) -> Json
                 drop_privileges(account.pw_uid, account.pw_gid, {})
                 result = work()
             except AgentError as error:
-                result = reply_error(error.code, error.message)
+                result = reply_error(error.code, error.message, **error.extra)
             except Exception as error:  # noqa: BLE001 - reported to the parent
                 result = reply_error(ERR_INTERNAL, f"{type(error).__name__}: {error}")
             _write_all(write_fd, json.dumps(result).encode())
@@ -3431,14 +3465,36 @@ def _as_account(account: pwd.struct_passwd, work: Callable[[], JsonObj]) -> Json
     except ValueError:
         answer = None
     if not isinstance(answer, dict):
-        return reply_error(
-            ERR_INTERNAL, "the status check as the SSH user said nothing"
-        )
+        return reply_error(ERR_INTERNAL, f"{what} as the SSH user said nothing")
     return answer
+
+
+def as_user(
+    account: pwd.struct_passwd, work: Callable[[], JsonObj], what: str
+) -> JsonObj:
+    """`work`'s reply (an error reply for an AgentError), computed as the SSH
+    user: run as root, in a child process that becomes the user first, so that
+    nothing the user controls (a symbolic link in its home or its state
+    directory) can make root act where the user could not."""
+    if os.geteuid() == 0 and account.pw_uid != 0:
+        return _as_account(account, work, what)
+    try:
+        return work()
+    except AgentError as error:
+        return reply_error(error.code, error.message, **error.extra)
 
 
 def _rooted(root: str, path: str) -> str:
     return os.path.join(root, path.lstrip("/")) if root else path
+
+
+# Options that take no value, and the option each sets.
+_INSTALL_FLAGS = {
+    "--force": "force",
+    "--create-user": "create_user",
+    "--join-libvirt-group": "join_libvirt_group",
+    "--restart-libvirt": "restart_libvirt",
+}
 
 
 def _install_options(args: List[str], config_option: Optional[str]) -> Dict[str, Any]:
@@ -3449,12 +3505,14 @@ def _install_options(args: List[str], config_option: Optional[str]) -> Dict[str,
         "uri": DEFAULT_LIBVIRT_URI,
         "prefix": None,
         "root": "",
-        "force": False,
         "state_dir": DEFAULT_INSTALL_STATE_DIR,
         "detach": None,
         "config": config_option,
         "timeouts": {},
+        "key": None,
+        "key_blob": b"",
     }
+    opts.update(dict.fromkeys(_INSTALL_FLAGS.values(), False))
     names = {
         "--user": "user",
         "--gpu-node": "gpu_node",
@@ -3465,13 +3523,14 @@ def _install_options(args: List[str], config_option: Optional[str]) -> Dict[str,
         "--state-dir": "state_dir",
         "--detach": "detach",
         "--config": "config",
+        "--authorize-key": "key",
     }
     names.update({f"--timeout-{kind}": kind for kind in TIMEOUT_DEFAULTS})
     i = 0
     while i < len(args):
         arg = args[i]
-        if arg == "--force":
-            opts["force"] = True
+        if arg in _INSTALL_FLAGS:
+            opts[_INSTALL_FLAGS[arg]] = True
             i += 1
             continue
         key, _, value = arg.partition("=")
@@ -3487,12 +3546,19 @@ def _install_options(args: List[str], config_option: Optional[str]) -> Dict[str,
             opts["gaming"].append(value)
         elif names[key] in TIMEOUT_DEFAULTS:
             opts["timeouts"][names[key]] = _install_seconds(key, value)
+        elif names[key] == "key":
+            opts["key"], opts["key_blob"] = parse_public_key(value)
         else:
             opts[names[key]] = value
     if not opts["user"] or not opts["gpu_node"] or not opts["gaming"]:
         raise AgentError(
             ERR_BAD_REQUEST,
             "install: --user, --gpu-node and at least one --gaming are required",
+        )
+    if opts["create_user"] and not USER_NAME_RE.match(opts["user"]):
+        raise AgentError(
+            ERR_BAD_REQUEST,
+            f"install: --create-user makes only a user named like {USER_NAME_RE.pattern}",
         )
     return opts
 
@@ -3524,9 +3590,506 @@ def _install_data(opts: Dict[str, Any]) -> JsonObj:
     return data
 
 
+# --- install: Home Assistant's key -------------------------------------------------------
+
+
+def _key_type_of(blob: bytes) -> bytes:
+    """The first field of an SSH key blob: the key type, as an RFC 4253 string
+    (a 32-bit big-endian length, then the bytes); b"" if it is not one."""
+    size = int.from_bytes(blob[:4], "big")
+    name = blob[4 : 4 + size]
+    return name if len(blob) >= 4 and len(name) == size else b""
+
+
+def _decoded_key(kind: bytes, text: bytes) -> Optional[bytes]:
+    """A base64 key blob's bytes, if they name the key type `kind`."""
+    try:
+        blob = base64.b64decode(text, validate=True)
+    except ValueError:  # binascii.Error
+        return None
+    return blob if blob and _key_type_of(blob) == kind else None
+
+
+def parse_public_key(line: str) -> Tuple[str, bytes]:
+    """An OpenSSH public key line `TYPE BASE64 [COMMENT]`, checked: the line
+    as authorized_keys will hold it, and the key's bytes."""
+    prefix = "install: --authorize-key takes an OpenSSH public key line"
+    if len(line) > KEY_LINE_MAX or not line.isprintable():
+        raise AgentError(ERR_BAD_REQUEST, f"{prefix}: one line, printable characters")
+    fields = line.split(None, 2)
+    if len(fields) < 2:
+        raise AgentError(ERR_BAD_REQUEST, f"{prefix}: TYPE BASE64 [COMMENT]")
+    kind, text = fields[0], fields[1]
+    comment = fields[2].strip() if len(fields) == 3 else ""
+    if kind not in KEY_TYPES:
+        raise AgentError(
+            ERR_BAD_REQUEST,
+            f"{prefix}: {kind[:40]!r} is not one of {', '.join(KEY_TYPES)}",
+        )
+    blob = _decoded_key(kind.encode(), text.encode())
+    if blob is None:
+        raise AgentError(ERR_BAD_REQUEST, f"{prefix}: its key is not a {kind} key")
+    if '"' in comment or "'" in comment:
+        raise AgentError(ERR_BAD_REQUEST, f"{prefix}: its comment has quotes")
+    return " ".join(field for field in (kind, text, comment) if field), blob
+
+
+def _past_options(text: bytes) -> bytes:
+    """What follows an authorized_keys line's options, as sshd skips them
+    (sshkey_advance_past_options): up to the first blank outside double
+    quotes, a backslash-quote being no quote."""
+    quoted = False
+    i = 0
+    while i < len(text) and (quoted or text[i] not in b" \t"):
+        if text[i : i + 2] == b'\\"':
+            i += 1
+        elif text[i : i + 1] == b'"':
+            quoted = not quoted
+        i += 1
+    return text[i:]
+
+
+def authorized_key_of(line: bytes) -> Optional[bytes]:
+    """The key an authorized_keys line holds (its bytes), with or without
+    options before it; None for a comment, a blank line or a line sshd
+    could not read a key from."""
+    text = line.strip()
+    if not text or text.startswith(b"#"):
+        return None
+    for rest in (text, _past_options(text)):
+        fields = rest.split(None, 2)
+        if len(fields) >= 2:
+            blob = _decoded_key(fields[0], fields[1])
+            if blob is not None:
+                return blob
+    return None
+
+
+def authorized_keys_content(
+    old: bytes, line: str, blob: bytes
+) -> Tuple[Optional[bytes], str]:
+    """authorized_keys with `line` in it (None: unchanged), and what changed:
+    "present" (the line is there, the key's only one), "replaced" (the key's
+    first line becomes `line`, its other lines go) or "added" (at the end).
+    Every other line is kept byte for byte, and the file ends with a newline."""
+    new = line.encode()
+    parts = old.split(b"\n")
+    last = parts.pop()
+    lines = [part + b"\n" for part in parts] + ([last + b"\n"] if last else [])
+    mine = [i for i, text in enumerate(lines) if authorized_key_of(text) == blob]
+    if len(mine) == 1 and lines[mine[0]].rstrip(b"\r\n") == new:
+        return None, "present"
+    if not mine:
+        return b"".join([*lines, new + b"\n"]), "added"
+    lines[mine[0]] = new + b"\n"
+    kept = [text for i, text in enumerate(lines) if i not in mine[1:]]
+    return b"".join(kept), "replaced"
+
+
+def _read_fd(fd: int, limit: int) -> bytes:
+    """At most `limit` bytes from the descriptor, up to its end."""
+    chunks: List[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = os.read(fd, min(1 << 16, limit - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def _read_authorized_keys(ssh_fd: int) -> Tuple[bytes, int]:
+    """authorized_keys' bytes and mode (b"" and 0600 when missing); never
+    through a symbolic link."""
+    try:
+        fd = os.open(
+            AUTHORIZED_KEYS,
+            os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            dir_fd=ssh_fd,
+        )
+    except FileNotFoundError:
+        return b"", AUTHORIZED_KEYS_MODE
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", AUTHORIZED_KEYS)
+        data = _read_fd(fd, AUTHORIZED_KEYS_MAX + 1)
+    finally:
+        os.close(fd)
+    if len(data) > AUTHORIZED_KEYS_MAX:
+        raise OSError(errno.EFBIG, "too large for authorized_keys", AUTHORIZED_KEYS)
+    return data, stat.S_IMODE(st.st_mode)
+
+
+def write_authorized_key(home: str, line: str, blob: bytes) -> JsonObj:
+    """Put `line` in HOME/.ssh/authorized_keys, as whoever runs this (as_user
+    makes it the account): ~/.ssh made 0700 and the file 0600 when missing,
+    the file never reached through a symbolic link, and replaced atomically
+    (its mode kept). On failure, nothing is changed."""
+    home_fd = os.open(home, _DIR_FLAGS)
+    try:
+        made = False
+        try:
+            ssh_fd = os.open(SSH_DIR, _DIR_FLAGS, dir_fd=home_fd)
+        except FileNotFoundError:
+            os.mkdir(SSH_DIR, SSH_DIR_MODE, dir_fd=home_fd)
+            made = True
+            ssh_fd = os.open(SSH_DIR, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=home_fd)
+        try:
+            if made:
+                os.fchmod(ssh_fd, SSH_DIR_MODE)
+            old, mode = _read_authorized_keys(ssh_fd)
+            new, action = authorized_keys_content(old, line, blob)
+            if new is not None:
+                replace_file_at(ssh_fd, AUTHORIZED_KEYS, new, mode)
+        except BaseException:
+            if made:
+                with contextlib.suppress(OSError):
+                    os.rmdir(SSH_DIR, dir_fd=home_fd)
+            raise
+        finally:
+            os.close(ssh_fd)
+    finally:
+        os.close(home_fd)
+    return {"path": os.path.join(home, SSH_DIR, AUTHORIZED_KEYS), "action": action}
+
+
+def authorize_key(
+    account: pwd.struct_passwd, home: str, line: str, blob: bytes
+) -> JsonObj:
+    """write_authorized_key as the account; a failure is a StepError."""
+
+    def work() -> JsonObj:
+        try:
+            return reply_ok(authorized_key=write_authorized_key(home, line, blob))
+        except OSError as error:
+            raise AgentError(
+                ERR_INSTALL_FAILED, f"install: {error}", reason=errno_name(error)
+            ) from None
+
+    answer = as_user(account, work, "writing authorized_keys")
+    if not answer.get("ok"):
+        error = answer["error"]
+        raise StepError(str(error.get("reason", "internal")), str(error["message"]))
+    result: JsonObj = answer["authorized_key"]
+    return result
+
+
+# --- install: files, accounts and services, each step undone if a later one fails -------
+
+
+class StepError(Exception):
+    """An install step failed; `reason` is an errno name or "command"."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+_STEP_ERRORS = (OSError, StepError)
+
+
+def errno_name(error: BaseException) -> str:
+    """EROFS, EACCES, ENOSPC...: what failed, for a program to read."""
+    return errno.errorcode.get(getattr(error, "errno", 0) or 0, "unknown")
+
+
+class Undo:
+    """What one install did so far, undone in reverse when a later step
+    fails: a failed install leaves the tower as it found it."""
+
+    def __init__(self) -> None:
+        self._steps: List[Tuple[str, Callable[[], None]]] = []
+        self._tidy: List[Callable[[], None]] = []
+
+    def add(self, what: str, action: Callable[[], None]) -> None:
+        """`action` undoes a step; `what` names what is left if it cannot."""
+        self._steps.append((what, action))
+
+    def on_success(self, action: Callable[[], None]) -> None:
+        """`action` tidies up once every step succeeded (drops a backup)."""
+        self._tidy.append(action)
+
+    def rollback(self) -> List[str]:
+        """Undo every step, the last one first; what could not be undone."""
+        left: List[str] = []
+        for what, action in reversed(self._steps):
+            try:
+                action()
+            except _STEP_ERRORS:
+                left.append(what)
+        self._steps, self._tidy = [], []
+        return left
+
+    def commit(self) -> None:
+        for action in self._tidy:
+            with contextlib.suppress(OSError):
+                action()
+        self._steps, self._tidy = [], []
+
+
+def _remove_file(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def make_dirs(path: str, undo: Undo) -> None:
+    """`path` and its missing parents, 0755 whatever the umask; undo removes
+    each one made (if it is empty: rmdir)."""
+    missing: List[str] = []
+    while not os.path.isdir(path) and path not in missing:
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        os.mkdir(directory, PROGRAM_MODE)
+        undo.add(directory, functools.partial(os.rmdir, directory))
+        os.chmod(directory, PROGRAM_MODE)
+
+
+def replace_file_at(
+    dfd: int, name: str, data: bytes, mode: int, durable: bool = True
+) -> None:
+    """`name` in the directory holds `data` with `mode`, atomically: a new file
+    (O_EXCL, never through a link) written, renamed over the old name (a
+    symbolic link there is replaced, never followed), and, when `durable`,
+    synced first and the rename synced after. On failure the old file is as
+    it was and the new one is removed."""
+    tmp = f".tmp-{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_EXCL | _NEW_FILE, 0o600, dir_fd=dfd)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            _write_all(fd, data)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+    if durable:
+        with contextlib.suppress(OSError):
+            os.fsync(dfd)  # the rename, on disk
+
+
+def install_file(path: str, data: bytes, mode: int, undo: Undo) -> None:
+    """One file of the install, replaced atomically. Undo removes it, or gives
+    back the file it replaced: a hard link keeps that one until the install
+    succeeds, so restoring it takes no space and restores it byte for byte,
+    with its mode and owner."""
+    directory, name = os.path.split(path)
+    make_dirs(directory, undo)
+    dfd = os.open(directory, _DIR_FLAGS)
+    try:
+        try:
+            previous: Optional[os.stat_result] = os.stat(
+                name, dir_fd=dfd, follow_symlinks=False
+            )
+        except FileNotFoundError:
+            previous = None
+        if previous is None:
+            # Registered once made: removing a file that is not there fails
+            # on a read-only file system.
+            replace_file_at(dfd, name, data, mode)
+            undo.add(path, functools.partial(_remove_file, path))
+            return
+        if stat.S_ISDIR(previous.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        backup = f".{name}.previous-{secrets.token_hex(6)}"
+        os.link(name, backup, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+        kept = os.path.join(directory, backup)
+        undo.add(path, functools.partial(os.replace, kept, path))
+        undo.on_success(functools.partial(os.unlink, kept))
+        replace_file_at(dfd, name, data, mode)
+    finally:
+        os.close(dfd)
+
+
+def _restore_dir(path: str, uid: int, gid: int, mode: int) -> None:
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        if os.geteuid() == 0:
+            os.fchown(fd, uid, gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def install_state_dir(path: str, account: pwd.struct_passwd, undo: Undo) -> None:
+    """The state directory, the SSH user's alone: nobody else may write to it
+    (or read it). Undo gives a directory that was there its owner and mode back."""
+    existed = os.path.isdir(path)
+    make_dirs(path, undo)
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        if existed:
+            st = os.fstat(fd)
+            undo.add(
+                path,
+                functools.partial(
+                    _restore_dir, path, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)
+                ),
+            )
+        if os.geteuid() == 0:
+            os.fchown(fd, account.pw_uid, account.pw_gid)
+        os.fchmod(fd, STATE_DIR_MODE)
+    finally:
+        os.close(fd)
+
+
+def own_program() -> bytes:
+    """This program's bytes: what install and update put on the tower."""
+    with open(os.path.realpath(__file__), "rb") as handle:
+        return handle.read()
+
+
+def _trimmed(text: str) -> str:
+    """A program's output on one line, bounded."""
+    text = " ".join(text.split())
+    if len(text) > ADMIN_OUTPUT_MAX:
+        text = text[: ADMIN_OUTPUT_MAX - 3] + "..."
+    return text or "(it said nothing)"
+
+
+def _admin_process(
+    argv: List[str], env: Dict[str, str], timeout: float
+) -> "subprocess.CompletedProcess[bytes]":
+    """Run an administration program (useradd, usermod, systemctl...) found on
+    the caller's PATH (sudo's secure_path), with an argument list, never
+    through a shell; StepError (reason "command") if it cannot run."""
+    search = env.get("PATH") or ADMIN_PATH
+    command = shlex.join(argv)
+    program = shutil.which(argv[0], path=search)
+    if program is None:
+        raise StepError("command", f"{command}: {argv[0]} is not on PATH ({search})")
+    try:
+        return subprocess.run(
+            [program, *argv[1:]],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env={"PATH": search, "LC_ALL": "C"},
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise StepError(
+            "command", f"{command} did not finish within {timeout:g} s"
+        ) from None
+    except OSError as error:
+        raise StepError("command", f"{command}: {error}") from None
+
+
+def _admin_failure(
+    argv: List[str], done: "subprocess.CompletedProcess[bytes]"
+) -> StepError:
+    said = (done.stderr.strip() or done.stdout).decode(errors="replace")
+    return StepError(
+        "command",
+        f"{shlex.join(argv)} exited with {done.returncode}: {_trimmed(said)}",
+    )
+
+
+def run_admin(
+    argv: List[str], env: Dict[str, str], timeout: float = ADMIN_TIMEOUT
+) -> None:
+    """Run an administration program (see _admin_process); StepError unless
+    it succeeds."""
+    done = _admin_process(argv, env, timeout)
+    if done.returncode != 0:
+        raise _admin_failure(argv, done)
+
+
+def lookup_account(name: str) -> Optional[pwd.struct_passwd]:
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        return None
+
+
+def create_user(name: str, env: Dict[str, str], undo: Undo) -> pwd.struct_passwd:
+    """The SSH user, made: a home, a group of its own, a shell (sshd runs a
+    forced command through it) and "*" for a password: no password, yet not
+    locked, which sshd requires of a key login where PAM is off."""
+    argv = ["useradd", "--create-home", "--user-group", "--shell", "/bin/sh"]
+    run_admin([*argv, "--password", "*", name], env)
+    undo.add(
+        f"user {name}", functools.partial(run_admin, ["userdel", "--remove", name], env)
+    )
+    account = lookup_account(name)
+    if account is None:
+        raise StepError("command", f"useradd succeeded, yet there is no user {name!r}")
+    return account
+
+
+def libvirt_membership(
+    account: pwd.struct_passwd, group: Optional[grp.struct_group]
+) -> str:
+    """What to do: "missing" (no such group), "member" (already) or "add"."""
+    if group is None:
+        return "missing"
+    if account.pw_name in group.gr_mem or account.pw_gid == group.gr_gid:
+        return "member"
+    return "add"
+
+
+def join_libvirt_group(
+    account: pwd.struct_passwd, env: Dict[str, str], undo: Undo
+) -> str:
+    """The SSH user in the libvirt group (libvirt's system socket is the
+    group's): "added", "member" or "missing" (a tower without the group)."""
+    try:
+        group: Optional[grp.struct_group] = grp.getgrnam(LIBVIRT_GROUP)
+    except KeyError:
+        group = None
+    decision = libvirt_membership(account, group)
+    if decision != "add":
+        return decision
+    name = account.pw_name
+    run_admin(["usermod", "-aG", LIBVIRT_GROUP, name], env)
+    undo.add(
+        f"{name} in the group {LIBVIRT_GROUP}",
+        functools.partial(run_admin, ["gpasswd", "--delete", name, LIBVIRT_GROUP], env),
+    )
+    return "added"
+
+
+def restart_libvirt(env: Dict[str, str]) -> JsonObj:
+    """Restart the libvirt daemons that run now, so they load the hook
+    (running guests keep running); a failure is reported, not an install
+    failure. `systemctl is-active` prints one state per unit (systemctl(1)),
+    whether the unit exists or not; a daemon that does not run loads the hook
+    when it starts (socket activation included), so it is left alone."""
+    ask = ["systemctl", "is-active", *LIBVIRT_UNITS]
+    try:
+        states = _admin_process(ask, env, ADMIN_TIMEOUT)
+        words = states.stdout.decode(errors="replace").split()
+        if len(words) != len(LIBVIRT_UNITS):
+            raise _admin_failure(ask, states)
+        running = [
+            unit for unit, state in zip(LIBVIRT_UNITS, words) if state == "active"
+        ]
+        if running:
+            run_admin(["systemctl", "restart", *running], env)
+    except StepError as failure:
+        return {"done": False, "message": failure.message}
+    if not running:
+        return {
+            "done": True,
+            "message": "neither libvirtd nor virtqemud runs now: libvirt loads "
+            "the hook when it starts",
+        }
+    return {"done": True, "message": f"restarted {' and '.join(running)}"}
+
+
 def install_on_nixos(opts: Dict[str, Any], err: IO[str]) -> JsonObj:
-    """NixOS installs nothing by hand (/etc and the libvirt hooks are the
-    system configuration's): what to add to it instead, writing nothing."""
+    """NixOS installs nothing by hand (/etc, the accounts and the libvirt hooks
+    are the system configuration's): what to add to it instead, writing
+    nothing. --create-user, --join-libvirt-group and --restart-libvirt do
+    nothing here: the module declares the user and its groups."""
     if opts["prefix"] is not None or opts["config"] not in (None, DEFAULT_CONFIG_PATH):
         raise AgentError(
             ERR_BAD_REQUEST,
@@ -3545,6 +4108,87 @@ def install_on_nixos(opts: Dict[str, Any], err: IO[str]) -> JsonObj:
     return reply_ok(installed=[], nixos=True, nixos_module=snippet, notes=notes)
 
 
+def _install_steps(
+    *,
+    opts: Dict[str, Any],
+    account: Optional[pwd.struct_passwd],
+    files: Dict[str, str],
+    data: JsonObj,
+    env: Dict[str, str],
+    undo: Undo,
+) -> Tuple[pwd.struct_passwd, JsonObj]:
+    """Every step that changes the tower, in order; each registers its undo."""
+    done: JsonObj = {"user_created": account is None}
+    if account is None:
+        account = create_user(opts["user"], env, undo)
+    if opts["join_libvirt_group"]:
+        done["libvirt_group"] = join_libvirt_group(account, env, undo)
+    install_file(files["program"], own_program(), PROGRAM_MODE, undo)
+    config_text = json.dumps(data, indent=2) + "\n"
+    install_file(files["config"], config_text.encode(), CONFIG_MODE, undo)
+    install_state_dir(files["state"], account, undo)
+    hook = hook_script(files["program_name"], files["config_name"])
+    install_file(files["hook"], hook.encode(), PROGRAM_MODE, undo)
+    done["installed"] = [files[k] for k in ("program", "config", "state", "hook")]
+    # Last: nothing after it can fail, and it leaves nothing behind when it does.
+    if opts["key"]:
+        home = _rooted(files["root"], account.pw_dir)
+        line = authorized_keys_line(
+            files["program_name"], files["config_name"], opts["key"]
+        )
+        done["authorized_key"] = authorize_key(account, home, line, opts["key_blob"])
+    return account, done
+
+
+def _install_failed(error: Exception, left: List[str]) -> AgentError:
+    if isinstance(error, StepError):
+        reason, message = error.reason, error.message
+    else:
+        reason, message = errno_name(error), f"install: {error}"
+    if left:
+        message += f"; could not undo: {', '.join(left)}"
+    else:
+        message += "; everything this install did was undone"
+    return AgentError(ERR_INSTALL_FAILED, message, reason=reason, left=left)
+
+
+def _install_notes(opts: Dict[str, Any], done: JsonObj, key_line: str) -> List[str]:
+    user = opts["user"]
+    notes: List[str] = []
+    if done["user_created"]:
+        notes.append(f"Made the user {user} (key logins only: no password).")
+    if "authorized_key" in done:
+        key = done["authorized_key"]
+        notes.append(f"Home Assistant's key is in {key['path']} ({key['action']}).")
+    else:
+        notes += [f"Add this line to ~{user}/.ssh/authorized_keys:", f"  {key_line}"]
+    group = done.get("libvirt_group")
+    if group is None:
+        notes.append(
+            f"{user} must be in the libvirt group: usermod -aG {LIBVIRT_GROUP} {user}"
+        )
+    elif group == "added":
+        notes.append(f"Added {user} to the libvirt group.")
+    elif group == "missing":
+        notes.append(
+            f"This system has no {LIBVIRT_GROUP} group: {user} needs access to "
+            f"libvirt some other way (virsh -c {opts['uri']} must work as {user})."
+        )
+    restart = done.get("libvirt_restart")
+    if restart is None:
+        notes.append(
+            "Restart libvirtd so it loads the new hook: systemctl restart libvirtd"
+        )
+    elif restart["done"]:
+        notes.append("Restarted libvirtd: it loads the new hook.")
+    else:
+        notes.append(
+            f"libvirtd was not restarted ({restart['message']}): restart it so it "
+            "loads the new hook: systemctl restart libvirtd"
+        )
+    return notes
+
+
 def verb_install(
     args: List[str], config_option: Optional[str], env: Dict[str, str], err: IO[str]
 ) -> JsonObj:
@@ -3552,76 +4196,61 @@ def verb_install(
     root = os.path.abspath(opts["root"]) if opts["root"] else ""
     if is_nixos(root):
         return install_on_nixos(opts, err)
-    try:
-        account = pwd.getpwnam(opts["user"])
-    except KeyError:
+    if root and (opts["create_user"] or opts["join_libvirt_group"]):
         raise AgentError(
-            ERR_BAD_REQUEST, f"install: no user {opts['user']!r}"
-        ) from None
+            ERR_BAD_REQUEST,
+            "install: --create-user and --join-libvirt-group change this system's "
+            "accounts: not with --root",
+        )
+    account = lookup_account(opts["user"])
+    if account is None and not opts["create_user"]:
+        raise AgentError(
+            ERR_BAD_REQUEST,
+            f"install: no user {opts['user']!r} (--create-user makes it)",
+        )
     config_path = config_path_from(opts["config"], {})
     if not os.path.isabs(config_path):
         raise AgentError(ERR_BAD_REQUEST, "install: --config must be an absolute path")
-    program = os.path.join(opts["prefix"] or DEFAULT_PREFIX, "bin", "gpu-handoff")
+    prefix = opts["prefix"] or DEFAULT_PREFIX
+    if not os.path.isabs(prefix):
+        raise AgentError(ERR_BAD_REQUEST, "install: --prefix must be an absolute path")
+    program = os.path.join(prefix, "bin", "gpu-handoff")
     data = _install_data(opts)
-    real_config = _rooted(root, config_path)
-    if os.path.exists(real_config) and not opts["force"]:
+    files = {
+        "root": root,
+        "program_name": program,
+        "config_name": config_path,
+        "program": _rooted(root, program),
+        "config": _rooted(root, config_path),
+        "state": _rooted(root, opts["state_dir"]),
+        "hook": _rooted(root, HOOK_PATH),
+    }
+    if os.path.exists(files["config"]) and not opts["force"]:
         raise AgentError(
-            ERR_EXISTS, f"{real_config} exists; pass --force to overwrite it"
+            ERR_EXISTS, f"{files['config']} exists; pass --force to overwrite it"
         )
-    written: List[str] = []
+    undo = Undo()
     try:
-        real_program = _rooted(root, program)
-        os.makedirs(os.path.dirname(real_program), exist_ok=True)
-        shutil.copyfile(os.path.realpath(__file__), real_program)
-        os.chmod(real_program, 0o755)  # noqa: S103 - programs and the state dir are world-readable
-        written.append(real_program)
-        os.makedirs(os.path.dirname(real_config), exist_ok=True)
-        with open(real_config, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2)
-            handle.write("\n")
-        os.chmod(real_config, 0o644)
-        written.append(real_config)
-        real_state = _rooted(root, opts["state_dir"])
-        os.makedirs(real_state, exist_ok=True)
-        # The SSH user's alone: nobody else may write to it (or read it).
-        state_fd = os.open(real_state, _DIR_FLAGS)
-        try:
-            if os.geteuid() == 0:
-                os.fchown(state_fd, account.pw_uid, account.pw_gid)
-            os.fchmod(state_fd, STATE_DIR_MODE)
-        finally:
-            os.close(state_fd)
-        written.append(real_state)
-        real_hook = _rooted(root, HOOK_PATH)
-        os.makedirs(os.path.dirname(real_hook), exist_ok=True)
-        with open(real_hook, "w", encoding="utf-8") as handle:
-            handle.write(hook_script(program, config_path))
-        os.chmod(real_hook, 0o755)  # noqa: S103 - programs and the state dir are world-readable
-        written.append(real_hook)
-    except OSError as error:
-        raise AgentError(ERR_INSTALL_FAILED, f"install: {error}") from None
-    # Check the tower with the configuration just written (relocated under --root).
+        account, done = _install_steps(
+            opts=opts, account=account, files=files, data=data, env=env, undo=undo
+        )
+    except _STEP_ERRORS as error:
+        raise _install_failed(error, undo.rollback()) from None
+    undo.commit()
+    if opts["restart_libvirt"]:
+        done["libvirt_restart"] = restart_libvirt(env)
+    # Check the tower with the configuration just written (relocated under
+    # --root), as the SSH user: root never works in its state directory.
     check_data = dict(data)
-    check_data["state_dir"] = _rooted(root, opts["state_dir"])
-    check_cfg = Config(real_config, check_data, dict(env))
-    findings: List[JsonObj] = []
-    status_error: Optional[JsonObj] = None
-    # As the SSH user (root never works in its state directory).
-    if os.geteuid() == 0 and account.pw_uid != 0:
-        status = _as_account(account, lambda: verb_status(check_cfg))
-    else:
-        status = _status_or_error(check_cfg)
-    if status.get("ok"):
-        findings = status["findings"]
-    else:
-        status_error = status["error"]
-    key_line = authorized_keys_line(program, config_path, PLACEHOLDER_KEY)
-    notes = [
-        f"Add this line to ~{opts['user']}/.ssh/authorized_keys:",
-        f"  {key_line}",
-        f"{opts['user']} must be in the libvirt group: usermod -aG libvirt {opts['user']}",
-        "Restart libvirtd so it loads the new hook: systemctl restart libvirtd",
-    ]
+    check_data["state_dir"] = files["state"]
+    check_cfg = Config(files["config"], check_data, dict(env))
+    status = as_user(account, lambda: verb_status(check_cfg), "the status check")
+    findings: List[JsonObj] = status["findings"] if status.get("ok") else []
+    status_error: Optional[JsonObj] = None if status.get("ok") else status["error"]
+    key_line = authorized_keys_line(
+        program, config_path, opts["key"] or PLACEHOLDER_KEY
+    )
+    notes = _install_notes(opts, done, key_line)
     if status_error:
         notes.append(f"status failed: {status_error['message']}")
     notes.extend(
@@ -3631,7 +4260,7 @@ def verb_install(
     for line in notes:
         err.write(line + "\n")
     return reply_ok(
-        installed=written,
+        **done,
         program=program,
         config=config_path,
         hook=HOOK_PATH,
@@ -3640,6 +4269,89 @@ def verb_install(
         status_error=status_error,
         notes=notes,
     )
+
+
+# --- update ---------------------------------------------------------------------------------
+
+
+def _update_options(args: List[str]) -> Tuple[str, str]:
+    opts = {"--prefix": DEFAULT_PREFIX, "--root": ""}
+    i = 0
+    while i < len(args):
+        key, sep, value = args[i].partition("=")
+        if key not in opts:
+            raise AgentError(ERR_BAD_REQUEST, f"update: unknown option {args[i]!r}")
+        if not sep:
+            if i + 1 >= len(args):
+                raise AgentError(ERR_BAD_REQUEST, f"update: {key} needs a value")
+            i += 1
+            value = args[i]
+        opts[key] = value
+        i += 1
+    if not os.path.isabs(opts["--prefix"]):
+        raise AgentError(ERR_BAD_REQUEST, "update: --prefix must be an absolute path")
+    return opts["--prefix"], opts["--root"]
+
+
+def installed_agent(path: str) -> bytes:
+    """The bytes of the agent installed at `path`; not_installed if there is
+    none, or what is there is not this agent."""
+    missing = AgentError(
+        ERR_NOT_INSTALLED,
+        f"update: no GPU Handoff agent at {path}; install it first, or pass --prefix",
+    )
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+            data = _read_fd(fd, PROGRAM_MAX) if regular else b""
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        raise missing from None
+    except OSError as error:
+        raise AgentError(
+            ERR_INSTALL_FAILED, f"update: {error}", reason=errno_name(error)
+        ) from None
+    if AGENT_MARKER not in data[:AGENT_HEAD]:
+        raise missing
+    return data
+
+
+def verb_update(args: List[str], err: IO[str]) -> JsonObj:
+    """Replace the installed program with this one, atomically; the
+    configuration, the hook, the state directory and the keys stay as they are."""
+    prefix, root = _update_options(args)
+    root = os.path.abspath(root) if root else ""
+    if is_nixos(root):
+        raise AgentError(
+            ERR_NIXOS,
+            "update: this is NixOS: the program lives in the Nix store. Update the "
+            "package of the GPU Handoff module (its source), then nixos-rebuild switch",
+        )
+    path = _rooted(root, os.path.join(prefix, "bin", "gpu-handoff"))
+    found = VERSION_LINE_RE.search(installed_agent(path))
+    previous = found.group(1).decode() if found else None
+    directory, name = os.path.split(path)
+    try:
+        dfd = os.open(directory, _DIR_FLAGS)
+        try:
+            replace_file_at(dfd, name, own_program(), PROGRAM_MODE)
+        finally:
+            os.close(dfd)
+    except OSError as error:
+        raise AgentError(
+            ERR_INSTALL_FAILED,
+            f"update: {error}; {path} is as it was",
+            reason=errno_name(error),
+        ) from None
+    note = (
+        f"Updated {path} from {previous or 'an unknown version'} to {VERSION}; "
+        "the configuration, the hook and the state are as they were. "
+        "Sessions already open run the previous program until they reconnect."
+    )
+    err.write(note + "\n")
+    return reply_ok(updated=path, previous=previous, version=VERSION, notes=[note])
 
 
 # --- entry point ---------------------------------------------------------------------------
@@ -3653,7 +4365,10 @@ USAGE = (
     "       install --user U --gpu-node N --gaming G [--gaming G2]\n"
     "       [--uri URI] [--prefix DIR] [--state-dir DIR] [--root DIR] [--force]\n"
     "       [--timeout-agent S] [--timeout-shutdown S] [--timeout-start S]\n"
-    "       [--detach MODE] (on NixOS: prints the module's settings instead)"
+    "       [--detach MODE] [--authorize-key 'TYPE BASE64 [COMMENT]']\n"
+    "       [--create-user] [--join-libvirt-group] [--restart-libvirt]\n"
+    "       (on NixOS: prints the module's settings instead),\n"
+    "       update [--prefix DIR] [--root DIR] (replaces the installed program)"
 )
 
 
@@ -3708,6 +4423,8 @@ def _run_verb(
         return version_reply(), 0
     if verb == "install":
         return verb_install(args, config_option, env, stderr), 0
+    if verb == "update":
+        return verb_update(args, stderr), 0
     if verb == "hook":
         try:
             # libvirt writes the domain XML to stdin: always read it.
@@ -3813,7 +4530,7 @@ def main(
             loaded=loaded,
         )
     except AgentError as err:
-        return answer(reply_error(err.code, err.message))
+        return answer(reply_error(err.code, err.message, **err.extra))
     except Exception as err:  # noqa: BLE001 - logged on the tower, answered with a code
         incident = log_internal(loaded[0] if loaded else None, f"verb {verb[:40]}", err)
         return answer(reply_error(**internal_error(incident)))
