@@ -62,6 +62,18 @@ def generate_key(path: Path, passphrase: str = "") -> str:
     return path.with_suffix(".pub").read_text(encoding="utf-8").strip()
 
 
+def key_fingerprint(private_key: Path) -> str:
+    """The SHA256 fingerprint of the key pair at ``private_key`` (its ``.pub``
+    beside it), as ``ssh-keygen -l`` prints it."""
+    listed = subprocess.run(
+        [SSH_KEYGEN, "-l", "-f", str(private_key.with_suffix(".pub"))],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return listed.stdout.split()[1]
+
+
 @dataclass
 class Sshd:
     """One running sshd whose only client key is forced to run ``command``."""
@@ -134,13 +146,7 @@ class Sshd:
     @property
     def host_fingerprint(self) -> str:
         """The host key's SHA256 fingerprint as ``ssh-keygen -l`` prints it."""
-        listed = subprocess.run(
-            [SSH_KEYGEN, "-l", "-f", str(self.host_key.with_suffix(".pub"))],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        return listed.stdout.split()[1]
+        return key_fingerprint(self.host_key)
 
     @property
     def log(self) -> str:
