@@ -15,6 +15,8 @@ an agent too old to say.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
 from typing import Any, override
 
 from homeassistant.config_entries import (
@@ -34,6 +36,10 @@ import probatio
 
 from .cluster_client import ClusterClient, ClusterError
 from .const import (
+    CONF_ADMIN_KEY,
+    CONF_ADMIN_PASSPHRASE,
+    CONF_ADMIN_PASSWORD,
+    CONF_ADMIN_USERNAME,
     CONF_AUTO_RETURN,
     CONF_DOMAIN_NAME,
     CONF_DRAIN_TIMEOUT,
@@ -46,22 +52,36 @@ from .const import (
     CONF_KNOWN_VMS,
     CONF_KUBECONFIG,
     CONF_LEND_FREE_CARDS,
+    CONF_LIBVIRT_URI,
     CONF_PASSPHRASE,
     CONF_PRIVATE_KEY,
+    CONF_RESTART_LIBVIRT,
     CONF_SCAN_INTERVAL,
+    CONF_SUDO_PASSWORD,
     DEFAULT_AGENT_COMMAND,
     DEFAULT_AUTO_RETURN,
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_EVICT_UNMANAGED,
     DEFAULT_HANDOFF_WHEN_CORDONED,
     DEFAULT_LEND_FREE_CARDS,
+    DEFAULT_LIBVIRT_URI,
     DEFAULT_SCAN_INTERVAL,
     DEFAULT_SSH_PORT,
     DOMAIN,
     SUBENTRY_GAMING_VM,
 )
 from .errors import cluster_error_key, tower_error_key
+from .installer import (
+    AdminLogin,
+    AdminSession,
+    InstallError,
+    InstallPlan,
+    InstallReport,
+    Survey,
+    admin_session,
+)
 from .protocol import DomainState, TowerStatus, Version
+from .tower import gpu_handoff as agent
 from .tower_client import (
     TowerAuthError,
     TowerClient,
@@ -111,6 +131,92 @@ def _clean_tower_input(
         CONF_PORT: int(user_input[CONF_PORT]),
         CONF_USERNAME: username,
     }, {}
+
+
+def admin_schema() -> probatio.Schema:
+    """An administrator's login on the tower (the guided install's and the
+    agent update's): a password, or a key, and sudo's password if it differs."""
+    return probatio.Schema(
+        {
+            probatio.Required(CONF_ADMIN_USERNAME, default="root"): TEXT,
+            probatio.Optional(CONF_ADMIN_PASSWORD): PASSWORD,
+            probatio.Optional(CONF_ADMIN_KEY): MULTILINE,
+            probatio.Optional(CONF_ADMIN_PASSPHRASE): PASSWORD,
+            probatio.Optional(CONF_SUDO_PASSWORD): PASSWORD,
+        }
+    )
+
+
+def _install_schema() -> probatio.Schema:
+    """The guided install's first form: the account Home Assistant will log
+    in as, an administrator's login and libvirt's URI."""
+    return (
+        probatio.Schema({probatio.Required(CONF_USERNAME): TEXT})
+        .extend(admin_schema().schema)
+        .extend(
+            {probatio.Required(CONF_LIBVIRT_URI, default=DEFAULT_LIBVIRT_URI): TEXT}
+        )
+    )
+
+
+def tower_admin_session(
+    data: Mapping[str, Any], login: AdminLogin
+) -> AbstractAsyncContextManager[AdminSession]:
+    """An administrator's session on the tower of this entry data (its
+    address and pinned host key)."""
+    return admin_session(data[CONF_HOST], data[CONF_PORT], data[CONF_HOST_KEY], login)
+
+
+def admin_login(user_input: dict[str, Any]) -> AdminLogin:
+    """The login a form gave (blank fields are not given)."""
+    key = str(user_input.get(CONF_ADMIN_KEY) or "").strip()
+    return AdminLogin(
+        username=str(user_input[CONF_ADMIN_USERNAME]).strip(),
+        password=user_input.get(CONF_ADMIN_PASSWORD) or None,
+        private_key=f"{key}\n" if key else None,
+        passphrase=user_input.get(CONF_ADMIN_PASSPHRASE) or None,
+        sudo_password=user_input.get(CONF_SUDO_PASSWORD) or None,
+    )
+
+
+def public_fields(user_input: dict[str, Any] | None) -> dict[str, Any]:
+    """What a form may show again: never a password or a key."""
+    secret = {CONF_ADMIN_PASSWORD, CONF_ADMIN_KEY, CONF_ADMIN_PASSPHRASE}
+    return {
+        key: value
+        for key, value in (user_input or {}).items()
+        if key not in secret | {CONF_SUDO_PASSWORD}
+    }
+
+
+def install_error_placeholders(err: InstallError) -> dict[str, str]:
+    """The tower's words and what it left, for the error's text."""
+    return {
+        "detail": err.detail or "-",
+        "left": ", ".join(err.left) or "-",
+    }
+
+
+def _guess_gpu_node(domains: list[str]) -> str:
+    """The domain most likely to be the GPU node, by its name."""
+    for hint in ("gpu", "k3s", "k8s", "kube", "node"):
+        for name in domains:
+            if hint in name.lower():
+                return name
+    return domains[0]
+
+
+def _findings_text(report: InstallReport) -> str:
+    """The tower's findings after the install, one line each."""
+    lines = [
+        f"- {finding.get('code')} ({finding.get('domain')}): {finding.get('detail')}"
+        for finding in report.findings
+    ]
+    if report.status_error:
+        lines.append(f"- {report.status_error}")
+    if report.libvirt_restarted is False:
+        lines.append(f"- libvirtd: {report.libvirt_restart_message}")
+    return "\n".join(lines) or "-"
 
 
 def _domain_label(domain: DomainState) -> str:
@@ -216,6 +322,22 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         self._generated: tuple[str, str] | None = None
         self._nodes: list[str] = []
         self._vms: list[str] = []
+        # The guided install: the administrator login lives from the login
+        # form to the end of the install, never longer (see _forget_admin).
+        self._admin: AdminLogin | None = None
+        self._survey: Survey | None = None
+        self._uri = DEFAULT_LIBVIRT_URI
+        self._plan: InstallPlan | None = None
+        self._report: InstallReport | None = None
+
+    def _forget_admin(self) -> None:
+        """Drop the administrator login (and what was read with it)."""
+        self._admin = None
+
+    @override
+    def async_remove(self) -> None:
+        """A flow closed half way forgets the administrator login too."""
+        self._forget_admin()
 
     @property
     def _known_status(self) -> TowerStatus:
@@ -291,7 +413,215 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
     ) -> ConfigFlowResult:
         """Generate a key pair here, or use an existing key."""
         return self.async_show_menu(
-            step_id="credentials", menu_options=["generate_key", "paste_key"]
+            step_id="credentials",
+            menu_options=["install_agent", "generate_key", "paste_key"],
+        )
+
+    # --- the guided install ----------------------------------------------------
+
+    async def async_step_install_agent(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Ask for an administrator login on the tower, used for this step only."""
+        errors: dict[str, str] = {}
+        placeholders = {
+            "host": self._data[CONF_HOST],
+            "user": self._data[CONF_USERNAME],
+            "detail": "-",
+            "left": "-",
+        }
+        if user_input is not None:
+            login = admin_login(user_input)
+            self._uri = str(user_input[CONF_LIBVIRT_URI]).strip()
+            self._data[CONF_USERNAME] = str(user_input[CONF_USERNAME]).strip()
+            placeholders["user"] = self._data[CONF_USERNAME]
+            try:
+                async with tower_admin_session(self._data, login) as session:
+                    self._survey = await session.survey(
+                        self._data[CONF_USERNAME], self._uri
+                    )
+            except InstallError as err:
+                errors["base"] = err.key
+                placeholders |= install_error_placeholders(err)
+            else:
+                self._admin = login
+                return await self.async_step_install_options()
+        return self.async_show_form(
+            step_id="install_agent",
+            data_schema=self.add_suggested_values_to_schema(
+                _install_schema(),
+                {CONF_USERNAME: self._data[CONF_USERNAME]} | public_fields(user_input),
+            ),
+            description_placeholders=placeholders,
+            errors=errors,
+        )
+
+    @property
+    def _known_survey(self) -> Survey:
+        """What the tower has (the steps run in order)."""
+        if self._survey is None:  # pragma: no cover - a step out of order
+            raise RuntimeError("the tower has not been surveyed yet")
+        return self._survey
+
+    async def async_step_install_options(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Pick the GPU node and the gaming VMs from the tower's own list."""
+        survey = self._known_survey
+        errors: dict[str, str] = {}
+        if user_input is not None:
+            gpu_node = str(user_input[CONF_GPU_NODE])
+            gaming = [name for name in user_input[CONF_GAMING_VMS] if name != gpu_node]
+            if gaming:
+                self._plan = InstallPlan(
+                    user=self._data[CONF_USERNAME],
+                    gpu_node=gpu_node,
+                    gaming=gaming,
+                    uri=self._uri,
+                    public_key="",
+                    restart_libvirt=False,
+                    replace_config=survey.config_exists,
+                )
+                return await self.async_step_install_confirm()
+            errors[CONF_GAMING_VMS] = "no_gaming_vm"
+        gpu_node = _guess_gpu_node(survey.domains)
+        options = [selector.SelectOptionDict(value=d, label=d) for d in survey.domains]
+        return self.async_show_form(
+            step_id="install_options",
+            data_schema=probatio.Schema(
+                {
+                    probatio.Required(CONF_GPU_NODE, default=gpu_node): (
+                        selector.SelectSelector(
+                            selector.SelectSelectorConfig(options=options)
+                        )
+                    ),
+                    probatio.Required(
+                        CONF_GAMING_VMS,
+                        default=[d for d in survey.domains if d != gpu_node],
+                    ): selector.SelectSelector(
+                        selector.SelectSelectorConfig(
+                            options=options,
+                            multiple=True,
+                            mode=selector.SelectSelectorMode.LIST,
+                        )
+                    ),
+                }
+            ),
+            description_placeholders={
+                "host": self._data[CONF_HOST],
+                "python": survey.python,
+                "agent": survey.agent_version or "-",
+            },
+            errors=errors,
+        )
+
+    async def async_step_install_confirm(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Show exactly what the install does; on submit, do it, then log in
+        with Home Assistant's restricted key. The administrator login is
+        forgotten here whatever happens: a retry asks for it again."""
+        if self._plan is None or self._admin is None:  # pragma: no cover - order
+            return await self.async_step_install_agent()
+        if self._generated is None:
+            self._generated = await self.hass.async_add_executor_job(generate_key_pair)
+        public = self._generated[1]
+        plan = self._plan
+        if user_input is not None:
+            plan = InstallPlan(
+                user=plan.user,
+                gpu_node=plan.gpu_node,
+                gaming=plan.gaming,
+                uri=plan.uri,
+                public_key=public,
+                restart_libvirt=bool(user_input[CONF_RESTART_LIBVIRT]),
+                replace_config=plan.replace_config,
+            )
+            login, self._admin = self._admin, None
+            try:
+                async with tower_admin_session(self._data, login) as session:
+                    self._report = await session.install(plan, self._known_survey)
+            except InstallError as err:
+                return self.async_show_form(
+                    step_id="install_agent",
+                    data_schema=self.add_suggested_values_to_schema(
+                        _install_schema(),
+                        {
+                            CONF_USERNAME: plan.user,
+                            CONF_ADMIN_USERNAME: login.username,
+                            CONF_LIBVIRT_URI: plan.uri,
+                        },
+                    ),
+                    description_placeholders={
+                        "host": self._data[CONF_HOST],
+                        "user": self._data[CONF_USERNAME],
+                    }
+                    | install_error_placeholders(err),
+                    errors={"base": err.key},
+                )
+            finally:
+                del login
+            self._vms = list(plan.gaming)
+            if self._report.nixos:
+                return await self.async_step_install_nixos()
+            return await self.async_step_install_done()
+        return self.async_show_form(
+            step_id="install_confirm",
+            data_schema=probatio.Schema(
+                {
+                    probatio.Required(
+                        CONF_RESTART_LIBVIRT, default=False
+                    ): selector.BooleanSelector()
+                }
+            ),
+            description_placeholders={
+                "host": self._data[CONF_HOST],
+                "admin": self._admin.username,
+                "user": plan.user,
+                "gpu_node": plan.gpu_node,
+                "gaming": ", ".join(plan.gaming),
+                "uri": plan.uri,
+                "version": agent.VERSION,
+            },
+        )
+
+    async def async_step_install_done(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """Show what the tower's check found; on submit, log in with the
+        restricted key."""
+        return await self._async_after_install("install_done", user_input)
+
+    async def async_step_install_nixos(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """NixOS installs nothing by hand: show the module's settings (with
+        Home Assistant's key); once the user switched, log in with the key."""
+        return await self._async_after_install("install_nixos", user_input)
+
+    async def _async_after_install(
+        self, step_id: str, user_input: dict[str, Any] | None
+    ) -> ConfigFlowResult:
+        """The install's outcome on screen until the restricted key logs in
+        (refused in place, with the tower's reason); then the cluster."""
+        report = self._report
+        if report is None or self._generated is None:  # pragma: no cover - order
+            return await self.async_step_install_agent()
+        errors: dict[str, str] = {}
+        if user_input is not None:
+            errors = await self._async_use_key(self._generated[0], None)
+            if not errors:
+                self._data[CONF_GPU_NODE] = self._known_status.gpu_node
+                return await self.async_step_cluster()
+        return self.async_show_form(
+            step_id=step_id,
+            description_placeholders={
+                "host": self._data[CONF_HOST],
+                "user": self._data[CONF_USERNAME],
+                "findings": _findings_text(report),
+                "module": report.nixos_module,
+            },
+            errors=errors,
         )
 
     async def async_step_generate_key(

@@ -22,6 +22,16 @@ CONF_DOMAIN_NAME: Final = "domain_name"
 # one that appears later is offered as new; one the user left out is not.
 CONF_KNOWN_VMS: Final = "known_gaming_vms"
 
+# The guided install's administrator login: used for one step, never stored.
+CONF_ADMIN_USERNAME: Final = "admin_username"
+CONF_ADMIN_PASSWORD: Final = "admin_password"  # noqa: S105 - a key name
+CONF_ADMIN_KEY: Final = "admin_key"
+CONF_ADMIN_PASSPHRASE: Final = "admin_passphrase"  # noqa: S105 - a key name
+CONF_SUDO_PASSWORD: Final = "sudo_password"  # noqa: S105 - a key name
+CONF_LIBVIRT_URI: Final = "libvirt_uri"
+CONF_RESTART_LIBVIRT: Final = "restart_libvirt"
+DEFAULT_LIBVIRT_URI: Final = "qemu:///system"
+
 CONF_SCAN_INTERVAL: Final = "scan_interval"
 CONF_DRAIN_TIMEOUT: Final = "drain_timeout"
 CONF_AUTO_RETURN: Final = "auto_return"

@@ -499,7 +499,11 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
             self.hass,
             DOMAIN,
             issue_id,
-            is_fixable=False,
+            # An older agent is updated from the repair (the guided path).
+            is_fixable=older,
+            data={"entry_id": self.config_entry.entry_id, "update_agent": 1}
+            if older
+            else None,
             severity=ir.IssueSeverity.WARNING,
             translation_key="agent_older" if older else "agent_newer",
             translation_placeholders={
@@ -524,7 +528,8 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
             self.hass,
             DOMAIN,
             self._agent_issue_id,
-            is_fixable=False,
+            is_fixable=True,
+            data={"entry_id": self.config_entry.entry_id, "update_agent": 1},
             severity=ir.IssueSeverity.ERROR,
             translation_key=ISSUE_AGENT_OUTDATED,
             translation_placeholders={

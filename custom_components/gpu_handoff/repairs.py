@@ -1,6 +1,6 @@
 """Repairs: accept a tower's new host key after the user checked it, add a
-gaming VM the tower's agent started managing, and show the screen of a GPU
-node that reports Ready but does not work."""
+gaming VM the tower's agent started managing, show the screen of a GPU node
+that reports Ready but does not work, and update an old agent on the tower."""
 
 from __future__ import annotations
 
@@ -15,9 +15,18 @@ from homeassistant.core import HomeAssistant
 from homeassistant.helpers import entity_registry as er, issue_registry as ir
 import probatio
 
-from .config_flow import entry_with_host_key, vm_subentry
+from .config_flow import (
+    admin_login,
+    admin_schema,
+    entry_with_host_key,
+    install_error_placeholders,
+    public_fields,
+    tower_admin_session,
+    vm_subentry,
+)
 from .const import CONF_HOST_KEY, DOMAIN
 from .data import GpuHandoffConfigEntry
+from .installer import InstallError
 from .tower_client import fingerprint
 
 
@@ -173,6 +182,68 @@ class NewGamingVmRepairFlow(_IssueFlow):
         return self.async_create_entry(data={})
 
 
+class AgentUpdateRepairFlow(_IssueFlow):
+    """Put the agent this integration ships on the tower: the guided
+    install's path (an administrator login, used for this step only, then the
+    agent's own ``update``), or the command to run by hand."""
+
+    def __init__(self, entry_id: str) -> None:
+        """Remember which entry."""
+        self._entry_id = entry_id
+
+    async def async_step_init(
+        self, user_input: dict[str, Any] | None = None
+    ) -> RepairsFlowResult:
+        """Update from here, or by hand."""
+        return self.async_show_menu(
+            step_id="init",
+            menu_options=["update_login", "update_by_hand"],
+            description_placeholders=self._placeholders(),
+        )
+
+    async def async_step_update_login(
+        self, user_input: dict[str, Any] | None = None
+    ) -> RepairsFlowResult:
+        """Log in as an administrator, replace the agent, reload the entry
+        (which reads the new version and closes this repair)."""
+        entry = self.hass.config_entries.async_get_entry(self._entry_id)
+        if entry is None:
+            return self.async_abort(reason="entry_removed")
+        errors: dict[str, str] = {}
+        placeholders = self._placeholders() | {"detail": "-", "left": "-"}
+        if user_input is not None:
+            try:
+                async with tower_admin_session(
+                    entry.data, admin_login(user_input)
+                ) as session:
+                    report = await session.update()
+            except InstallError as err:
+                errors["base"] = err.key
+                placeholders |= install_error_placeholders(err)
+            else:
+                self.hass.config_entries.async_schedule_reload(entry.entry_id)
+                return self.async_create_entry(
+                    data={"previous": report.previous, "version": report.version}
+                )
+        return self.async_show_form(
+            step_id="update_login",
+            data_schema=self.add_suggested_values_to_schema(
+                admin_schema(), public_fields(user_input)
+            ),
+            description_placeholders=placeholders,
+            errors=errors,
+        )
+
+    async def async_step_update_by_hand(
+        self, user_input: dict[str, Any] | None = None
+    ) -> RepairsFlowResult:
+        """The commands to run; the repair stays until the tower runs the new
+        agent."""
+        return self.async_abort(
+            reason="update_by_hand", description_placeholders=self._placeholders()
+        )
+
+
 async def async_create_fix_flow(
     hass: HomeAssistant, issue_id: str, data: dict[str, str | int | float | None] | None
 ) -> RepairsFlow:
@@ -181,6 +252,8 @@ async def async_create_fix_flow(
         return HostKeyRepairFlow(str(data["entry_id"]), str(data["host_key"]))
     if data is not None and "gaming_vm" in data:
         return NewGamingVmRepairFlow(str(data["entry_id"]), str(data["gaming_vm"]))
+    if data is not None and "update_agent" in data:
+        return AgentUpdateRepairFlow(str(data["entry_id"]))
     if data is not None and "screen_of" in data:
         return NodeScreenRepairFlow(str(data["entry_id"]), str(data["screen_of"]))
     return ConfirmRepairFlow()

@@ -1,0 +1,740 @@
+"""The guided install, end to end through the config flow, on a fresh tower.
+
+The tower is the test root as it is before GPU Handoff (tests/support/
+fresh_tower.py): a real sshd with password and key logins, real accounts made
+in a private mount namespace (so the cached root never changes), real sudo,
+a real libvirtd with the test driver, and the agent's real ``install`` run as
+root over SFTP and SSH. Nothing on the tower side is mocked; only systemctl is
+a recording stand-in (systemd does not run in the test root).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import json
+import logging
+from pathlib import Path
+import socket
+import tempfile
+from typing import Any
+
+from homeassistant.components.repairs import DOMAIN as REPAIRS
+from homeassistant.config_entries import SOURCE_USER, ConfigEntry, ConfigEntryState
+from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
+from homeassistant.core import HomeAssistant
+from homeassistant.data_entry_flow import FlowResultType
+from homeassistant.helpers import issue_registry as ir
+from homeassistant.setup import async_setup_component
+import pytest
+from pytest_homeassistant_custom_component.components.diagnostics import (
+    get_diagnostics_for_config_entry,
+)
+from pytest_homeassistant_custom_component.typing import ClientSessionGenerator
+
+from custom_components.gpu_handoff.const import (
+    CONF_ADMIN_KEY,
+    CONF_ADMIN_PASSWORD,
+    CONF_ADMIN_USERNAME,
+    CONF_GAMING_VMS,
+    CONF_GPU_NODE,
+    CONF_K8S_NODE,
+    CONF_KUBECONFIG,
+    CONF_LIBVIRT_URI,
+    CONF_PRIVATE_KEY,
+    CONF_RESTART_LIBVIRT,
+    CONF_SUDO_PASSWORD,
+    DOMAIN,
+)
+from custom_components.gpu_handoff.installer import (
+    AdminLogin,
+    InstallError,
+    admin_session,
+)
+from custom_components.gpu_handoff.repairs import AgentUpdateRepairFlow
+from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower_client import generate_key_pair, public_key_of
+from tests.conftest import kubeconfig_text
+from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.support.fresh_tower import FreshTower, require_fresh_tower
+from tests.support.stories import until
+
+Result = dict[str, Any]
+AGENT_TEXT = Path(agent.__file__).read_text(encoding="utf-8")
+# The account the agent runs as: the install creates it.
+AGENT_USER = "gpu-handoff"
+WRITTEN = (
+    "/usr/local/bin/gpu-handoff",
+    "/etc/gpu-handoff/config.json",
+    "/var/lib/gpu-handoff",
+    "/etc/libvirt/hooks/qemu.d/gpu-handoff",
+)
+
+
+@pytest.fixture
+def fresh(tmp_path: Path, socket_enabled: None) -> Iterator[FreshTower]:
+    """A tower with libvirt and its VMs, and nothing of GPU Handoff."""
+    require_fresh_tower()
+    with FreshTower(tmp_path / "tower") as tower:
+        yield tower
+
+
+def _put_agent(directory: Path) -> Path:
+    """This release's agent in ``directory``, which every user may read."""
+    program = directory / "gpu_handoff.py"
+    program.write_text(AGENT_TEXT, encoding="utf-8")
+    directory.chmod(0o755)
+    return program
+
+
+def _make_tower(tmp_path: Path, **knobs: Any) -> FreshTower:
+    require_fresh_tower()
+    return FreshTower(tmp_path / "tower", **knobs)
+
+
+async def _to_menu(hass: HomeAssistant, tower: FreshTower) -> str:
+    """Address, host key: the flow is at the credentials menu."""
+    result = await hass.config_entries.flow.async_init(
+        DOMAIN, context={"source": SOURCE_USER}
+    )
+    result = await hass.config_entries.flow.async_configure(
+        result["flow_id"],
+        {CONF_HOST: "127.0.0.1", CONF_PORT: tower.port, CONF_USERNAME: AGENT_USER},
+    )
+    assert result["step_id"] == "host_key"
+    result = await hass.config_entries.flow.async_configure(result["flow_id"], {})
+    assert result["type"] is FlowResultType.MENU
+    assert result["menu_options"][0] == "install_agent"
+    return str(result["flow_id"])
+
+
+async def _login(hass: HomeAssistant, flow_id: str, uri: str, **login: str) -> Result:
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {"next_step_id": "install_agent"}
+    )
+    assert result["step_id"] == "install_agent"
+    return await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_USERNAME: AGENT_USER, CONF_LIBVIRT_URI: uri, **login}
+    )
+
+
+def _password_login(tower: FreshTower, name: str) -> dict[str, str]:
+    admin = tower.admins[name]
+    return {CONF_ADMIN_USERNAME: admin.name, CONF_ADMIN_PASSWORD: admin.password}
+
+
+def _key_login(tower: FreshTower, name: str) -> dict[str, str]:
+    admin = tower.admins[name]
+    return {
+        CONF_ADMIN_USERNAME: admin.name,
+        CONF_ADMIN_KEY: admin.key_path.read_text(encoding="utf-8"),
+    }
+
+
+def _nothing_installed(tower: FreshTower) -> None:
+    """The tower is as it was: no file of GPU Handoff's, no account."""
+    for path in WRITTEN:
+        assert tower.read(path) is None, path
+    assert tower.run(["id", "-u", AGENT_USER]).returncode != 0
+    listed = tower.run(["sh", "-c", "ls -d /tmp/gpu-handoff-install-* 2>/dev/null"])
+    assert listed.stdout == ""
+
+
+async def _install(
+    hass: HomeAssistant,
+    tower: FreshTower,
+    login: dict[str, str],
+    *,
+    restart: bool = False,
+) -> tuple[str, Result]:
+    """From the menu to the install's findings; (flow id, that step)."""
+    flow_id = await _to_menu(hass, tower)
+    result = await _login(hass, flow_id, tower.uri, **login)
+    assert result["step_id"] == "install_options", result.get("errors")
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_GPU_NODE: "gpu-node", CONF_GAMING_VMS: ["win-1", "win-2"]}
+    )
+    assert result["step_id"] == "install_confirm"
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_RESTART_LIBVIRT: restart}
+    )
+    return flow_id, result
+
+
+async def test_guided_install_from_nothing_to_a_working_integration(
+    hass: HomeAssistant,
+    fresh: FreshTower,
+    cluster: K8sEmulator,
+    hass_client: ClientSessionGenerator,
+    hass_storage: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One administrator login (a sudo user with a password) takes a tower
+    with nothing of GPU Handoff to a loaded entry: the account, the files,
+    the restricted key line, the check; the login is kept nowhere."""
+    caplog.set_level(logging.DEBUG)
+    admin = fresh.admins["gh-admin-pw"]
+    _nothing_installed(fresh)
+    flow_id = await _to_menu(hass, fresh)
+    result = await _login(
+        hass, flow_id, fresh.uri, **_password_login(fresh, "gh-admin-pw")
+    )
+    # Looking changed nothing.
+    _nothing_installed(fresh)
+    assert result["step_id"] == "install_options"
+    options = result["data_schema"].schema[CONF_GPU_NODE].config["options"]
+    assert [option["value"] for option in options] == ["gpu-node", "win-1", "win-2"]
+    # The GPU node is guessed by its name; the others are offered as gaming VMs.
+    schema = {str(key): key for key in result["data_schema"].schema}
+    assert schema[CONF_GPU_NODE].default() == "gpu-node"
+    assert schema[CONF_GAMING_VMS].default() == ["win-1", "win-2"]
+
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_GPU_NODE: "gpu-node", CONF_GAMING_VMS: ["gpu-node"]}
+    )
+    assert result["errors"] == {CONF_GAMING_VMS: "no_gaming_vm"}
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_GPU_NODE: "gpu-node", CONF_GAMING_VMS: ["win-1", "win-2"]}
+    )
+    assert result["step_id"] == "install_confirm"
+    assert result["description_placeholders"] == {
+        "host": "127.0.0.1",
+        "admin": admin.name,
+        "user": AGENT_USER,
+        "gpu_node": "gpu-node",
+        "gaming": "win-1, win-2",
+        "uri": fresh.uri,
+        "version": agent.VERSION,
+    }
+    _nothing_installed(fresh)
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_RESTART_LIBVIRT: False}
+    )
+    assert result["step_id"] == "install_done", result.get("errors")
+    # The flow forgot the login as the install ended.
+    assert hass.config_entries.flow._progress[flow_id]._admin is None
+
+    # What the tower has now: the account, the agent, its configuration (the
+    # same the agent writes for these options), the key line for HA's key.
+    assert fresh.run(["id", "-u", AGENT_USER]).returncode == 0
+    assert fresh.read("/usr/local/bin/gpu-handoff") == AGENT_TEXT
+    config = json.loads(fresh.read("/etc/gpu-handoff/config.json") or "")
+    assert config == agent.agent_config(
+        gpu_node="gpu-node", gaming=["win-1", "win-2"], libvirt_uri=fresh.uri
+    )
+    keys = fresh.read(f"/home/{AGENT_USER}/.ssh/authorized_keys") or ""
+    [line] = keys.splitlines()
+    assert line.startswith(
+        'restrict,command="/usr/local/bin/gpu-handoff --config '
+        '/etc/gpu-handoff/config.json serve" ssh-ed25519 '
+    )
+    modes = fresh.run(
+        [
+            "stat",
+            "-c",
+            "%a %U",
+            f"/home/{AGENT_USER}/.ssh",
+            f"/home/{AGENT_USER}/.ssh/authorized_keys",
+        ]
+    ).stdout.split("\n")
+    assert modes[:2] == [f"700 {AGENT_USER}", f"600 {AGENT_USER}"]
+    # The upload is gone; libvirtd was not restarted (the box was not ticked).
+    listed = fresh.run(["sh", "-c", "ls -d /tmp/gpu-handoff-install-* 2>/dev/null"])
+    assert listed.stdout == ""
+    assert fresh.systemctl_calls() == []
+
+    result = await hass.config_entries.flow.async_configure(flow_id, {})
+    assert result["step_id"] == "cluster", result.get("errors")
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_KUBECONFIG: kubeconfig_text(cluster)}
+    )
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_K8S_NODE: GPU_NODE}
+    )
+    assert result["type"] is FlowResultType.CREATE_ENTRY
+    entry = result["result"]
+    await hass.async_block_till_done()
+    assert entry.state is ConfigEntryState.LOADED
+    assert entry.data[CONF_USERNAME] == AGENT_USER
+    # The key it logs in with is the one the install put on the tower.
+    assert line.endswith(public_key_of(entry.data[CONF_PRIVATE_KEY]))
+    assert sorted(sub.unique_id for sub in entry.subentries.values()) == [
+        "win-1",
+        "win-2",
+    ]
+    state = hass.states.get("switch.gaming_station_1")
+    assert state is not None
+    assert state.state == "off"
+    # The tower's state, read through the agent the install put there.
+    handoff = hass.states.get("sensor.gpu_node_handoff_state")
+    assert handoff is not None
+    assert handoff.state == "serving"
+    assert [card["held_by"] for card in handoff.attributes["cards"]] == [
+        "gpu-node",
+        "gpu-node",
+    ]
+
+    # The administrator's password is nowhere: not in the entry, not in
+    # storage, not in diagnostics, not in the log.
+    stored = json.dumps(hass_storage, default=str)
+    diagnostics = json.dumps(
+        await get_diagnostics_for_config_entry(hass, hass_client, entry), default=str
+    )
+    for where in (json.dumps(dict(entry.data)), stored, diagnostics, caplog.text):
+        assert admin.password not in where
+
+
+async def test_root_with_a_key_and_libvirtd_restarted_on_request(
+    hass: HomeAssistant, fresh: FreshTower
+) -> None:
+    """root logs in with a key (no sudo in the way); the ticked box restarts
+    libvirt's daemons, exactly those, once."""
+    _flow_id, result = await _install(
+        hass, fresh, _key_login(fresh, "root"), restart=True
+    )
+    assert result["step_id"] == "install_done", result.get("errors")
+    # libvirtd runs in this tower, virtqemud does not: only libvirtd.
+    assert fresh.systemctl_calls() == [
+        ["is-active", "libvirtd.service", "virtqemud.service"],
+        ["restart", "libvirtd.service"],
+    ]
+    assert fresh.read("/etc/gpu-handoff/config.json") is not None
+
+
+async def test_root_with_a_password(hass: HomeAssistant, fresh: FreshTower) -> None:
+    """root logs in with its password."""
+    _flow_id, result = await _install(hass, fresh, _password_login(fresh, "root"))
+    assert result["step_id"] == "install_done", result.get("errors")
+    assert fresh.systemctl_calls() == []
+
+
+async def test_sudo_without_a_password_and_a_key_login(
+    hass: HomeAssistant, fresh: FreshTower
+) -> None:
+    """A sudo user whose sudo asks nothing, logging in with a key."""
+    flow_id, result = await _install(hass, fresh, _key_login(fresh, "gh-admin"))
+    assert result["step_id"] == "install_done", result.get("errors")
+    # Submitted after someone removed the key line: refused in place, the
+    # findings stay on screen.
+    fresh.run(["rm", f"/home/{AGENT_USER}/.ssh/authorized_keys"])
+    result = await hass.config_entries.flow.async_configure(flow_id, {})
+    assert result["step_id"] == "install_done"
+    assert result["errors"] == {"base": "invalid_auth"}
+
+
+async def test_an_installed_agent_is_installed_again(
+    hass: HomeAssistant, fresh: FreshTower
+) -> None:
+    """A second guided install over the first replaces its configuration (the
+    survey saw it) and adds the new key's line beside the first."""
+    flow_id, result = await _install(hass, fresh, _key_login(fresh, "gh-admin"))
+    assert result["step_id"] == "install_done"
+    first = fresh.read(f"/home/{AGENT_USER}/.ssh/authorized_keys") or ""
+    # The user closes the dialog, and later starts again.
+    hass.config_entries.flow.async_abort(flow_id)
+    flow_id = await _to_menu(hass, fresh)
+    result = await _login(hass, flow_id, fresh.uri, **_key_login(fresh, "gh-admin"))
+    assert result["step_id"] == "install_options"
+    assert result["description_placeholders"]["agent"] == agent.VERSION
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_GPU_NODE: "gpu-node", CONF_GAMING_VMS: ["win-2"]}
+    )
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_RESTART_LIBVIRT: False}
+    )
+    assert result["step_id"] == "install_done", result.get("errors")
+    config = json.loads(fresh.read("/etc/gpu-handoff/config.json") or "")
+    assert config["gaming"] == ["win-2"]
+    second = fresh.read(f"/home/{AGENT_USER}/.ssh/authorized_keys") or ""
+    # The first line stays as it was (another key's line is not the
+    # install's to remove); the new key has one line of its own.
+    [kept, added] = second.splitlines()
+    assert first == kept + "\n"
+    assert added.startswith('restrict,command="/usr/local/bin/gpu-handoff ')
+    assert added.split()[-2] != kept.split()[-2]
+
+
+@pytest.mark.parametrize(
+    ("login", "error"),
+    [
+        pytest.param(
+            {CONF_ADMIN_USERNAME: "gh-admin-pw", CONF_ADMIN_PASSWORD: "not-it"},
+            "admin_auth_failed",
+            id="wrong-password",
+        ),
+        pytest.param(
+            {CONF_ADMIN_USERNAME: "gh-admin"}, "admin_login_missing", id="no-secret"
+        ),
+        pytest.param(
+            {CONF_ADMIN_USERNAME: "gh-admin", CONF_ADMIN_KEY: "not a key"},
+            "admin_key_invalid",
+            id="unreadable-key",
+        ),
+    ],
+)
+async def test_a_login_the_tower_refuses(
+    hass: HomeAssistant, fresh: FreshTower, login: dict[str, str], error: str
+) -> None:
+    """Each refused login has its own message; nothing changes."""
+    flow_id = await _to_menu(hass, fresh)
+    result = await _login(hass, flow_id, fresh.uri, **login)
+    assert result["step_id"] == "install_agent"
+    assert result["errors"] == {"base": error}
+    # Never shown again: the password field comes back empty.
+    schema = {str(key): key for key in result["data_schema"].schema}
+    assert "suggested_value" not in (schema[CONF_ADMIN_PASSWORD].description or {})
+    _nothing_installed(fresh)
+
+
+async def test_sudo_that_wants_a_password(
+    hass: HomeAssistant, fresh: FreshTower
+) -> None:
+    """A key login whose sudo asks for a password needs it; a wrong one is
+    told apart; the right one works."""
+    flow_id = await _to_menu(hass, fresh)
+    result = await _login(hass, flow_id, fresh.uri, **_key_login(fresh, "gh-admin-pw"))
+    assert result["errors"] == {"base": "admin_sudo_password"}
+    result = await hass.config_entries.flow.async_configure(
+        flow_id,
+        {
+            CONF_USERNAME: AGENT_USER,
+            CONF_LIBVIRT_URI: fresh.uri,
+            **_key_login(fresh, "gh-admin-pw"),
+            CONF_SUDO_PASSWORD: "wrong",
+        },
+    )
+    assert result["errors"] == {"base": "admin_sudo_wrong_password"}
+    result = await hass.config_entries.flow.async_configure(
+        flow_id,
+        {
+            CONF_USERNAME: AGENT_USER,
+            CONF_LIBVIRT_URI: fresh.uri,
+            **_key_login(fresh, "gh-admin-pw"),
+            CONF_SUDO_PASSWORD: fresh.admins["gh-admin-pw"].password,
+        },
+    )
+    assert result["step_id"] == "install_options", result.get("errors")
+    _nothing_installed(fresh)
+
+
+async def test_a_user_without_sudo(hass: HomeAssistant, fresh: FreshTower) -> None:
+    """A user sudo does not know is told so, with sudo's words."""
+    flow_id = await _to_menu(hass, fresh)
+    result = await _login(
+        hass, flow_id, fresh.uri, **_password_login(fresh, "gh-plain")
+    )
+    assert result["errors"] == {"base": "admin_no_sudo"}
+    assert "sudoers" in result["description_placeholders"]["detail"]
+    _nothing_installed(fresh)
+
+
+@pytest.mark.parametrize(
+    ("knobs", "error"),
+    [
+        pytest.param({"python": "missing"}, "tower_no_python", id="no-python"),
+        pytest.param({"python": "old"}, "tower_no_python", id="python-3.7"),
+        pytest.param({"virsh": False}, "tower_no_virsh", id="no-virsh"),
+        pytest.param({"libvirt": False}, "tower_not_libvirt", id="no-libvirt"),
+    ],
+)
+async def test_a_tower_that_lacks_what_the_agent_needs(
+    hass: HomeAssistant,
+    tmp_path: Path,
+    socket_enabled: None,
+    knobs: dict[str, Any],
+    error: str,
+) -> None:
+    """Found by looking, before anything is written."""
+    with _make_tower(tmp_path, **knobs) as tower:
+        flow_id = await _to_menu(hass, tower)
+        uri = tower.uri if knobs.get("libvirt", True) else "qemu:///system"
+        result = await _login(hass, flow_id, uri, **_key_login(tower, "gh-admin"))
+        assert result["step_id"] == "install_agent"
+        assert result["errors"] == {"base": error}
+        _nothing_installed(tower)
+
+
+async def test_a_read_only_usr_local_leaves_the_tower_as_it_was(
+    hass: HomeAssistant, tmp_path: Path, socket_enabled: None
+) -> None:
+    """The install fails half way: it says why, undoes what it did (the
+    account it made included), and asks for the login again."""
+    with _make_tower(tmp_path, read_only_usr_local=True) as tower:
+        flow_id, result = await _install(hass, tower, _key_login(tower, "gh-admin"))
+        assert result["step_id"] == "install_agent"
+        assert result["errors"] == {"base": "install_read_only"}
+        assert "Read-only file system" in result["description_placeholders"]["detail"]
+        assert result["description_placeholders"]["left"] == "-"
+        assert hass.config_entries.flow._progress[flow_id]._admin is None
+        _nothing_installed(tower)
+
+
+async def test_nixos_gets_the_module_with_home_assistants_key(
+    hass: HomeAssistant, fresh: FreshTower
+) -> None:
+    """On NixOS nothing is written: the module's settings are shown, with
+    Home Assistant's key in them. Submitted before the switch, the key is
+    refused in place."""
+    fresh.run(["touch", "/etc/NIXOS"])
+    flow_id, result = await _install(hass, fresh, _key_login(fresh, "gh-admin"))
+    assert result["step_id"] == "install_nixos", result.get("errors")
+    module = result["description_placeholders"]["module"]
+    assert 'gpuNode = "gpu-node";' in module
+    assert "ssh-ed25519 " in module
+    assert agent.PLACEHOLDER_KEY not in module
+    _nothing_installed(fresh)
+    result = await hass.config_entries.flow.async_configure(flow_id, {})
+    assert result["step_id"] == "install_nixos"
+    assert result["errors"] == {"base": "invalid_auth"}
+
+    # The switch (stand-in: no NixOS here): what the module puts in place
+    # for these settings is what install writes elsewhere
+    # (tests/tower/test_nixos.py holds the two to each other), so install
+    # it, with the key the snippet carries.
+    key = module.split('authorizedKeys = [ "', 1)[1].split('"', 1)[0]
+    fresh.run(["rm", "/etc/NIXOS"])
+    # The test's /tmp is the tower's too.
+    with tempfile.TemporaryDirectory(dir="/tmp") as upload:
+        program = _put_agent(Path(upload))
+        switched = fresh.run(
+            [
+                "python3",
+                str(program),
+                "install",
+                "--user",
+                AGENT_USER,
+                "--create-user",
+                "--gpu-node",
+                "gpu-node",
+                "--gaming",
+                "win-1",
+                "--gaming",
+                "win-2",
+                "--uri",
+                fresh.uri,
+                "--authorize-key",
+                key,
+            ]
+        )
+    assert switched.returncode == 0, switched.stdout + switched.stderr
+    result = await hass.config_entries.flow.async_configure(flow_id, {})
+    assert result["step_id"] == "cluster", result.get("errors")
+
+
+async def _installed_entry(
+    hass: HomeAssistant, tower: FreshTower, cluster: K8sEmulator
+) -> ConfigEntry:
+    """The guided path to a loaded entry."""
+    flow_id, result = await _install(hass, tower, _key_login(tower, "gh-admin"))
+    assert result["step_id"] == "install_done", result.get("errors")
+    result = await hass.config_entries.flow.async_configure(flow_id, {})
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_KUBECONFIG: kubeconfig_text(cluster)}
+    )
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_K8S_NODE: GPU_NODE}
+    )
+    assert result["type"] is FlowResultType.CREATE_ENTRY
+    await hass.async_block_till_done()
+    entry: ConfigEntry = result["result"]
+    assert entry.state is ConfigEntryState.LOADED
+    return entry
+
+
+async def _age_the_agent(
+    hass: HomeAssistant, tower: FreshTower, entry: ConfigEntry
+) -> str:
+    """The tower runs an older agent (same protocol): its repair is raised."""
+    done = tower.run(
+        [
+            "sed",
+            "-i",
+            f's/^VERSION = "{agent.VERSION}"$/VERSION = "0.2.0"/',
+            "/usr/local/bin/gpu-handoff",
+        ]
+    )
+    assert done.returncode == 0, done.stderr
+    assert 'VERSION = "0.2.0"' in (tower.read("/usr/local/bin/gpu-handoff") or "")
+    assert await hass.config_entries.async_reload(entry.entry_id)
+    await hass.async_block_till_done()
+    issue_id = f"agent_version_{entry.entry_id}"
+    await until(
+        lambda: ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is not None
+    )
+    issue = ir.async_get(hass).async_get_issue(DOMAIN, issue_id)
+    assert issue is not None
+    assert issue.translation_key == "agent_older"
+    assert issue.is_fixable
+    return issue_id
+
+
+async def _open_fix(
+    hass: HomeAssistant, hass_client: ClientSessionGenerator, issue_id: str
+) -> tuple[dict[str, Any], Any]:
+    """The issue's fix flow as the frontend opens it; (first step, submit)."""
+    assert await async_setup_component(hass, REPAIRS, {})
+    client = await hass_client()
+    response = await client.post(
+        "/api/repairs/issues/fix", json={"handler": DOMAIN, "issue_id": issue_id}
+    )
+    flow: dict[str, Any] = await response.json()
+
+    async def submit(data: dict[str, Any]) -> dict[str, Any]:
+        response = await client.post(
+            f"/api/repairs/issues/fix/{flow['flow_id']}", json=data
+        )
+        result: dict[str, Any] = await response.json()
+        await hass.async_block_till_done()
+        return result
+
+    return flow, submit
+
+
+async def test_an_older_agent_is_updated_from_its_repair(
+    hass: HomeAssistant,
+    fresh: FreshTower,
+    cluster: K8sEmulator,
+    hass_client: ClientSessionGenerator,
+    hass_storage: dict[str, Any],
+) -> None:
+    """ "Update the agent" asks for the administrator login again, replaces
+    the program only (configuration, hook, keys untouched), reloads, and the
+    repair goes away once the tower runs the agent this release ships."""
+    entry = await _installed_entry(hass, fresh, cluster)
+    config = fresh.read("/etc/gpu-handoff/config.json")
+    keys = fresh.read(f"/home/{AGENT_USER}/.ssh/authorized_keys")
+    issue_id = await _age_the_agent(hass, fresh, entry)
+
+    flow, submit = await _open_fix(hass, hass_client, issue_id)
+    assert flow["type"] == "menu"
+    assert flow["menu_options"] == ["update_login", "update_by_hand"]
+    result = await submit({"next_step_id": "update_login"})
+    assert result["step_id"] == "update_login"
+    admin = fresh.admins["gh-admin-pw"]
+    result = await submit(
+        {CONF_ADMIN_USERNAME: admin.name, CONF_ADMIN_PASSWORD: "not-it"}
+    )
+    assert result["errors"] == {"base": "admin_auth_failed"}
+    result = await submit(
+        {CONF_ADMIN_USERNAME: admin.name, CONF_ADMIN_PASSWORD: admin.password}
+    )
+    assert result["type"] == "create_entry", result
+    await until(lambda: entry.state is ConfigEntryState.LOADED)
+    assert fresh.read("/usr/local/bin/gpu-handoff") == AGENT_TEXT
+    assert fresh.read("/etc/gpu-handoff/config.json") == config
+    assert fresh.read(f"/home/{AGENT_USER}/.ssh/authorized_keys") == keys
+    await until(lambda: ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is None)
+    assert admin.password not in json.dumps(hass_storage, default=str)
+
+
+async def test_an_update_by_hand_keeps_the_repair(
+    hass: HomeAssistant,
+    fresh: FreshTower,
+    cluster: K8sEmulator,
+    hass_client: ClientSessionGenerator,
+) -> None:
+    """The by-hand path shows the command and leaves the repair open; an
+    agent installed elsewhere is not guessed at."""
+    entry = await _installed_entry(hass, fresh, cluster)
+    issue_id = await _age_the_agent(hass, fresh, entry)
+    _flow, submit = await _open_fix(hass, hass_client, issue_id)
+    result = await submit({"next_step_id": "update_by_hand"})
+    assert result["type"] == "abort"
+    assert result["reason"] == "update_by_hand"
+    assert ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is not None
+
+    # The program moved away (installed by hand elsewhere): said, not guessed.
+    fresh.run(["mv", "/usr/local/bin/gpu-handoff", "/usr/local/bin/gpu-handoff.moved"])
+    _flow, submit = await _open_fix(hass, hass_client, issue_id)
+    await submit({"next_step_id": "update_login"})
+    result = await submit(_key_login(fresh, "gh-admin"))
+    assert result["errors"] == {"base": "update_not_installed"}
+    assert fresh.read("/usr/local/bin/gpu-handoff") is None
+
+
+async def test_an_update_for_a_removed_tower_stops(hass: HomeAssistant) -> None:
+    """The tower's entry was removed while its repair stayed open."""
+    flow = AgentUpdateRepairFlow("removed-entry")
+    flow.hass = hass
+    flow.handler = DOMAIN
+    flow.flow_id = "flow"
+    flow.issue_id = "agent_version_removed-entry"
+    result = await flow.async_step_update_login()
+    assert result["type"] is FlowResultType.ABORT
+    assert result["reason"] == "entry_removed"
+
+
+async def test_the_account_and_uri_are_checked_before_anything_runs(
+    hass: HomeAssistant, fresh: FreshTower
+) -> None:
+    """A name useradd would refuse and a URI with shell characters are
+    refused in the form, before the tower runs anything with them."""
+    flow_id = await _to_menu(hass, fresh)
+    await hass.config_entries.flow.async_configure(
+        flow_id, {"next_step_id": "install_agent"}
+    )
+    login = _key_login(fresh, "gh-admin")
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_USERNAME: "Bad User", CONF_LIBVIRT_URI: fresh.uri, **login}
+    )
+    assert result["errors"] == {"base": "invalid_agent_user"}
+    assert result["description_placeholders"]["user"] == "Bad User"
+    result = await hass.config_entries.flow.async_configure(
+        flow_id,
+        {CONF_USERNAME: AGENT_USER, CONF_LIBVIRT_URI: "qemu:///system; id", **login},
+    )
+    assert result["errors"] == {"base": "invalid_uri"}
+    _nothing_installed(fresh)
+
+
+def _empty_node_file(directory: Path) -> str:
+    """A libvirt test-driver node with no domain at all (in /tmp, which the
+    tower shares)."""
+    node = directory / "empty.xml"
+    node.write_text("<node/>\n", encoding="utf-8")
+    directory.chmod(0o755)
+    node.chmod(0o644)
+    return f"test://{node}"
+
+
+async def test_a_libvirt_without_vms_and_the_sessions_own_failures(
+    hass: HomeAssistant, fresh: FreshTower
+) -> None:
+    """libvirt answers but knows no VM; a host key other than the one
+    confirmed; a closed port; and a failure or a timeout inside a session."""
+    login = AdminLogin(
+        username="gh-admin",
+        private_key=fresh.admins["gh-admin"].key_path.read_text(encoding="utf-8"),
+    )
+    with tempfile.TemporaryDirectory(dir="/tmp") as directory:
+        uri = _empty_node_file(Path(directory))
+        async with admin_session(
+            "127.0.0.1", fresh.port, fresh.host_public_key, login
+        ) as session:
+            with pytest.raises(InstallError) as caught:
+                await session.survey(AGENT_USER, uri)
+    assert caught.value.key == "tower_no_domains"
+
+    other_key = generate_key_pair()[1]
+    with pytest.raises(InstallError) as caught:
+        async with admin_session("127.0.0.1", fresh.port, other_key, login):
+            pass
+    assert caught.value.key == "host_key_changed"
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        with pytest.raises(InstallError) as caught:
+            async with admin_session("127.0.0.1", port, fresh.host_public_key, login):
+                pass
+    assert caught.value.key == "cannot_connect"
+
+    for raised, key in (
+        (OSError("gone"), "install_failed"),
+        (TimeoutError(), "install_timeout"),
+    ):
+        with pytest.raises(InstallError) as caught:
+            async with admin_session(
+                "127.0.0.1", fresh.port, fresh.host_public_key, login
+            ):
+                raise raised
+        assert caught.value.key == key
