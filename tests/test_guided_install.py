@@ -18,6 +18,7 @@ import socket
 import tempfile
 from typing import Any
 
+import asyncssh
 from homeassistant.components.repairs import DOMAIN as REPAIRS
 from homeassistant.config_entries import SOURCE_USER, ConfigEntry, ConfigEntryState
 from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
@@ -33,6 +34,7 @@ from pytest_homeassistant_custom_component.typing import ClientSessionGenerator
 
 from custom_components.gpu_handoff.const import (
     CONF_ADMIN_KEY,
+    CONF_ADMIN_PASSPHRASE,
     CONF_ADMIN_PASSWORD,
     CONF_ADMIN_USERNAME,
     CONF_GAMING_VMS,
@@ -47,6 +49,7 @@ from custom_components.gpu_handoff.const import (
 )
 from custom_components.gpu_handoff.installer import (
     AdminLogin,
+    AdminSession,
     InstallError,
     admin_session,
 )
@@ -60,6 +63,9 @@ from tests.support.stories import until
 
 Result = dict[str, Any]
 AGENT_TEXT = Path(agent.__file__).read_text(encoding="utf-8")
+STRINGS = json.loads(
+    (Path(agent.__file__).parents[1] / "strings.json").read_text(encoding="utf-8")
+)
 # The account the agent runs as: the install creates it.
 AGENT_USER = "gpu-handoff"
 WRITTEN = (
@@ -210,6 +216,17 @@ async def test_guided_install_from_nothing_to_a_working_integration(
         flow_id, {CONF_RESTART_LIBVIRT: False}
     )
     assert result["step_id"] == "install_done", result.get("errors")
+    # Logged in with the restricted key at once; what it read is shown: the
+    # real agent's findings on this tower (win-2 has no guest-agent channel,
+    # one of the GPU node's functions no <rom bar='off'/>).
+    assert result["errors"] == {}
+    assert result["description_placeholders"]["findings"].splitlines() == [
+        (
+            "- no_agent_channel (win-2): no <channel> with target name "
+            "org.qemu.guest_agent.0: graceful stops cannot work"
+        ),
+        "- rom_bar_not_off (gpu-node): hostdev 0000:02:00.1 has no <rom bar='off'/>",
+    ]
     # The flow forgot the login as the install ended.
     assert hass.config_entries.flow._progress[flow_id]._admin is None
 
@@ -683,6 +700,13 @@ async def test_the_account_and_uri_are_checked_before_anything_runs(
         {CONF_USERNAME: AGENT_USER, CONF_LIBVIRT_URI: "qemu:///system; id", **login},
     )
     assert result["errors"] == {"base": "invalid_uri"}
+    # Never root, by name or by user id: the agent needs no privilege.
+    assert fresh.run(["useradd", "--non-unique", "--uid", "0", "toor"]).returncode == 0
+    for name in ("root", "toor"):
+        result = await hass.config_entries.flow.async_configure(
+            flow_id, {CONF_USERNAME: name, CONF_LIBVIRT_URI: fresh.uri, **login}
+        )
+        assert result["errors"] == {"base": "invalid_agent_user"}, name
     _nothing_installed(fresh)
 
 
@@ -738,3 +762,119 @@ async def test_a_libvirt_without_vms_and_the_sessions_own_failures(
             ):
                 raise raised
         assert caught.value.key == key
+
+
+async def test_a_reply_lost_after_the_install_is_retried_safely(
+    hass: HomeAssistant,
+    fresh: FreshTower,
+    cluster: K8sEmulator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The install ran on the tower but its reply never came back (the
+    connection cut at that moment). The user is told it failed and logs in
+    again; the second install finds the first one's work and completes it
+    without doubling anything: one account, one key line (the same key, the
+    flow keeps it), and the entry works. The cut itself is made on Home
+    Assistant's side, after the real install returned: no real network can
+    be cut at that exact moment here."""
+    real_agent = AdminSession._agent
+    cuts: list[list[str]] = []
+
+    async def cut_after(self: AdminSession, words: list[str]) -> dict[str, Any]:
+        reply = await real_agent(self, words)
+        if not cuts:
+            cuts.append(words)
+            raise asyncssh.ConnectionLost("connection cut before the reply")
+        return reply
+
+    monkeypatch.setattr(AdminSession, "_agent", cut_after)
+    flow_id, result = await _install(hass, fresh, _key_login(fresh, "gh-admin"))
+    assert result["step_id"] == "install_agent"
+    assert result["errors"] == {"base": "install_failed"}
+    assert "connection cut" in result["description_placeholders"]["detail"]
+    # It did happen on the tower.
+    assert fresh.read("/etc/gpu-handoff/config.json") is not None
+    first_keys = fresh.read(f"/home/{AGENT_USER}/.ssh/authorized_keys")
+
+    result = await hass.config_entries.flow.async_configure(
+        flow_id,
+        {
+            CONF_USERNAME: AGENT_USER,
+            CONF_LIBVIRT_URI: fresh.uri,
+            **_key_login(fresh, "gh-admin"),
+        },
+    )
+    assert result["step_id"] == "install_options"
+    assert result["description_placeholders"]["agent"] == agent.VERSION
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_GPU_NODE: "gpu-node", CONF_GAMING_VMS: ["win-1", "win-2"]}
+    )
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_RESTART_LIBVIRT: False}
+    )
+    assert result["step_id"] == "install_done", result.get("errors")
+    assert fresh.read(f"/home/{AGENT_USER}/.ssh/authorized_keys") == first_keys
+    assert len((first_keys or "").splitlines()) == 1
+    assert fresh.run(["grep", "-c", f"^{AGENT_USER}:", "/etc/passwd"]).stdout == "1\n"
+    result = await hass.config_entries.flow.async_configure(flow_id, {})
+    assert result["step_id"] == "cluster", result.get("errors")
+
+
+async def test_the_install_form_as_the_frontend_gets_it(
+    hass: HomeAssistant, fresh: FreshTower, hass_client: ClientSessionGenerator
+) -> None:
+    """Through the REST API the frontend uses: the menu offers the guided
+    install first, its form serialises with a label for every field, and
+    the secrets are password fields."""
+    assert await async_setup_component(hass, "config", {})
+    client = await hass_client()
+
+    async def post(path: str, data: dict[str, Any]) -> dict[str, Any]:
+        response = await client.post(path, json=data)
+        assert response.status == 200, await response.text()
+        answer: dict[str, Any] = await response.json()
+        return answer
+
+    flow = await post("/api/config/config_entries/flow", {"handler": DOMAIN})
+    step = f"/api/config/config_entries/flow/{flow['flow_id']}"
+    await post(
+        step, {CONF_HOST: "127.0.0.1", CONF_PORT: fresh.port, CONF_USERNAME: AGENT_USER}
+    )
+    menu = await post(step, {})
+    assert menu["menu_options"][0] == "install_agent"
+    form = await post(step, {"next_step_id": "install_agent"})
+    fields = {field["name"]: field for field in form["data_schema"]}
+    assert list(fields) == [
+        CONF_USERNAME,
+        CONF_ADMIN_USERNAME,
+        CONF_ADMIN_PASSWORD,
+        CONF_ADMIN_KEY,
+        CONF_ADMIN_PASSPHRASE,
+        CONF_SUDO_PASSWORD,
+        CONF_LIBVIRT_URI,
+    ]
+    for name in (CONF_ADMIN_PASSWORD, CONF_ADMIN_PASSPHRASE, CONF_SUDO_PASSWORD):
+        assert fields[name]["selector"]["text"]["type"] == "password"
+    labels = STRINGS["config"]["step"]["install_agent"]["data"]
+    assert set(labels) == set(fields)
+    assert STRINGS["config"]["step"]["credentials"]["menu_options"]["install_agent"]
+
+
+async def test_a_key_sshd_refuses_after_the_install_is_shown_and_retried(
+    hass: HomeAssistant, fresh: FreshTower
+) -> None:
+    """The account existed already, with a home anyone may write to: sshd
+    (StrictModes) refuses the key the install put there. The check right
+    after the install says so, with the install's own findings; once the
+    home is fixed, submitting logs in."""
+    home = f"/home/{AGENT_USER}"
+    made = fresh.run(["useradd", "--create-home", "--password", "*", AGENT_USER])
+    assert made.returncode == 0, made.stderr
+    fresh.run(["chmod", "o+w", home])
+    flow_id, result = await _install(hass, fresh, _key_login(fresh, "gh-admin"))
+    assert result["step_id"] == "install_done"
+    assert result["errors"] == {"base": "invalid_auth"}
+    assert "Authentication refused: bad ownership or modes" in fresh.log
+    fresh.run(["chmod", "o-w", home])
+    result = await hass.config_entries.flow.async_configure(flow_id, {})
+    assert result["step_id"] == "cluster", result.get("errors")

@@ -5,6 +5,7 @@ The install itself is tested end to end in tests/test_guided_install.py."""
 from __future__ import annotations
 
 import shlex
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,6 +23,7 @@ from custom_components.gpu_handoff.installer import (
     check_uri,
     check_user_name,
 )
+from custom_components.gpu_handoff.protocol import Finding
 
 SURVEY = Survey(
     sudo="nopasswd",
@@ -78,6 +80,7 @@ def test_sudo_gets_its_own_password_else_the_logins() -> None:
         ({"user": "Root"}, "invalid_agent_user"),
         ({"user": "a b"}, "invalid_agent_user"),
         ({"user": "-rf"}, "invalid_agent_user"),
+        ({"user": "root"}, "invalid_agent_user"),
         ({"uri": "qemu:///system; reboot"}, "invalid_uri"),
         ({"uri": "$(reboot)"}, "invalid_uri"),
         ({"gpu_node": "other"}, "unknown_domain"),
@@ -185,19 +188,32 @@ def test_the_gpu_node_is_guessed_by_its_name() -> None:
 
 
 def test_the_findings_say_what_the_check_and_the_restart_found() -> None:
-    """Each finding a line; a failed status and a failed restart too."""
-    assert _findings_text(InstallReport(nixos=False)) == "-"
-    text = _findings_text(
-        InstallReport(
-            nixos=False,
-            findings=[{"code": "hook_missing", "domain": "gpu-node", "detail": "d"}],
-            status_error="virsh failed",
-            libvirt_restarted=False,
-            libvirt_restart_message="systemctl is not on PATH",
-        )
+    """Each finding a line: those read with Home Assistant's key when it
+    logged in, else the install's own (and a failed status); a failed
+    restart either way."""
+    report = InstallReport(
+        nixos=False,
+        findings=[{"code": "hook_missing", "domain": "gpu-node", "detail": "d"}],
+        status_error="virsh failed",
+        libvirt_restarted=False,
+        libvirt_restart_message="systemctl is not on PATH",
     )
-    assert text.splitlines() == [
+    assert _findings_text(InstallReport(nixos=False), None) == "-"
+    assert _findings_text(report, None).splitlines() == [
         "- hook_missing (gpu-node): d",
         "- virsh failed",
+        "- libvirtd: systemctl is not on PATH",
+    ]
+    # Only its findings are read: the status of a tower is otherwise large.
+    status = SimpleNamespace(
+        findings=(
+            Finding(code="no_agent_channel", domain="win-2", detail="x"),
+            Finding(code="config", domain=None, detail="y"),
+        )
+    )
+    shown = _findings_text(report, status)  # type: ignore[arg-type]
+    assert shown.splitlines() == [
+        "- no_agent_channel (win-2): x",
+        "- config (-): y",
         "- libvirtd: systemctl is not on PATH",
     ]

@@ -206,14 +206,23 @@ def _guess_gpu_node(domains: list[str]) -> str:
     return domains[0]
 
 
-def _findings_text(report: InstallReport) -> str:
-    """The tower's findings after the install, one line each."""
-    lines = [
-        f"- {finding.get('code')} ({finding.get('domain')}): {finding.get('detail')}"
-        for finding in report.findings
-    ]
-    if report.status_error:
-        lines.append(f"- {report.status_error}")
+def _findings_text(report: InstallReport, status: TowerStatus | None) -> str:
+    """What the tower reports after the install, one line each: the findings
+    of its status as read with Home Assistant's key, else (that login
+    failed) those of the install's own check."""
+    if status is not None:
+        lines = [
+            f"- {finding.code} ({finding.domain or '-'}): {finding.detail}"
+            for finding in status.findings
+        ]
+    else:
+        lines = [
+            f"- {finding.get('code')} ({finding.get('domain')}): "
+            f"{finding.get('detail')}"
+            for finding in report.findings
+        ]
+        if report.status_error:
+            lines.append(f"- {report.status_error}")
     if report.libvirt_restarted is False:
         lines.append(f"- libvirtd: {report.libvirt_restart_message}")
     return "\n".join(lines) or "-"
@@ -329,6 +338,8 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         self._uri = DEFAULT_LIBVIRT_URI
         self._plan: InstallPlan | None = None
         self._report: InstallReport | None = None
+        # Why Home Assistant's key was refused after the install (empty: not).
+        self._key_errors: dict[str, str] = {}
 
     def _forget_admin(self) -> None:
         """Drop the administrator login (and what was read with it)."""
@@ -564,6 +575,9 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
             self._vms = list(plan.gaming)
             if self._report.nixos:
                 return await self.async_step_install_nixos()
+            # Proven at once with the restricted key: what it reads is shown.
+            self._status = None
+            self._key_errors = await self._async_use_key(self._generated[0], None)
             return await self.async_step_install_done()
         return self.async_show_form(
             step_id="install_confirm",
@@ -607,10 +621,11 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         report = self._report
         if report is None or self._generated is None:  # pragma: no cover - order
             return await self.async_step_install_agent()
-        errors: dict[str, str] = {}
         if user_input is not None:
-            errors = await self._async_use_key(self._generated[0], None)
-            if not errors:
+            # The key once more: what is stored must work now (after the
+            # NixOS switch, a key line put back, or one removed meanwhile).
+            self._key_errors = await self._async_use_key(self._generated[0], None)
+            if not self._key_errors:
                 self._data[CONF_GPU_NODE] = self._known_status.gpu_node
                 return await self.async_step_cluster()
         return self.async_show_form(
@@ -618,10 +633,10 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
             description_placeholders={
                 "host": self._data[CONF_HOST],
                 "user": self._data[CONF_USERNAME],
-                "findings": _findings_text(report),
+                "findings": _findings_text(report, self._status),
                 "module": report.nixos_module,
             },
-            errors=errors,
+            errors=self._key_errors,
         )
 
     async def async_step_generate_key(

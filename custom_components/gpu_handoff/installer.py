@@ -59,7 +59,7 @@ else
 fi
 if command -v virsh >/dev/null 2>&1; then echo virsh=yes; else echo virsh=; fi
 if [ -e /etc/NIXOS ]; then echo nixos=yes; fi
-if id -u -- "$1" >/dev/null 2>&1; then echo user=yes; else echo user=; fi
+echo "user=$(id -u -- "$1" 2>/dev/null)"
 if [ -e /etc/gpu-handoff/config.json ]; then echo config=yes; fi
 if [ -x /usr/local/bin/gpu-handoff ]; then
   /usr/local/bin/gpu-handoff version 2>/dev/null | sed -n 's/^/agent=/p'
@@ -181,8 +181,9 @@ class UpdateReport:
 
 
 def check_user_name(name: str) -> bool:
-    """Whether ``name`` is an account name the install may use or create."""
-    return USER_NAME.fullmatch(name) is not None
+    """Whether ``name`` is an account name the install may use or create:
+    never root (the agent needs no privilege; its key must not get one)."""
+    return USER_NAME.fullmatch(name) is not None and name != "root"
 
 
 def check_uri(uri: str) -> bool:
@@ -283,6 +284,8 @@ class AdminSession:
             key, sep, value = line.partition("=")
             if sep and key not in found:
                 found[key] = value.strip()
+        if found.get("user") == "0":  # another name of root's
+            raise InstallError("invalid_agent_user", user)
         python = found.get("python", "")
         if not _python_ok(python):
             raise InstallError("tower_no_python", python or "python3")
