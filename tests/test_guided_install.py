@@ -431,6 +431,12 @@ async def test_sudo_that_wants_a_password(
     )
     assert result["step_id"] == "install_options", result.get("errors")
     _nothing_installed(fresh)
+    # The user closes the dialog here (the frontend deletes the flow): the
+    # login it held goes with it.
+    flow = hass.config_entries.flow._progress[flow_id]
+    assert flow._admin is not None
+    hass.config_entries.flow.async_abort(flow_id)
+    assert flow._admin is None
 
 
 async def test_a_user_without_sudo(hass: HomeAssistant, fresh: FreshTower) -> None:
