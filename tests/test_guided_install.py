@@ -53,6 +53,7 @@ from custom_components.gpu_handoff.installer import (
     InstallError,
     admin_session,
 )
+from custom_components.gpu_handoff.protocol import PROTOCOL
 from custom_components.gpu_handoff.repairs import AgentUpdateRepairFlow
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from custom_components.gpu_handoff.tower_client import generate_key_pair, public_key_of
@@ -884,3 +885,41 @@ async def test_a_key_sshd_refuses_after_the_install_is_shown_and_retried(
     fresh.run(["chmod", "o-w", home])
     result = await hass.config_entries.flow.async_configure(flow_id, {})
     assert result["step_id"] == "cluster", result.get("errors")
+
+
+async def test_an_agent_of_an_older_protocol_is_updated_from_its_repair(
+    hass: HomeAssistant,
+    fresh: FreshTower,
+    cluster: K8sEmulator,
+    hass_client: ClientSessionGenerator,
+) -> None:
+    """An agent that speaks an older protocol (one released before this
+    integration's) raises its repair, and the same guided update fixes it."""
+    entry = await _installed_entry(hass, fresh, cluster)
+    done = fresh.run(
+        [
+            "sed",
+            "-i",
+            f"s/^PROTOCOL = {PROTOCOL}$/PROTOCOL = {PROTOCOL - 1}/",
+            "/usr/local/bin/gpu-handoff",
+        ]
+    )
+    assert done.returncode == 0, done.stderr
+    await hass.config_entries.async_reload(entry.entry_id)
+    await hass.async_block_till_done()
+    issue_id = f"agent_outdated_{entry.entry_id}"
+    await until(
+        lambda: ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is not None
+    )
+    # The entry cannot load with that agent: the repair is the way out.
+    assert entry.state is ConfigEntryState.SETUP_RETRY
+    issue = ir.async_get(hass).async_get_issue(DOMAIN, issue_id)
+    assert issue is not None
+    assert issue.is_fixable
+    _flow, submit = await _open_fix(hass, hass_client, issue_id)
+    await submit({"next_step_id": "update_login"})
+    result = await submit(_key_login(fresh, "gh-admin"))
+    assert result["type"] == "create_entry", result
+    assert fresh.read("/usr/local/bin/gpu-handoff") == AGENT_TEXT
+    await until(lambda: entry.state is ConfigEntryState.LOADED)
+    await until(lambda: ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is None)

@@ -220,6 +220,15 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
             raise UpdateFailed(
                 translation_domain=DOMAIN, translation_key="host_key_changed"
             ) from err
+        except AgentVersionError as err:
+            # The entry cannot load with it: the repair that updates it is
+            # the way out (it needs no loaded entry).
+            self._raise_agent_outdated(err)
+            raise UpdateFailed(
+                translation_domain=DOMAIN,
+                translation_key=tower_error_key(err),
+                translation_placeholders={"error": str(err)},
+            ) from err
         except TowerError as err:
             raise UpdateFailed(
                 translation_domain=DOMAIN,
