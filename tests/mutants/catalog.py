@@ -19,6 +19,8 @@ CONTROLLER = "custom_components/gpu_handoff/controller.py"
 CLUSTER = "custom_components/gpu_handoff/cluster_client.py"
 CONFIG_FLOW = "custom_components/gpu_handoff/config_flow.py"
 SENSOR = "custom_components/gpu_handoff/sensor.py"
+INSTALLER = "custom_components/gpu_handoff/installer.py"
+GUIDED = "tests/test_guided_install.py"
 
 
 @dataclass(frozen=True)
@@ -357,6 +359,62 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
         ("tests/test_lending.py::test_one_player_leaves_the_cluster_two_cards",),
+    ),
+    Mutant(
+        "admin_password_stored",
+        "the guided install's administrator login is never stored",
+        (
+            Patch(
+                CONFIG_FLOW,
+                "                self._admin = login\n"
+                "                return await self.async_step_install_options()",
+                "                self._admin = login\n"
+                "                self._data[CONF_SUDO_PASSWORD] = login.password\n"
+                "                return await self.async_step_install_options()",
+            ),
+        ),
+        (f"{GUIDED}::test_guided_install_from_nothing_to_a_working_integration",),
+    ),
+    Mutant(
+        "admin_login_kept_after_install",
+        "the flow forgets the administrator login when the install ends",
+        (
+            Patch(
+                CONFIG_FLOW,
+                "login, self._admin = self._admin, None",
+                "login = self._admin",
+            ),
+        ),
+        (f"{GUIDED}::test_guided_install_from_nothing_to_a_working_integration",),
+    ),
+    Mutant(
+        "failed_install_not_undone",
+        "an install that fails half way leaves the tower as it was",
+        (
+            Patch(
+                AGENT,
+                "            try:\n"
+                "                action()\n"
+                "            except _STEP_ERRORS:\n"
+                "                left.append(what)",
+                "            pass",
+            ),
+        ),
+        (f"{GUIDED}::test_a_read_only_usr_local_leaves_the_tower_as_it_was",),
+    ),
+    Mutant(
+        "agent_account_may_be_root",
+        "the guided install never makes root the agent's account",
+        (
+            Patch(
+                INSTALLER,
+                'return USER_NAME.fullmatch(name) is not None and name != "root"',
+                "return USER_NAME.fullmatch(name) is not None",
+            ),
+        ),
+        # The tower's answer (user id 0) refuses root too: that layer is
+        # the end-to-end test's; this one is the name's own check.
+        ("tests/test_installer.py::test_a_plan_holds_only_the_towers_own_names",),
     ),
 )
 
