@@ -578,3 +578,86 @@ def test_screen_conversion() -> None:
             "best_ms": round(best * 1000, 1),
         }
     RESULTS["screen_conversion"] = figures
+
+
+async def test_guided_install(tmp_path: Path, socket_enabled: None) -> None:
+    """The guided install on a fresh tower (tests/support/fresh_tower.py),
+    through the same calls the config flow makes: the survey (sudo, Python,
+    virsh, libvirt's VMs), the upload and install as root, and the first
+    login with Home Assistant's restricted key (version and status). Median
+    of three fresh towers, for a sudo user with a password and for root with
+    a key."""
+    from custom_components.gpu_handoff.installer import (
+        AdminLogin,
+        InstallPlan,
+        admin_session,
+    )
+    from custom_components.gpu_handoff.tower_client import (
+        TowerClient,
+        TowerCredentials,
+        generate_key_pair,
+    )
+    from tests.support.fresh_tower import FreshTower, require_fresh_tower
+
+    require_fresh_tower()
+    figures: dict[str, Any] = {}
+    for name in ("gh-admin-pw", "root"):
+        runs: dict[str, list[float]] = {
+            "survey_s": [],
+            "install_s": [],
+            "key_login_s": [],
+        }
+        for run in range(3):
+            with FreshTower(tmp_path / f"{name}-{run}") as tower:
+                admin = tower.admins[name]
+                login = (
+                    AdminLogin(username=name, password=admin.password)
+                    if name != "root"
+                    else AdminLogin(
+                        username=name,
+                        private_key=admin.key_path.read_text(encoding="utf-8"),
+                    )
+                )
+                private, public = generate_key_pair()
+                started = time.perf_counter()
+                async with admin_session(
+                    "127.0.0.1", tower.port, tower.host_public_key, login
+                ) as session:
+                    survey = await session.survey("gpu-handoff", tower.uri)
+                surveyed = time.perf_counter()
+                plan = InstallPlan(
+                    user="gpu-handoff",
+                    gpu_node="gpu-node",
+                    gaming=["win-1", "win-2"],
+                    uri=tower.uri,
+                    public_key=public,
+                    restart_libvirt=False,
+                    replace_config=False,
+                )
+                async with admin_session(
+                    "127.0.0.1", tower.port, tower.host_public_key, login
+                ) as session:
+                    await session.install(plan, survey)
+                installed = time.perf_counter()
+                client = TowerClient(
+                    TowerCredentials(
+                        host="127.0.0.1",
+                        port=tower.port,
+                        username="gpu-handoff",
+                        private_key=private,
+                        host_key=tower.host_public_key,
+                    )
+                )
+                try:
+                    await client.version()
+                    await client.status()
+                finally:
+                    await client.close()
+                logged_in = time.perf_counter()
+            runs["survey_s"].append(surveyed - started)
+            runs["install_s"].append(installed - surveyed)
+            runs["key_login_s"].append(logged_in - installed)
+        figures["sudo_with_password" if name != "root" else "root_with_key"] = {
+            key: round(statistics.median(values), 2) for key, values in runs.items()
+        }
+    RESULTS["guided_install"] = figures
