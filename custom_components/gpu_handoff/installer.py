@@ -322,6 +322,9 @@ class AdminSession:
         administrator can enter; removed afterwards whatever happens."""
         directory = UPLOAD_DIR_PREFIX + secrets.token_hex(8)
         program = f"{directory}/gpu_handoff.py"
+        code = await asyncio.get_running_loop().run_in_executor(
+            None, AGENT_FILE.read_bytes
+        )
         try:
             sftp = await self._conn.start_sftp_client()
         except (asyncssh.Error, OSError) as err:
@@ -330,7 +333,7 @@ class AdminSession:
             try:
                 await sftp.mkdir(directory, asyncssh.SFTPAttrs(permissions=0o700))
                 async with sftp.open(program, "wb") as handle:
-                    await handle.write(AGENT_FILE.read_bytes())
+                    await handle.write(code)
             except (asyncssh.Error, OSError) as err:
                 with contextlib.suppress(asyncssh.Error, OSError):
                     await sftp.rmtree(directory)
