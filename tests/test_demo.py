@@ -39,7 +39,9 @@ from scripts.gpu_handoff_demo.demo import SCREEN
 from scripts.gpu_handoff_demo.home_assistant import log_problems
 from scripts.gpu_handoff_demo.screenshot import find_browser, text_problems
 from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.support.fresh_tower import fresh_tower_available
 from tests.support.kubelet import Kubelet
+from tests.support.libvirtd import libvirtd_available
 from tests.support.sshd import sshd_available
 from tests.support.stories import setup_entry
 from tests.towersim import Tower
@@ -54,6 +56,12 @@ LENDING = re.compile(
 )
 GHOST = re.compile(
     r"^demo: ghost GPU node: Health problem \d+\.\d s, cleared \d+\.\d s: ok$",
+    re.MULTILINE,
+)
+GUIDED = re.compile(
+    r"^demo: fresh tower: guided install \d+\.\d s as gh-admin-pw \(sudo with its "
+    r"password\), /usr/local/bin/gpu-handoff and account gpu-handoff on the tower, "
+    r"2 findings, entry loaded \d+\.\d s: ok$",
     re.MULTILINE,
 )
 CLEAN_LOG = "demo: Home Assistant's log: no errors, no tracebacks"
@@ -229,6 +237,50 @@ def test_two_towers_side_by_side() -> None:
         _check_kept(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_guided_install_demo() -> None:
+    """``--scripted --guided``: beside the simulated tower, a fresh tower
+    (real sshd, sudo and accounts, libvirt's test driver) gets the agent
+    through the config flow's guided install, one screen after the other
+    through Home Assistant's REST API as the frontend sends them; the install
+    shows the tower's findings, the entry loads, the tower has the agent and
+    the account; the simulated tower's handoff works meanwhile, and Home
+    Assistant's log stays clean."""
+    _require(
+        fresh_tower_available() and libvirtd_available(),
+        "a fresh tower (root, sudo, overlayfs, a private mount namespace, libvirtd)",
+    )
+    result = _demo("--scripted", "--fast", "--guided")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert GUIDED.search(result.stdout), output
+    assert SUMMARY.search(result.stdout), output
+    assert CLEAN_LOG in result.stdout, output
+    assert "ports still in use" not in result.stdout, output
+    screens = re.findall(
+        r"^demo: fresh tower: config flow: (.*)$", result.stdout, re.MULTILINE
+    )
+    expected = [
+        "the tower's address, account gpu-handoff",
+        "host key SHA256:",
+        '"Install the agent for me"',
+        "administrator gh-admin-pw with its password",
+        "GPU node gpu-node, gaming VMs win-1, win-2 (as proposed)",
+        f"confirmed without restarting libvirtd; agent {agent.VERSION} installed",
+        "the restricted key logs in; the kubeconfig",
+        "Kubernetes node fresh-gpu-node",
+    ]
+    assert len(screens) == len(expected), output
+    for screen, start in zip(screens, expected, strict=True):
+        assert screen.startswith(start), (screen, start)
+    # The findings of the tower's check, as the install_done step shows
+    # them (the fresh tower's VMs have these on purpose).
+    findings = re.findall(
+        r"^demo: fresh tower:   - (\S+ \(\S+\)):", result.stdout, re.M
+    )
+    assert findings == ["no_agent_channel (win-2)", "rom_bar_not_off (gpu-node)"]
+    assert not _work_dir(result.stdout).exists()
 
 
 def _seeded_pods() -> set[str]:
@@ -410,7 +462,8 @@ def test_page_text_check() -> None:
 
 
 def test_log_check(tmp_path: Path) -> None:
-    """Errors and tracebacks are found, one line each; warnings are not."""
+    """Errors, tracebacks and blocking calls in the event loop are found, one
+    line each; other warnings are not."""
     log = tmp_path / "home-assistant.out"
     log.write_text(
         "2026-12-01 03:20:24.094 WARNING (MainThread) [homeassistant.bootstrap] "
@@ -421,13 +474,23 @@ def test_log_check(tmp_path: Path) -> None:
         "    self._proc = await create()\n"
         "FileNotFoundError: [Errno 2] No such file or directory: 'ffmpeg'\n"
         "2026-12-01 03:20:25.000 CRITICAL (MainThread) [homeassistant] Boom\n"
-        "2026-12-01 03:20:26.000 INFO (MainThread) [custom_components.x] fine\n",
+        "2026-12-01 03:20:26.000 INFO (MainThread) [custom_components.x] fine\n"
+        # Home Assistant's own check of its event loop: a warning with a
+        # stack and no exception, still a problem of the integration.
+        "2026-12-01 03:20:27.000 WARNING (MainThread) "
+        "[homeassistant.util.loop] Detected blocking call to read_bytes with "
+        "args (...) inside the event loop by custom integration 'gpu_handoff'\n"
+        '  File "installer.py", line 333, in _uploaded_agent\n',
         encoding="utf-8",
     )
     assert log_problems(log) == [
         "ERROR [haffmpeg.core] FFmpeg fails",
         "traceback: FileNotFoundError: [Errno 2] No such file or directory: 'ffmpeg'",
         "CRITICAL [homeassistant] Boom",
+        (
+            "WARNING [homeassistant.util.loop] Detected blocking call to read_bytes "
+            "with args (...) inside the event loop by custom integration 'gpu_handoff'"
+        ),
     ]
     assert log_problems(tmp_path / "missing") == []
 

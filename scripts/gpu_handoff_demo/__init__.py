@@ -18,6 +18,10 @@ towers and an emulated Kubernetes cluster, all on 127.0.0.1.
 - the simulator's "Play a ghost GPU node" switch on that dashboard, a toggle
   helper the demo follows to make the GPU node a ghost in the cluster
   emulator, or heal it (``ghost.py``);
+- with ``--guided``, a fresh tower to try the config flow's guided install
+  on: the tests' (tests/support/fresh_tower.py), with real accounts, sudo
+  and sshd and libvirt's test driver, and a node of its own in the cluster
+  (``fresh.py``);
 - the packages Home Assistant's frontend needs, installed once into the cache
   (``packages.py``); the orchestration (``demo.py``); a browser screenshot
   (``screenshot.py``).
@@ -29,7 +33,10 @@ towers and an emulated Kubernetes cluster, all on 127.0.0.1.
     scripts/demo --lend            # keep lending the free cards while someone plays
     scripts/demo --play            # start with each tower's first station playing
     scripts/demo --ghost           # start with each GPU node playing a ghost
+    scripts/demo --guided          # also a fresh tower for "Install the agent for me"
     scripts/screenshot             # docs/dashboard.png from a headless browser
+    scripts/screenshot docs/guided-install.png --guided
+                                   # the guided install's confirm step
 
 Ctrl-C (or SIGTERM) stops everything.
 """

@@ -9,6 +9,11 @@ from typing import Any
 from tests.k8semu import GPU, GPU_NODE, K8sEmulator, seed_demo
 
 PRODUCT = "NVIDIA-GeForce-RTX-3050"
+# The fresh tower's GPU node (``--guided``): a node of its own, so that the
+# guided install's node step offers it beside the simulated towers' nodes.
+FRESH_NODE = "fresh-gpu-node"
+# The cards the fresh tower's GPU node holds (tests/tower/nodes.py).
+FRESH_CARDS = 2
 
 
 def node_name(index: int) -> str:
@@ -53,6 +58,13 @@ def seed(emu: K8sEmulator, towers: int) -> None:
             image="ghcr.io/huggingface/text-embeddings-inference:1.8",
             gpu_request=1,
         )
+
+
+def add_fresh_node(emu: K8sEmulator) -> None:
+    """A Ready node for the fresh tower's GPU node, advertising a GPU per
+    card it holds (fewer would be a Health problem after five minutes), with
+    no workloads: nothing is drained on that tower."""
+    emu.add_node(FRESH_NODE, gpus=FRESH_CARDS, address="10.0.0.20")
 
 
 def label_cards(emu: K8sEmulator, node: str) -> None:

@@ -38,9 +38,9 @@ from tests.k8semu import K8sEmulator
 from tests.support.kubelet import Kubelet
 from tests.support.sshd import sshd_available
 
-from . import home_assistant, screenshot
+from . import fresh, home_assistant, screenshot
 from .client import USERNAME, WAIT, HomeAssistantClient, add_tower, until
-from .cluster import cordoned, gpus_requested, seed
+from .cluster import add_fresh_node, cordoned, gpus_requested, seed
 from .dashboard import URL_PATH, VIEW_PATH, TowerEntities, dashboard, find_entities
 from .ghost import BACKDATE, GhostSwitch, switch_name
 from .home_assistant import HOST
@@ -101,6 +101,11 @@ class Demo:
         self.entities: list[TowerEntities] = []
         self.ghosts: list[GhostSwitch] = []
         self.password = secrets.token_urlsafe(12)
+        # --guided: the fresh tower, and the kubeconfig file for its flow.
+        self.fresh: fresh.DemoFreshTower | None = None
+        self.kubeconfig_file = self.work / "kubeconfig.yaml"
+        # The repairs its findings raise (its VMs have them on purpose).
+        self.fresh_issues: set[str] = set()
 
     @property
     def url(self) -> str:
@@ -123,6 +128,8 @@ class Demo:
         log(f"files (configuration, logs): {shown(self.work)}")
         if not sshd_available():
             raise DemoError("OpenSSH's sshd and ssh-keygen are needed")
+        if self.args.guided and (reason := fresh.unavailable()) is not None:
+            raise DemoError(f"--guided: {reason}")
         # Home Assistant falls back to recovery mode (no custom integrations)
         # when its frontend does not load: the frontend is not optional.
         packages = await asyncio.to_thread(frontend_packages)
@@ -132,11 +139,17 @@ class Demo:
         count: int = self.args.towers
         self.emu = K8sEmulator(host=HOST, port=0, lease_interval=2.0)
         seed(self.emu, count)
+        if self.args.guided:
+            add_fresh_node(self.emu)
         await self.emu.start()
         self.ports.append(self.emu.port)
         log(f"cluster: Kubernetes API emulator at {self.emu.url}")
         for index in range(1, count + 1):
             self._start_tower(index)
+        if self.args.guided:
+            self.fresh = await asyncio.to_thread(fresh.start_fresh_tower)
+            self.ports.append(self.fresh.port)
+            log(fresh.describe(self.fresh))
 
         port = self.args.port or free_port()
         self.ports.append(port)
@@ -155,6 +168,8 @@ class Demo:
             ha.follow_events(self.events, self.vm_names)
         )
         kubeconfig = yaml.safe_dump(self.emu.kubeconfig(), sort_keys=False)
+        if self.fresh is not None:
+            self.kubeconfig_file.write_text(kubeconfig, encoding="utf-8")
         for tower in self.towers:
             tower.entry_id = await add_tower(ha, tower, kubeconfig)
             for vm, title in tower.titles.items():
@@ -218,8 +233,8 @@ class Demo:
         log(f'{tower.name}: simulator switch "{switch_name(tower)}" ({toggle})')
         return dataclasses.replace(found, ghost=toggle)
 
-    async def _wait_loaded(self, tower: DemoTower) -> TowerEntities:
-        """Until the tower's entry is loaded and its GPU node serves; its entities."""
+    async def _wait_entry_loaded(self, entry_id: str) -> None:
+        """Until the config entry is loaded; DemoError if it fails to."""
         ha = self.ha
         if ha is None:
             raise DemoError("Home Assistant is not started")
@@ -227,13 +242,20 @@ class Demo:
         async def loaded() -> bool:
             entries = await ha.config_entries()
             state = next(
-                (e["state"] for e in entries if e["entry_id"] == tower.entry_id), None
+                (e["state"] for e in entries if e["entry_id"] == entry_id), None
             )
             if state in ("setup_error", "setup_retry", "failed_unload"):
                 raise DemoError(f"the integration did not load: {state}")
             return state == "loaded"
 
         await until(loaded, WAIT, "the integration to load")
+
+    async def _wait_loaded(self, tower: DemoTower) -> TowerEntities:
+        """Until the tower's entry is loaded and its GPU node serves; its entities."""
+        ha = self.ha
+        if ha is None:
+            raise DemoError("Home Assistant is not started")
+        await self._wait_entry_loaded(tower.entry_id)
         found = find_entities(
             tower,
             await ha.websocket({"type": "config/device_registry/list"}),
@@ -301,13 +323,14 @@ class Demo:
 
     async def health(self, *, ghosts: bool = False) -> list[str]:
         """What a user would see as wrong: repairs (but, with ``ghosts``, the
-        GPU nodes' health repairs a ghost raises), integrations not loaded."""
+        GPU nodes' health repairs a ghost raises, and the repairs of the
+        findings the guided install showed), integrations not loaded."""
         ha = self.ha
         if ha is None:
             return ["Home Assistant is not started"]
         expected = {
             f"{ISSUE_NODE_HEALTH}_{tower.entry_id}" for tower in self.towers if ghosts
-        }
+        } | self.fresh_issues
         problems = [
             f"repair {issue['domain']}.{issue['issue_id']}"
             for issue in await ha.issues()
@@ -323,20 +346,49 @@ class Demo:
     async def scripted(self) -> list[str]:
         """Hand the first gaming VM of every tower its cards and back, all
         towers at once (with ``--ghost``, first play a ghost GPU node and heal
-        it); one summary line per tower."""
-        results = await asyncio.gather(
+        it; with ``--guided``, the guided install on the fresh tower
+        meanwhile); one summary line per tower."""
+        towers = asyncio.gather(
             *(self._scripted_tower(found) for found in self.entities)
         )
+        installed: list[str] = []
+        if self.fresh is None:
+            results = await towers
+        else:
+            results, installed = await asyncio.gather(towers, self._scripted_guided())
         problems = await self.health()
         if problems:
             raise DemoError("; ".join(problems))
         if len(results) == 1:
-            return [f"demo: {line}" for line in results[0]]
-        return [
-            f"demo: {found.tower.name}: {line}"
-            for found, lines in zip(self.entities, results, strict=True)
-            for line in lines
-        ]
+            lines = [f"demo: {line}" for line in results[0]]
+        else:
+            lines = [
+                f"demo: {found.tower.name}: {line}"
+                for found, tower_lines in zip(self.entities, results, strict=True)
+                for line in tower_lines
+            ]
+        return lines + [f"demo: {line}" for line in installed]
+
+    async def _scripted_guided(self) -> list[str]:
+        """The guided install on the fresh tower, through the config flow as
+        the frontend drives it; once its entry is loaded and the tower has
+        the agent and the account, its summary line."""
+        ha, emu, tower = self.ha, self.emu, self.fresh
+        if ha is None or emu is None or tower is None:
+            raise DemoError("the demo is not started")
+        t0 = time.monotonic()
+        kubeconfig = yaml.safe_dump(emu.kubeconfig(), sort_keys=False)
+        done = await fresh.guided_install(ha, tower, kubeconfig)
+        self.fresh_issues = fresh.finding_issues(done.entry_id, done.findings)
+        await self._wait_entry_loaded(done.entry_id)
+        await asyncio.to_thread(fresh.check_installed, tower)
+        summary = (
+            f"{fresh.NAME}: guided install {done.seconds:.1f} s as "
+            f"{fresh.ADMIN} (sudo with its password), {fresh.PROGRAM} and "
+            f"account {fresh.AGENT_USER} on the tower, {len(done.findings)} "
+            f"findings, entry loaded {time.monotonic() - t0:.1f} s: ok"
+        )
+        return [summary]
 
     async def _scripted_tower(self, found: TowerEntities) -> list[str]:
         lines = []
@@ -545,6 +597,9 @@ class Demo:
         ha = self.ha
         if ha is None:
             raise DemoError("Home Assistant is not started")
+        if self.fresh is not None:
+            await self._guided_screenshot(output)
+            return
         ghosts: bool = self.args.ghost
         problems = await self.health(ghosts=ghosts)
         expect = ["Play", "Cards", "Health"]
@@ -581,6 +636,30 @@ class Demo:
             + ", all loaded"
         )
 
+    async def _guided_screenshot(self, output: Path) -> None:
+        """The guided install's confirm step on the fresh tower, as the
+        browser shows it, checked, saved as PNG; not confirmed."""
+        ha, tower = self.ha, self.fresh
+        if ha is None or tower is None:
+            raise DemoError("the demo is not started")
+        problems = await self.health()
+        problems += await fresh.confirm_screenshot(
+            ha,
+            tower,
+            output,
+            login=(USERNAME, self.password),
+            size=SCREEN[1],
+            profile=self.work / "chromium-profile",
+        )
+        log(f"screenshot: {output} (the guided install's confirm step)")
+        if problems:
+            raise DemoError("the dialog shows: " + "; ".join(problems))
+        await asyncio.to_thread(fresh.check_untouched, tower)
+        log(
+            "screenshot: translated, nothing unknown, no repairs, all loaded; "
+            "the fresh tower unchanged (the install was not confirmed)"
+        )
+
     async def stop(self) -> list[str]:
         """Stop everything that was started, in reverse order; what Home
         Assistant's log says went wrong."""
@@ -597,6 +676,8 @@ class Demo:
             report_log(problems)
         if self.session is not None:
             await self.session.close()
+        if self.fresh is not None:
+            await asyncio.to_thread(self.fresh.stop)
         for kubelet in self.kubelets:
             await kubelet.stop()
         if self.emu is not None:
@@ -641,6 +722,8 @@ async def main_async(args: argparse.Namespace) -> int:
         if args.screenshot:
             await demo.screenshot(Path(args.screenshot))
             return []
+        if demo.fresh is not None:
+            say("\n" + fresh.instructions(demo.fresh, demo.kubeconfig_file))
         say(
             "\n"
             f"  Home Assistant:  {demo.url}\n"
@@ -733,7 +816,8 @@ def parser(description: str) -> argparse.ArgumentParser:
         "--screenshot",
         metavar="PNG",
         help="save the dashboard as a logged-in browser shows it, check its "
-        "text, exit (needs Debian's headless Chromium)",
+        "text, exit (needs Debian's headless Chromium); with --guided, the "
+        "guided install's confirm step instead, not confirmed",
     )
     arguments.add_argument(
         "--lend",
@@ -759,6 +843,14 @@ def parser(description: str) -> argparse.ArgumentParser:
         f"{STUCK_BOUND / 60:g}-minute bound, so its Health problem shows at the "
         "next refresh (which the demo asks for at once); with --scripted, turn "
         "it on and off again (the problem clears)",
+    )
+    arguments.add_argument(
+        "--guided",
+        action="store_true",
+        help="also start a fresh tower (real sshd, sudo and accounts, libvirt's "
+        "test driver; nothing of GPU Handoff on it) to try the config flow's "
+        '"Install the agent for me" on: the demo prints what to type; with '
+        "--scripted it does the guided install itself (needs root)",
     )
     arguments.add_argument(
         "--port",

@@ -169,8 +169,10 @@ async def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def log_problems(output: Path) -> list[str]:
-    """Every ERROR or CRITICAL record and every traceback in Home Assistant's
-    output, one line each (a traceback by its exception's line)."""
+    """Every ERROR or CRITICAL record, every traceback and every blocking
+    call Home Assistant detected in its event loop (a WARNING with a stack
+    but no exception) in its output, one line each (a traceback by its
+    exception's line)."""
     if not output.exists():
         return []
     lines = output.read_text("utf-8", "replace").splitlines()
@@ -180,7 +182,9 @@ def log_problems(output: Path) -> list[str]:
         record = LOG_RECORD.match(line)
         if record:
             in_traceback = False
-            if record["level"] in ("ERROR", "CRITICAL"):
+            if record["level"] in ("ERROR", "CRITICAL") or record["message"].startswith(
+                "Detected blocking call"
+            ):
                 problems.append(
                     f"{record['level']} [{record['logger']}] {record['message']}"
                 )

@@ -10,12 +10,17 @@ the page is captured, once the pictures it should show (the VMs' screens)
 have loaded too. The visible text (shadow DOM included) is checked: no raw
 codes (snake_case state or step names, libvirt domain names), nothing
 "Unknown" or "Unavailable".
+
+A config flow dialog (``FlowDialog``) is worked in the same browser: its
+forms filled and submitted, its menus clicked, through the frontend's own
+elements, until the step to capture shows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+from collections.abc import AsyncIterator
 import contextlib
 import itertools
 import json
@@ -74,8 +79,75 @@ LOADED_IMAGES = """
   return loaded;
 })()
 """
+# Finds the config flow dialog's parts, shadow roots included.
+FLOW_HELPERS = """
+(() => {
+  const all = (selector) => {
+    const found = [];
+    const walk = (root) => {
+      for (const node of root.querySelectorAll("*")) {
+        if (node.matches(selector)) found.push(node);
+        if (node.shadowRoot) walk(node.shadowRoot);
+      }
+    };
+    walk(document);
+    return found;
+  };
+  const form = () => all("step-flow-form")[0];
+  return {
+    step: () => {
+      for (const tag of ["step-flow-form", "step-flow-menu", "step-flow-abort",
+                         "step-flow-create-entry", "step-flow-progress"]) {
+        const element = all(tag)[0];
+        if (element && element.step) {
+          const errors = element.step.errors;
+          return [tag, element.step.step_id,
+                  errors && Object.keys(errors).length ? errors : null];
+        }
+      }
+      return null;
+    },
+    click: (text) => {
+      for (const button of all("ha-button, mwc-button, button")) {
+        if (button.textContent.trim() === text && button.checkVisibility()) {
+          button.click();
+          return true;
+        }
+      }
+      return false;
+    },
+    fill: async (values) => {
+      const element = form();
+      await element.updateComplete;
+      const fields = element.shadowRoot.querySelector("ha-form");
+      fields.dispatchEvent(new CustomEvent("value-changed", {
+        detail: {value: {...(element._stepData || {}), ...values}},
+      }));
+      await element.updateComplete;
+      return element._stepData;
+    },
+    submit: async () => {
+      const element = form();
+      await element.updateComplete;
+      element.submit();
+      return true;
+    },
+    choose: (option) => {
+      const menu = all("step-flow-menu")[0];
+      for (const item of menu.shadowRoot.querySelectorAll("ha-list-item")) {
+        if (item.step === option) {
+          item.click();
+          return true;
+        }
+      }
+      return false;
+    },
+  };
+})()
+"""
 SNAKE_CASE = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
 NOT_KNOWN = re.compile(r"\b(unknown|unavailable)\b", re.IGNORECASE)
+UNFILLED = re.compile(r"\{[a-z_]+\}")
 
 
 def find_browser() -> str | None:
@@ -199,23 +271,17 @@ class Browser:
         shutil.rmtree(self.profile, ignore_errors=True)
 
 
-async def take(
+@contextlib.asynccontextmanager
+async def logged_in(
     ha: HomeAssistantClient,
     path: str,
-    output: Path,
     *,
     login: tuple[str, str],
     size: tuple[int, int],
-    expect: list[str],
-    images: int = 0,
-    raw: list[str],
     profile: Path,
-) -> list[str]:
-    """Open ``path`` logged in as ``login`` (user name, password) in a window
-    of ``size`` (width, height), wait until the page shows every text in
-    ``expect`` and at least ``images`` loaded pictures and has settled, save a
-    PNG to ``output``; what is wrong with the page's text (see
-    ``text_problems``)."""
+) -> AsyncIterator[Browser]:
+    """The browser with ``path`` opened, logged in as ``login`` (user name,
+    password), in a window of ``size`` (width, height); stopped afterwards."""
     binary = find_browser()
     if binary is None:
         raise DemoError(
@@ -237,14 +303,41 @@ async def take(
             deviceScaleFactor=1,
             mobile=False,
         )
-        await browser.send("Page.navigate", url=f"{ha.base}{path}?{query}")
-        texts = await _settled(browser, expect, images)
-        shot = await browser.send("Page.captureScreenshot", format="png")
-        await asyncio.to_thread(_save, output, base64.b64decode(shot["data"]))
-        return text_problems(texts, raw)
+        joiner = "&" if "?" in path else "?"
+        await browser.send("Page.navigate", url=f"{ha.base}{path}{joiner}{query}")
+        yield browser
     finally:
         with contextlib.suppress(Exception):
             await browser.close()
+
+
+async def capture(browser: Browser, output: Path) -> None:
+    """The page as it is now, saved as PNG to ``output``."""
+    shot = await browser.send("Page.captureScreenshot", format="png")
+    await asyncio.to_thread(_save, output, base64.b64decode(shot["data"]))
+
+
+async def take(
+    ha: HomeAssistantClient,
+    path: str,
+    output: Path,
+    *,
+    login: tuple[str, str],
+    size: tuple[int, int],
+    expect: list[str],
+    images: int = 0,
+    raw: list[str],
+    profile: Path,
+) -> list[str]:
+    """Open ``path`` logged in as ``login`` (user name, password) in a window
+    of ``size`` (width, height), wait until the page shows every text in
+    ``expect`` and at least ``images`` loaded pictures and has settled, save a
+    PNG to ``output``; what is wrong with the page's text (see
+    ``text_problems``)."""
+    async with logged_in(ha, path, login=login, size=size, profile=profile) as browser:
+        texts = await settled(browser, expect, images)
+        await capture(browser, output)
+        return text_problems(texts, raw)
 
 
 def _save(path: Path, data: bytes) -> None:
@@ -252,7 +345,7 @@ def _save(path: Path, data: bytes) -> None:
     path.write_bytes(data)
 
 
-async def _settled(browser: Browser, expect: list[str], images: int) -> list[str]:
+async def settled(browser: Browser, expect: list[str], images: int = 0) -> list[str]:
     """The page's visible text once it shows ``expect`` and ``images`` loaded
     pictures and stays the same for a second and a half (numbers aside: "40
     seconds ago" counts on)."""
@@ -275,4 +368,86 @@ async def _settled(browser: Browser, expect: list[str], images: int) -> list[str
     missing = [word for word in expect if word not in "\n".join(texts)]
     if loaded < images:
         missing.append(f"{images} pictures ({loaded} loaded)")
-    raise DemoError(f"the dashboard did not show {missing} in time: {texts[:40]}")
+    raise DemoError(f"the page did not show {missing} in time: {texts[:40]}")
+
+
+def dialog_problems(texts: list[str]) -> list[str]:
+    """What a config flow dialog must not say: a translation key instead of
+    its text, a placeholder left unfilled, "Unknown" or "Unavailable". (Its
+    descriptions name paths and accounts, such as ``authorized_keys``: no
+    snake_case check here.)"""
+    problems = []
+    for text in texts:
+        found = NOT_KNOWN.findall(text) + UNFILLED.findall(text)
+        if "component." in text:
+            found.append("component.")
+        problems += [f"{word!r} in {text[:80]!r}" for word in found]
+    return problems
+
+
+class FlowDialog:
+    """The config flow dialog in the page, worked as the frontend's own
+    elements work it: a form's values go in through its ``ha-form``'s
+    ``value-changed`` event (what the form's fields send) and are submitted
+    by ``step-flow-form``'s ``submit()``; a menu option is clicked."""
+
+    def __init__(self, browser: Browser) -> None:
+        self.browser = browser
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """One of FLOW_HELPERS' functions, awaited in the page; its value."""
+        arguments = ", ".join(json.dumps(arg) for arg in args)
+        result = await self.browser.send(
+            "Runtime.evaluate",
+            expression=f"({FLOW_HELPERS}).{method}({arguments})",
+            returnByValue=True,
+            awaitPromise=True,
+        )
+        if "exceptionDetails" in result:
+            details = result["exceptionDetails"]
+            thrown = details.get("exception", {}).get("description")
+            raise DemoError(f"in the page: {thrown or details.get('text')}")
+        return result.get("result", {}).get("value")
+
+    async def click(self, text: str, bound: float = 60) -> None:
+        """Click the visible button that says ``text``, once there is one."""
+        deadline = time.monotonic() + bound
+        while not await self._call("click", text):
+            if time.monotonic() > deadline:
+                raise DemoError(f"no button {text!r} in time")
+            await asyncio.sleep(0.2)
+
+    async def wait(self, step_id: str, bound: float = 60) -> None:
+        """Until the dialog shows step ``step_id``; DemoError if it shows
+        errors, another outcome, or nothing in time."""
+        deadline = time.monotonic() + bound
+        while True:
+            shown = await self._call("step")
+            if shown is not None:
+                kind, shown_id, errors = shown
+                if errors:
+                    raise DemoError(f"the dialog's {shown_id} step shows {errors}")
+                if shown_id == step_id:
+                    return
+                if kind not in ("step-flow-form", "step-flow-menu"):
+                    raise DemoError(f"the dialog ended in {kind} {shown_id}")
+            if time.monotonic() > deadline:
+                raise DemoError(f"the dialog did not reach {step_id}: {shown}")
+            await asyncio.sleep(0.2)
+
+    async def fill(self, values: dict[str, Any]) -> None:
+        """Put ``values`` into the form (the others keep what it shows)."""
+        taken = await self._call("fill", values)
+        if not isinstance(taken, dict) or any(
+            taken.get(key) != value for key, value in values.items()
+        ):
+            raise DemoError(f"the form did not take {sorted(values)}")
+
+    async def submit(self) -> None:
+        """Submit the form, as its Submit button does."""
+        await self._call("submit")
+
+    async def choose(self, option: str) -> None:
+        """Click a menu's option."""
+        if not await self._call("choose", option):
+            raise DemoError(f"the menu has no option {option!r}")
