@@ -923,3 +923,27 @@ async def test_an_agent_of_an_older_protocol_is_updated_from_its_repair(
     assert fresh.read("/usr/local/bin/gpu-handoff") == AGENT_TEXT
     await until(lambda: entry.state is ConfigEntryState.LOADED)
     await until(lambda: ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is None)
+
+
+async def test_python_removed_between_the_survey_and_the_install(
+    hass: HomeAssistant, fresh: FreshTower
+) -> None:
+    """The tower changed between looking and doing (python3 removed while the
+    user read the plan): the install fails with the tower's own words, the
+    upload is gone, nothing was written."""
+    flow_id = await _to_menu(hass, fresh)
+    result = await _login(hass, flow_id, fresh.uri, **_key_login(fresh, "gh-admin"))
+    assert result["step_id"] == "install_options"
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_GPU_NODE: "gpu-node", CONF_GAMING_VMS: ["win-1"]}
+    )
+    assert result["step_id"] == "install_confirm"
+    removed = fresh.run(["sh", "-c", "rm /usr/bin/python3"])
+    assert removed.returncode == 0, removed.stderr
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_RESTART_LIBVIRT: False}
+    )
+    assert result["step_id"] == "install_agent"
+    assert result["errors"] == {"base": "install_failed"}
+    assert "python3" in result["description_placeholders"]["detail"]
+    _nothing_installed(fresh)
