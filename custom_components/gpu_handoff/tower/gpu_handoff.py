@@ -1910,17 +1910,24 @@ class JobRunner:
                 raise AgentError(ERR_SHUTDOWN_TIMEOUT, message)
             time.sleep(self.cfg.poll_interval)
 
+    def defined(self, step: JsonObj) -> Tuple[Snapshot, JsonObj]:
+        """The tower now and the step's domain in it; the step fails with
+        domain_missing when libvirt does not define it (any more)."""
+        domain = step["domain"]
+        snap = observe(self.cfg, self.virsh, ping=False)
+        mine = snap.domains.get(domain)
+        if mine is None or not mine["exists"]:
+            message = f"domain {domain!r} is not defined in libvirt"
+            self.end(step, "failed", message)
+            raise AgentError(ERR_DOMAIN_MISSING, message)
+        return snap, mine
+
     def step_wait_devices_free(self, index: int, step: JsonObj) -> None:
         domain = step["domain"]
         self.begin(index)
         deadline = time.monotonic() + self.cfg.timeout_start
         while True:
-            snap = observe(self.cfg, self.virsh, ping=False)
-            mine = snap.domains.get(domain)
-            if mine is None or not mine["exists"]:
-                message = f"domain {domain!r} is not defined in libvirt"
-                self.end(step, "failed", message)
-                raise AgentError(ERR_DOMAIN_MISSING, message)
+            snap, mine = self.defined(step)
             if Snapshot.holds(mine):
                 self.skip_rest(index, domain, "already running")
                 return
@@ -1972,12 +1979,7 @@ class JobRunner:
         """
         domain = step["domain"]
         self.begin(index)
-        snap = observe(self.cfg, self.virsh, ping=False)
-        mine = snap.domains.get(domain)
-        if mine is None or not mine["exists"]:
-            message = f"domain {domain!r} is not defined in libvirt"
-            self.end(step, "failed", message)
-            raise AgentError(ERR_DOMAIN_MISSING, message)
+        snap, mine = self.defined(step)
         if Snapshot.holds(mine):
             self.end(step, "ok", "already running")
             return
