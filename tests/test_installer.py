@@ -29,7 +29,6 @@ SURVEY = Survey(
     sudo="nopasswd",
     python="3.11",
     nixos=False,
-    user_exists=False,
     config_exists=False,
     agent_version=None,
     domains=["gpu-node", "win-1", "win-2"],

@@ -181,11 +181,14 @@ def admin_login(user_input: dict[str, Any]) -> AdminLogin:
 
 def public_fields(user_input: dict[str, Any] | None) -> dict[str, Any]:
     """What a form may show again: never a password or a key."""
-    secret = {CONF_ADMIN_PASSWORD, CONF_ADMIN_KEY, CONF_ADMIN_PASSPHRASE}
+    secret = {
+        CONF_ADMIN_PASSWORD,
+        CONF_ADMIN_KEY,
+        CONF_ADMIN_PASSPHRASE,
+        CONF_SUDO_PASSWORD,
+    }
     return {
-        key: value
-        for key, value in (user_input or {}).items()
-        if key not in secret | {CONF_SUDO_PASSWORD}
+        key: value for key, value in (user_input or {}).items() if key not in secret
     }
 
 

@@ -111,7 +111,6 @@ class Survey:
     sudo: Sudo
     python: str
     nixos: bool
-    user_exists: bool
     config_exists: bool
     agent_version: str | None
     domains: list[str]
@@ -163,8 +162,6 @@ class InstallReport:
 
     nixos: bool
     nixos_module: str = ""
-    user_created: bool = False
-    libvirt_group: str = ""
     libvirt_restarted: bool | None = None
     libvirt_restart_message: str = ""
     findings: list[dict[str, Any]] = field(default_factory=list)
@@ -310,7 +307,6 @@ class AdminSession:
             sudo=self._sudo,
             python=python,
             nixos=bool(found.get("nixos")),
-            user_exists=bool(found.get("user")),
             config_exists=bool(found.get("config")),
             agent_version=_agent_version(found.get("agent", "")),
             domains=domains,
@@ -373,8 +369,6 @@ class AdminSession:
         status_error = reply.get("status_error")
         return InstallReport(
             nixos=False,
-            user_created=bool(reply.get("user_created")),
-            libvirt_group=str(reply.get("libvirt_group") or ""),
             libvirt_restarted=bool(restart.get("done"))
             if isinstance(restart, dict)
             else None,
