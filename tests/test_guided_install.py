@@ -564,20 +564,22 @@ async def _installed_entry(
     return entry
 
 
+def _edit_installed_agent(tower: FreshTower, line: str, becomes: str) -> None:
+    """The installed agent's line ``line`` (a whole line) becomes ``becomes``."""
+    done = tower.run(
+        ["sed", "-i", f"s/^{line}$/{becomes}/", "/usr/local/bin/gpu-handoff"]
+    )
+    assert done.returncode == 0, done.stderr
+    program = (tower.read("/usr/local/bin/gpu-handoff") or "").splitlines()
+    assert becomes in program
+    assert line not in program
+
+
 async def _age_the_agent(
     hass: HomeAssistant, tower: FreshTower, entry: ConfigEntry
 ) -> str:
     """The tower runs an older agent (same protocol): its repair is raised."""
-    done = tower.run(
-        [
-            "sed",
-            "-i",
-            f's/^VERSION = "{agent.VERSION}"$/VERSION = "0.2.0"/',
-            "/usr/local/bin/gpu-handoff",
-        ]
-    )
-    assert done.returncode == 0, done.stderr
-    assert 'VERSION = "0.2.0"' in (tower.read("/usr/local/bin/gpu-handoff") or "")
+    _edit_installed_agent(tower, f'VERSION = "{agent.VERSION}"', 'VERSION = "0.2.0"')
     assert await hass.config_entries.async_reload(entry.entry_id)
     await hass.async_block_till_done()
     issue_id = f"agent_version_{entry.entry_id}"
@@ -896,15 +898,7 @@ async def test_an_agent_of_an_older_protocol_is_updated_from_its_repair(
     """An agent that speaks an older protocol (one released before this
     integration's) raises its repair, and the same guided update fixes it."""
     entry = await _installed_entry(hass, fresh, cluster)
-    done = fresh.run(
-        [
-            "sed",
-            "-i",
-            f"s/^PROTOCOL = {PROTOCOL}$/PROTOCOL = {PROTOCOL - 1}/",
-            "/usr/local/bin/gpu-handoff",
-        ]
-    )
-    assert done.returncode == 0, done.stderr
+    _edit_installed_agent(fresh, f"PROTOCOL = {PROTOCOL}", f"PROTOCOL = {PROTOCOL - 1}")
     await hass.config_entries.async_reload(entry.entry_id)
     await hass.async_block_till_done()
     issue_id = f"agent_outdated_{entry.entry_id}"
