@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 
 from tests.tower import nodes
 from tests.tower.conftest import FakeTower
-from tests.tower.test_jobs import write_systemd_run
+from tests.tower.test_jobs import queue, write_systemd_run
 
 WIN1_XML = nodes.domain_xml(
     "win-1", nodes.WIN1_DEVICES, running=True, test_driver_file=False
@@ -124,3 +125,66 @@ def test_old_requests_pruned(
         json.loads((fake_tower.state_dir / "requests" / n).read_text()) for n in names
     ]
     assert all(d["domain"] == "win-1" for d in data)
+
+
+def _job_at_step(tower: FakeTower, kind: str, target: str, step_name: str) -> Path:
+    """A job of ours that has begun ``step_name`` of ``target`` (its runner
+    writes that before it calls virsh); the path of its lock file."""
+    job_id = queue(tower, kind, target)
+    path = tower.state_dir / "jobs" / f"{job_id}.json"
+    job = json.loads(path.read_text(encoding="utf-8"))
+    index = next(
+        i
+        for i, step in enumerate(job["steps"])
+        if step["name"] == step_name and step["domain"] == target
+    )
+    for step in job["steps"][:index]:
+        step.update(started="t", finished="t", result="ok")
+    job["steps"][index]["started"] = "t"
+    job.update(state="running", step=index, started="t")
+    path.write_text(json.dumps(job), encoding="utf-8")
+    return path.with_suffix(".lock")
+
+
+def test_the_agents_own_start_is_no_request(fake_tower: FakeTower) -> None:
+    """libvirtd runs the qemu hook on every start, the agent's own `virsh
+    start` inside a handoff job too (libvirt's hooks documentation; qemu
+    driver: qemuProcessStartHook). That start is the job's: no request, no
+    stop of the GPU node. Once the job's runner is gone, a start is a start
+    by hand again."""
+    calls = hook_tower(fake_tower)
+    fake_tower.run("status")
+    lock = _job_at_step(fake_tower, "handoff", "win-1", "start")
+    with lock.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # the runner lives
+        run = fake_tower.run("hook", "win-1", "prepare", "begin", "-", stdin=WIN1_XML)
+        assert (run.rc, run.lines, run.stderr) == (0, [], "")
+        assert fake_tower.run("status").reply["hook_requests"] == []
+        assert not calls.exists()
+    # The runner died: its record says failed, and a start now is by hand.
+    run = fake_tower.run("hook", "win-1", "prepare", "begin", "-", stdin=WIN1_XML)
+    assert run.rc == 0
+    assert [r["domain"] for r in fake_tower.run("status").reply["hook_requests"]] == [
+        "win-1"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kind", "target", "step"),
+    [
+        ("start", "win-2", "start"),  # another domain's start
+        ("handoff", "win-1", "wait_devices_free"),  # not starting it yet
+    ],
+)
+def test_a_start_by_hand_beside_a_job_is_a_request(
+    fake_tower: FakeTower, kind: str, target: str, step: str
+) -> None:
+    hook_tower(fake_tower)
+    fake_tower.run("status")
+    lock = _job_at_step(fake_tower, kind, target, step)
+    with lock.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        run = fake_tower.run("hook", "win-1", "prepare", "begin", "-", stdin=WIN1_XML)
+        assert run.rc == 0
+        requests = fake_tower.run("status").reply["hook_requests"]
+    assert [r["domain"] for r in requests] == ["win-1"]

@@ -2396,6 +2396,41 @@ def verb_screenshot(cfg: Config, domain: str) -> JsonObj:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+# The steps in which a job of ours runs `virsh start` or `virsh create`.
+START_STEPS = ("start", "start_free")
+
+
+def starting_job(cfg: Config, domain: str) -> Optional[str]:
+    """The id of a live job of ours that is starting `domain` now (its
+    runner began a start step of it and has not ended it), if any.
+
+    A runner writes the step's begin before it calls virsh, and libvirtd runs
+    the qemu hook inside that call: so the hook always sees its own job's
+    step. A job whose runner died is not one (load_job checks its lock).
+    """
+    for job_id in reversed(list_job_ids(cfg)):
+        try:
+            job = load_job(cfg, job_id)
+        except _JOB_ERRORS:
+            continue
+        index = job.get("step")
+        steps = job.get("steps")
+        if job.get("state") != "running" or not isinstance(index, int):
+            continue
+        if not isinstance(steps, list) or not 0 <= index < len(steps):
+            continue
+        step = steps[index]
+        if (
+            isinstance(step, dict)
+            and step.get("name") in START_STEPS
+            and step.get("domain") == domain
+            and step.get("started")
+            and step.get("result") is None
+        ):
+            return str(job["id"])
+    return None
+
+
 def verb_hook(cfg: Config, args: List[str], xml_text: str) -> None:
     """libvirt's qemu hook: never waits, never calls libvirt, prints nothing.
 
@@ -2414,6 +2449,10 @@ def verb_hook(cfg: Config, args: List[str], xml_text: str) -> None:
     except ET.ParseError:
         return
     act_as_state_owner(cfg)
+    if starting_job(cfg, domain) is not None:
+        # libvirtd runs the hook on every start, the agent's own too: a
+        # start a job of ours makes is that job's, never a request.
+        return
     with existing_state_fd(cfg.state_dir) as sfd:
         cache = read_json_at(sfd, CLAIMS_FILE) if sfd is not None else None
     if not isinstance(cache, dict) or cache.get("gpu_node") != cfg.gpu_node:
