@@ -10,7 +10,12 @@ import time
 import pytest
 
 from tests.realvm.build_guest import BuildError, Guest, build_guest, cache_dir
-from tests.realvm.qemu_libvirtd import LibvirtdError, QemuLibvirtd, missing_tools
+from tests.realvm.qemu_libvirtd import (
+    AGENT,
+    LibvirtdError,
+    QemuLibvirtd,
+    missing_tools,
+)
 
 
 def system_missing(reason: str) -> None:
@@ -49,7 +54,9 @@ def qemu_libvirtd(
     guest: Guest, realvm_timings: dict[str, float]
 ) -> Iterator[QemuLibvirtd]:
     started = time.monotonic()
-    daemon = QemuLibvirtd(cache_dir=cache_dir() / "libvirt-cache")
+    # The tower agent is the daemon's live qemu hook, as on a tower: it runs
+    # on every start and stop (with the configuration a test names).
+    daemon = QemuLibvirtd(cache_dir=cache_dir() / "libvirt-cache", hook_agent=AGENT)
     try:
         daemon.start()
     except LibvirtdError as err:

@@ -12,6 +12,20 @@ so only the first start pays for probing QEMU.
 On exit every domain it still runs is destroyed (teardown only, after the
 tests looked at them), the daemon is stopped, and any QEMU process it left is
 killed by its own pid file.
+
+With ``hook_agent`` the tower agent is the daemon's live qemu hook, as on a
+tower: libvirtd runs every executable of ``SYSCONFDIR/libvirt/hooks/qemu.d``
+(``LIBVIRT_HOOK_DIR`` in libvirt's src/util/virhook.c; Debian's daemon is
+built with SYSCONFDIR=/etc) on every start and stop of any domain, and looks
+for them once, when it starts (``virHookInitialize``, called from the
+daemon's main in src/remote/remote_daemon.c; again only on SIGHUP). So the
+script is written into the private directory that is bind-mounted over
+/etc/libvirt before the daemon starts, where the agent's own install puts it
+(``hooks/qemu.d/gpu-handoff``); nothing reaches the machine's /etc. The
+script runs the agent's ``hook`` verb with the configuration a test names
+(``set_hook_config``; with none it only logs), and logs every call with its
+exit status (``hook_calls``). The domain XML on its stdin goes through
+``cards.py filter`` first (the stand-in GPUs of real guests, see there).
 """
 
 from __future__ import annotations
@@ -19,12 +33,14 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, NamedTuple, Self
 
 from tests.support.waiting import wait_until
 
@@ -67,6 +83,51 @@ log_outputs = "3:file:{log_dir}/libvirtd.log"
 
 START_TIMEOUT = 120.0
 
+AGENT = (
+    Path(__file__).resolve().parents[2]
+    / "custom_components"
+    / "gpu_handoff"
+    / "tower"
+    / "gpu_handoff.py"
+)
+CARDS_FILTER = Path(__file__).resolve().with_name("cards.py")
+# Where the agent's install puts its hook (its HOOK_PATH), below /etc/libvirt.
+HOOK_PATH = ("hooks", "qemu.d", "gpu-handoff")
+HOOK_SCRIPT = """#!/bin/sh
+# qemu hook of a private test libvirtd (tests/realvm/qemu_libvirtd.py): the
+# tower agent's `hook` verb with the configuration named in {config_file}
+# (with none, the domain XML is read and dropped); every call is logged with
+# its exit status, and what the agent writes to stderr (libvirtd's log on a
+# tower) is kept too.
+started=$(date +%s.%N)
+config=$(cat {config_file} 2>/dev/null)
+if [ -n "$config" ]; then
+  {python} {cards} filter |
+    {python} {agent} --config "$config" hook "$@" 2>>{errors}
+  rc=$?
+else
+  cat >/dev/null
+  rc=0
+fi
+printf '%s %s %s\\n' "$started" "$rc" "$*" >>{log}
+exit $rc
+"""
+
+
+class HookCall(NamedTuple):
+    """One run of the qemu hook: libvirt's arguments and its exit status."""
+
+    time: float
+    rc: int
+    domain: str
+    op: str
+    subop: str
+    extra: str
+
+    @property
+    def event(self) -> str:
+        return f"{self.op} {self.subop}"
+
 
 class LibvirtdError(RuntimeError):
     """The private libvirtd could not be run."""
@@ -84,13 +145,17 @@ def missing_tools() -> list[str]:
 class QemuLibvirtd:
     """``with QemuLibvirtd() as d:`` runs the daemon; ``d.uri`` reaches it."""
 
-    def __init__(self, *, cache_dir: Path | None = None) -> None:
+    def __init__(
+        self, *, cache_dir: Path | None = None, hook_agent: Path | None = None
+    ) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="gh-qemu-libvirtd-"))
         self.dirs = {key: self.tmp / key for key in BIND_TARGETS}
         if cache_dir is not None:
             self.dirs["cache"] = cache_dir
         self.sock_dir = self.tmp / "sock"
         self.data_dir = self.tmp / "data"  # serial logs and other guest files
+        self.hook_agent = hook_agent
+        self.hook_dir = self.tmp / "hook"  # the hook's log and config pointer
         self.proc: subprocess.Popen[bytes] | None = None
         self.pid_ns: str | None = None
 
@@ -101,6 +166,71 @@ class QemuLibvirtd:
     @property
     def log_file(self) -> Path:
         return self.dirs["log"] / "libvirtd.log"
+
+    @property
+    def hook_log(self) -> Path:
+        return self.hook_dir / "calls.log"
+
+    @property
+    def hook_errors_log(self) -> Path:
+        return self.hook_dir / "stderr.log"
+
+    def hook_errors(self) -> str:
+        """What the agent's hook wrote to stderr so far."""
+        path = self.hook_errors_log
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def set_hook_config(self, config: Path | None) -> None:
+        """The agent configuration the live hook runs with from now on
+        (None: the hook runs no agent)."""
+        pointer = self.hook_dir / "config"
+        if config is None:
+            pointer.unlink(missing_ok=True)
+            return
+        staged = self.hook_dir / "config.new"
+        staged.write_text(str(config), encoding="utf-8")
+        staged.replace(pointer)
+
+    def hook_calls(self) -> list[HookCall]:
+        """Every run of the qemu hook so far, in order."""
+        if not self.hook_log.exists():
+            return []
+        calls = []
+        for line in self.hook_log.read_text(errors="replace").splitlines():
+            stamp, rc, domain, op, subop, extra = line.split(" ", 5)
+            calls.append(HookCall(float(stamp), int(rc), domain, op, subop, extra))
+        return calls
+
+    def wait_hook(
+        self, domain: str, event: str, *, since: int = 0, timeout: float = 30
+    ) -> list[HookCall]:
+        """The hook's calls from index ``since`` on, once one of them is
+        ``event`` (e.g. "release end") of ``domain``."""
+
+        def seen() -> list[HookCall] | None:
+            calls = self.hook_calls()[since:]
+            if any((c.domain, c.event) == (domain, event) for c in calls):
+                return calls
+            return None
+
+        return wait_until(seen, timeout=timeout, what=f"the hook's {event} of {domain}")
+
+    def _install_hook(self, agent: Path) -> None:
+        self.hook_dir.mkdir(parents=True, exist_ok=True)
+        script = self.dirs["etc"].joinpath(*HOOK_PATH)
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text(
+            HOOK_SCRIPT.format(
+                config_file=shlex.quote(str(self.hook_dir / "config")),
+                python=shlex.quote(sys.executable),
+                cards=shlex.quote(str(CARDS_FILTER)),
+                agent=shlex.quote(str(agent)),
+                log=shlex.quote(str(self.hook_log)),
+                errors=shlex.quote(str(self.hook_errors_log)),
+            ),
+            encoding="utf-8",
+        )
+        script.chmod(0o755)
 
     def domain_log(self, name: str) -> Path:
         """QEMU's own log of a domain (command line, 'shutting down, reason=')."""
@@ -124,6 +254,9 @@ class QemuLibvirtd:
         for d in (*self.dirs.values(), self.sock_dir, self.data_dir):
             d.mkdir(parents=True, exist_ok=True)
         (self.dirs["etc"] / "qemu.conf").write_text(QEMU_CONF)
+        if self.hook_agent is not None:
+            # Before the daemon starts: it looks for hooks only then.
+            self._install_hook(self.hook_agent)
         conf = self.dirs["etc"] / "libvirtd.conf"
         conf.write_text(
             LIBVIRTD_CONF.format(sock_dir=self.sock_dir, log_dir=self.dirs["log"])
@@ -270,12 +403,15 @@ def domain_xml(
     cmdline: str,
     serial_log: Path,
     memory_mib: int = 192,
+    metadata: str = "",
+    devices: str = "",
 ) -> str:
     """A TCG guest: direct kernel boot, no disk, serial to a file, and the QEMU
-    guest agent's virtio channel."""
+    guest agent's virtio channel (``metadata``: a whole ``<metadata>`` element;
+    ``devices``: more device elements, each line indented by four spaces)."""
     return f"""<domain type='qemu'>
   <name>{name}</name>
-  <memory unit='MiB'>{memory_mib}</memory>
+{metadata}  <memory unit='MiB'>{memory_mib}</memory>
   <vcpu>1</vcpu>
   <os>
     <type arch='x86_64' machine='pc'>hvm</type>
@@ -289,7 +425,7 @@ def domain_xml(
   <on_crash>destroy</on_crash>
   <devices>
     <emulator>{shutil.which("qemu-system-x86_64")}</emulator>
-    <serial type='file'>
+{devices}    <serial type='file'>
       <source path='{serial_log}'/>
       <target port='0'/>
     </serial>
@@ -379,6 +515,8 @@ def define_guest(
     name: str,
     *,
     knobs: str = "",
+    metadata: str = "",
+    devices: str = "",
 ) -> Path:
     """Define a domain booting ``guest`` with /init knobs on the kernel command
     line (see build_guest); returns its serial log."""
@@ -391,6 +529,8 @@ def define_guest(
             initrd=guest.initrd,
             cmdline=f"{guest.cmdline} {knobs}".strip(),
             serial_log=serial,
+            metadata=metadata,
+            devices=devices,
         )
     )
     result = daemon.virsh("define", str(xml))

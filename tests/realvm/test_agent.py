@@ -6,11 +6,14 @@ one. Each is stopped by its own agent configuration (two "towers": jobs of one
 tower run one after another), right after `virsh start`, while no agent is up.
 
 The agent runs virsh through a wrapper that logs every invocation with its
-time, so the tests see exactly which commands reached libvirt and when.
+time, so the tests see exactly which commands reached libvirt and when
+(towers.py); the agent is libvirtd's live qemu hook meanwhile, with the
+configuration of the "gpu-node" tower.
 
 Not real here: the guests run under TCG (KVM guests hang on these machines)
 and carry no <hostdev> (no VFIO: libvirt refuses to start them), so card
-ownership is left to the test-driver and simulator tests; jobs detach as plain
+ownership is left to the test-driver and simulator tests and to the stand-in
+cards of test_live_hook.py (cards.py); jobs detach as plain
 processes (no systemd in the test environment); the agent runs as root, not as
 a member of the libvirt group.
 """
@@ -20,16 +23,12 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 import datetime as dt
-import json
-import os
-from pathlib import Path
-import subprocess
-import sys
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.realvm.qemu_libvirtd import EventLog, define_guest
+from tests.realvm.qemu_libvirtd import AGENT, EventLog, HookCall, define_guest
+from tests.realvm.towers import Tower, iso_epoch, make_tower, wait_job
 from tests.support.waiting import wait_until
 
 if TYPE_CHECKING:
@@ -40,112 +39,15 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.system
 
-AGENT = (
-    Path(__file__).resolve().parents[2]
-    / "custom_components"
-    / "gpu_handoff"
-    / "tower"
-    / "gpu_handoff.py"
-)
 GPU_NODE = "gpu-node"
 SILENT = "silent-node"
 AGENT_DELAY = 12
 SILENT_AGENT_TIMEOUT = 8.0
-JOB_TIMEOUT = 240.0
-
-VIRSH_WRAPPER = """#!/bin/sh
-printf '%s %s\\n' "$(date +%s.%N)" "$*" >>"{log}"
-exec virsh "$@"
-"""
-
-
-@dataclass
-class Tower:
-    config: Path
-    virsh_log: Path
-    env: dict[str, str]
-
-    def agent(self, *args: str) -> dict[str, Any]:
-        proc = subprocess.run(
-            [sys.executable, str(AGENT), "--config", str(self.config), *args],
-            capture_output=True,
-            text=True,
-            env=self.env,
-            timeout=120,
-            check=False,
-        )
-        try:
-            reply: dict[str, Any] = json.loads(proc.stdout)
-        except ValueError:
-            pytest.fail(f"agent said {proc.stdout!r} / {proc.stderr!r}")
-        return reply
-
-    def invocations(self) -> list[tuple[float, str]]:
-        if not self.virsh_log.exists():
-            return []
-        out = []
-        for line in self.virsh_log.read_text().splitlines():
-            stamp, _, args = line.partition(" ")
-            out.append((float(stamp), args))
-        return out
-
-
-def make_tower(
-    daemon: QemuLibvirtd, name: str, gpu_node: str, timeouts: dict[str, float]
-) -> Tower:
-    base = daemon.data_dir / f"tower-{name}"
-    base.mkdir()
-    log = base / "virsh.log"
-    wrapper = base / "virsh"
-    wrapper.write_text(VIRSH_WRAPPER.format(log=log))
-    wrapper.chmod(0o755)
-    config = base / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "libvirt_uri": daemon.uri,
-                "gpu_node": gpu_node,
-                "gaming": [f"{name}-game"],
-                "timeouts": timeouts,
-                "state_dir": str(base / "state"),
-                "commands": {"virsh": str(wrapper)},
-                "detach": "process",
-                "poll_interval": 0.5,
-            }
-        )
-    )
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(base),
-        "LANG": "C.UTF-8",
-    }
-    return Tower(config=config, virsh_log=log, env=env)
-
-
-def wait_job(tower: Tower, job_id: str) -> dict[str, Any]:
-    def finished() -> dict[str, Any] | None:
-        reply = tower.agent("job", job_id)
-        assert reply["ok"], reply
-        job: dict[str, Any] = reply["job"]
-        return job if job["state"] in ("succeeded", "failed") else None
-
-    job = wait_until(finished, timeout=JOB_TIMEOUT, interval=0.5, what=f"job {job_id}")
-    pid = (job.get("runner") or {}).get("pid")
-    if pid:
-        # The detached runner may have become our child (when this process is
-        # its namespace's init): reap it.
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-    return job
 
 
 def event_epoch(line: str) -> float:
     stamp = line.split(": event ", 1)[0]
     return dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f%z").timestamp()
-
-
-def iso_epoch(text: str) -> float:
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 @dataclass
@@ -158,6 +60,7 @@ class Run:
     events: list[str]
     states: dict[str, str]
     domain_logs: dict[str, str]
+    hook_calls: list[HookCall]
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +79,8 @@ def stop_jobs(
     # destroying it; the agent is configured for agent shutdowns only.
     define_guest(d, guest, SILENT, knobs="gh.agent=off gh.acpi=on")
     events = EventLog(d, "agent-events")
+    hooks_before = len(d.hook_calls())
+    d.set_hook_config(gpu_tower.config)
     try:
         for name in (GPU_NODE, SILENT):
             assert d.virsh("start", name).returncode == 0
@@ -186,6 +91,11 @@ def stop_jobs(
         gpu_job = wait_job(gpu_tower, submitted_gpu["job"]["id"])
         silent_job = wait_job(silent_tower, submitted_silent["job"]["id"])
         events.wait_for(f"for domain '{GPU_NODE}': Stopped", timeout=60)
+        hook_calls = [
+            call
+            for call in d.wait_hook(GPU_NODE, "release end", since=hooks_before)
+            if call.domain == GPU_NODE
+        ]
         states = {
             name: d.virsh("domstate", "--reason", name).stdout.strip()
             for name in (GPU_NODE, SILENT)
@@ -206,8 +116,10 @@ def stop_jobs(
             events=events.lines(),
             states=states,
             domain_logs=domain_logs,
+            hook_calls=hook_calls,
         )
     finally:
+        d.set_hook_config(None)
         # Stop the silent guest gracefully (it honours ACPI), then forget both.
         if d.virsh("domstate", SILENT).stdout.strip() == "running":
             d.virsh("shutdown", "--mode", "acpi", SILENT)
@@ -286,3 +198,18 @@ def test_nothing_was_destroyed(stop_jobs: Run) -> None:
         # (QEMU's log says "terminating on signal 15 from ... (libvirtd)" after
         # a graceful shutdown too: libvirt ends a powered-off QEMU itself.)
         assert "reason=destroyed" not in text, name
+
+
+def test_libvirtd_ran_the_agent_as_its_hook_for_the_start_and_the_stop(
+    stop_jobs: Run,
+) -> None:
+    """The agent is the daemon's live qemu hook (a GPU node is no request)."""
+    assert [(c.domain, c.event) for c in stop_jobs.hook_calls] == [
+        (GPU_NODE, "prepare begin"),
+        (GPU_NODE, "start begin"),
+        (GPU_NODE, "started begin"),
+        (GPU_NODE, "stopped end"),
+        (GPU_NODE, "release end"),
+    ]
+    assert [c.rc for c in stop_jobs.hook_calls] == [0] * 5
+    assert stop_jobs.gpu_tower.agent("status")["hook_requests"] == []
