@@ -2,21 +2,30 @@
 
 The agent reaches libvirt through the simulator's ``virsh`` and detaches its
 jobs through the simulator's ``systemd-run``, both named in its configuration,
-so it runs unchanged under sshd's forced command.
+so it runs unchanged under sshd's forced command. As the agent's ``install``
+does, the configuration comes with the agent installed as libvirt's qemu hook:
+the simulator runs it on every start and stop, the agent's own included.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+import sys
 
+from tests.support.testdriver import AGENT
 from tests.towersim import Tower
+
+# Where the agent's install puts its hook (the agent's HOOK_PATH).
+HOOK_PATH = "/etc/libvirt/hooks/qemu.d/gpu-handoff"
 
 
 def write_agent_config(
     tower: Tower, directory: Path, *, poll_interval: float = 0.02, **timeouts: float
 ) -> Path:
-    """Write the agent's configuration for ``tower``; return its path."""
+    """Write the agent's configuration for ``tower`` and install the agent as
+    the tower's qemu hook (``gpu-handoff --config PATH hook``, as the hook
+    script ``install`` writes runs it); return the configuration's path."""
     directory.mkdir(parents=True, exist_ok=True)
     config = directory / "agent.json"
     config.write_text(
@@ -42,5 +51,8 @@ def write_agent_config(
             }
         ),
         encoding="utf-8",
+    )
+    tower.set_hook(
+        [sys.executable, str(AGENT), "--config", str(config), "hook"], path=HOOK_PATH
     )
     return config

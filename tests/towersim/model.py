@@ -69,9 +69,11 @@ def now(data: JsonObj) -> float:
     return time.time() + float(data.get("clock_offset", 0.0))
 
 
-def append_command(state_dir: str, record: JsonObj) -> None:
+def append_command(
+    state_dir: str, record: JsonObj, log_file: str = COMMANDS_FILE
+) -> None:
     line = json.dumps(record, sort_keys=True) + "\n"
-    path = os.path.join(state_dir, COMMANDS_FILE)
+    path = os.path.join(state_dir, log_file)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -161,6 +163,32 @@ def agent_lifecycle(domain: str, state: str, reason: str) -> list[str]:
     ]
 
 
+class Stop:
+    """A running domain that powered off (not a failed start): its qemu hook's
+    ``stopped end -`` and ``release end REASON`` are due."""
+
+    __slots__ = ("domain_id", "name", "reason", "spec", "t")
+
+    def __init__(
+        self, t: float, name: str, domain_id: int | None, reason: str, spec: JsonObj
+    ) -> None:
+        self.t = t
+        self.name = name
+        self.domain_id = domain_id
+        self.reason = reason
+        self.spec = spec
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}#{self.domain_id}"
+
+    def xml(self) -> str:
+        """The live definition, as qemuProcessStop formats it (no id any more)."""
+        from . import domxml
+
+        return domxml.dump_xml(self.spec, None)
+
+
 class Dom:
     """A domain's runtime state during a replay."""
 
@@ -220,6 +248,7 @@ class World:
         self.doms: dict[str, Dom] = {}
         self.order: list[str] = []
         self.events: list[Event] = []
+        self.stops: list[Stop] = []
         self.next_id = int(data.get("first_id", 1))
         self.pending: list[float] = []
         for action in data["actions"]:
@@ -288,6 +317,7 @@ class World:
                     lifecycle(d.name, "Shutdown Finished after guest request"),
                     lifecycle(d.name, "Stopped Shutdown"),
                 )
+                self.stops.append(Stop(t, d.name, d.id, "shutdown", d.live_spec()))
                 self._power_off(d, "shutdown")
 
     @staticmethod
@@ -320,12 +350,19 @@ class World:
             return
         d = self.doms[name]
         if op == "start":
-            self._boot(d, t, connected=False, events=True)
+            self._boot(d, t, connected=False, events=True, domain_id=action.get("id"))
         elif op == "create":
             # a defined domain started from a live-only definition: the same
             # boot (and events) as a start, with the file's hostdevs
-            self._boot(d, t, connected=False, events=True)
+            self._boot(d, t, connected=False, events=True, domain_id=action.get("id"))
             d.live_hostdevs = [dict(h) for h in action["hostdevs"]]
+        elif op == "fail":
+            # a start that failed (qemuProcessStop with VIR_DOMAIN_SHUTOFF_FAILED,
+            # its hooks run by the start itself); its id is used up
+            self.next_id = max(self.next_id, int(action["id"]) + 1)
+            if d.running:
+                self._emit(t, name, lifecycle(name, "Stopped Failed"))
+            self._power_off(d, "failed")
         elif op == "shutdown":
             # accepted with effect: the guest powers off after its duration
             if d.running:
@@ -342,11 +379,19 @@ class World:
                     else max(t, d.boot_t + delay)
                 )
 
-    def _boot(self, d: Dom, t: float, *, connected: bool, events: bool) -> None:
+    def _boot(
+        self,
+        d: Dom,
+        t: float,
+        *,
+        connected: bool,
+        events: bool,
+        domain_id: int | None = None,
+    ) -> None:
         d.running = True
         d.reason = "booted"
-        d.id = self.next_id
-        self.next_id += 1
+        d.id = self.next_id if domain_id is None else int(domain_id)
+        self.next_id = max(self.next_id, d.id) + 1
         d.boot_t = t
         d.off_at = None
         delay = d.seconds("agent_delay")

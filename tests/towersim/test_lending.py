@@ -84,7 +84,9 @@ def test_create_is_refused_while_a_running_domain_holds_a_function(
         "error: Requested operation is not valid: PCI device 0000:03:00.0 is in use "
         "by driver QEMU, domain gaming-1\n"
     )
-    assert idle.domstate("gpu-node") == "shut off (unknown)"
+    # refused in qemuProcessPrepareHost, after qemuProcessInit made the domain
+    # active: qemuProcessStop(VIR_DOMAIN_SHUTOFF_FAILED) sets the reason
+    assert idle.domstate("gpu-node") == "shut off (failed)"
     assert not idle.runs_live_definition("gpu-node")
 
     lend = live_file(idle, tmp_path / "live.xml", without=CARD_1)

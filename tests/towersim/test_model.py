@@ -30,7 +30,9 @@ def test_start_refused_while_a_running_domain_holds_a_function(tower: Tower) -> 
         "error: Requested operation is not valid: PCI device 0000:03:00.0 is in use "
         "by driver QEMU, domain gpu-node\n"
     )
-    assert tower.domstate("gaming-1") == "shut off (unknown)"
+    # libvirt refuses it in qemuProcessPrepareHost, after qemuProcessInit made
+    # the domain active: qemuProcessStop(VIR_DOMAIN_SHUTOFF_FAILED) sets the reason
+    assert tower.domstate("gaming-1") == "shut off (failed)"
     assert tower.holder("0000:03:00.1") == "gpu-node"
 
 

@@ -20,7 +20,7 @@ import uuid
 
 from tests.support.waiting import wait_until
 
-from . import domxml, model
+from . import domxml, hooks, model
 
 PathLike = Union[str, "os.PathLike[str]"]
 T = TypeVar("T")
@@ -271,13 +271,15 @@ class Tower:
     def start_live(self, name: str, addresses: Iterable[str]) -> None:
         """Start a defined domain with only these PCI functions, as ``virsh
         create`` of its persistent definition without the other hostdevs
-        (partial lending) does: a live-only definition, gone when it stops."""
+        (partial lending) does: a live-only definition, gone when it stops.
+        libvirtd's qemu hook runs as for any start; a failed start raises
+        RuntimeError with virsh's error lines."""
         wanted = {model.pci_name(a) for a in addresses}
 
-        def change(data: dict[str, Any], t: float) -> None:
+        def change(data: dict[str, Any], t: float) -> dict[str, Any]:
             world = model.world(data, t)
             dom = world.doms[name]
-            if dom.running:
+            if dom.running or name in hooks.starting(data):
                 raise RuntimeError(f"{name} is already running")
             kept = [
                 dict(h)
@@ -291,7 +293,96 @@ class Tower:
                 holder = world.holder(dev["address"], exclude=name)
                 if holder is not None:
                     raise RuntimeError(f"{dev['address']} is held by {holder}")
-            model.record(data, "create", name, t, hostdevs=kept)
+            return hooks.claim(data, world, dom, t, "create", hostdevs=kept)
+
+        start = self._change(change)
+        try:
+            hooks.launch(self.state_dir, start, f"Failed to create domain {name}")
+        except hooks.StartFailedError as err:
+            raise RuntimeError("\n".join(err.args)) from None
+
+    # --- libvirt's qemu hook ----------------------------------------------------
+
+    def set_hook(
+        self,
+        argv: Sequence[str] | None,
+        *,
+        path: str = hooks.DEFAULT_PATH,
+        timeout: float = hooks.HOOK_TIMEOUT,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """Install (None: remove) a qemu hook script, as a file at ``path``
+        (``/etc/libvirt/hooks/qemu`` or ``/etc/libvirt/hooks/qemu.d/NAME``) would be.
+
+        From now on every start and stop of any domain runs it as libvirtd
+        does (see ``hooks``): ``argv`` plus ``DOMAIN OP SUBOP EXTRA``, the
+        domain XML on stdin, only ``LC_ALL=C`` and a ``PATH`` (plus ``env``,
+        e.g. for a relocated Python) in its environment, cwd ``/``; killed
+        after ``timeout`` seconds (libvirt would wait forever). ``path`` is
+        what libvirt's error texts name, and orders several scripts."""
+        if path != hooks.DEFAULT_PATH and not path.startswith(
+            hooks.DEFAULT_PATH + ".d/"
+        ):
+            raise ValueError(f"libvirt runs no qemu hook at {path}")
+
+        def change(data: dict[str, Any], t: float) -> None:
+            installed = data.setdefault("hooks", {})
+            if argv is None:
+                installed.pop(path, None)
+                return
+            if not installed:
+                # stops before the hook was there ran no hook
+                done = set(data.get("stops_hooked") or [])
+                done.update(s.key for s in model.world(data, t).stops)
+                data["stops_hooked"] = sorted(done)
+            installed[path] = {
+                "argv": [str(a) for a in argv],
+                "timeout": timeout,
+                "env": dict(env or {}),
+            }
+
+        self._change(change)
+
+    def hooks(self) -> dict[str, list[str]]:
+        """The installed hook scripts: path -> command."""
+        with model.locked(self.state_dir, exclusive=False):
+            data = model.load(self.state_dir)
+        return {p: list(h["argv"]) for p, h in hooks.installed(data)}
+
+    def hook_runs(self) -> list[dict[str, Any]]:
+        """Every hook script run so far: path, args, status, stderr, t, end."""
+        return hooks.read_log(self.state_dir)
+
+    def run_stop_hooks(self) -> None:
+        """Run the hooks of stops no simulator process has seen yet (virsh
+        calls and ``virsh event`` run them when they first see a stop)."""
+        hooks.dispatch_stops(self.state_dir)
+
+    def fail_next_start(
+        self, name: str, reason: str = "vfio", *, every: bool = False
+    ) -> None:
+        """Make the next ``virsh start``/``create`` of ``name`` fail after the
+        hook ran, as on a real tower (``every``: each one, until
+        ``clear_start_failure``): ``disk`` (its image is missing:
+        ``prepare begin``, then the stop hooks) or ``vfio`` (QEMU cannot open
+        the VFIO group of its first PCI function: ``prepare`` and ``start
+        begin``, then the stop hooks). The domain stays ``shut off (failed)``."""
+        if reason not in hooks.START_FAILURES:
+            raise ValueError(f"no start failure {reason!r}")
+
+        def change(data: dict[str, Any], t: float) -> None:
+            if name not in data["domains"]:
+                raise KeyError(name)
+            if reason == "vfio" and not data["domains"][name].get("hostdevs"):
+                raise ValueError(f"{name} has no PCI function for a VFIO error")
+            failures = data.setdefault("start_failures", {})
+            failures[name] = {"reason": reason, "every": every}
+
+        self._change(change)
+
+    def clear_start_failure(self, name: str) -> None:
+        def change(data: dict[str, Any], t: float) -> None:
+            data.setdefault("start_failures", {}).pop(name, None)
 
         self._change(change)
 

@@ -18,7 +18,8 @@ Runs on Python >= 3.9 with the standard library only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+import contextlib
 import gzip
 import json
 import os
@@ -32,7 +33,7 @@ import time
 from typing import IO, Any
 import zlib
 
-from . import domxml, model
+from . import domxml, hooks, model
 
 JsonObj = dict[str, Any]
 
@@ -366,9 +367,26 @@ class Session:
             return False
         return True
 
-    # each command holds the lock while it reads and changes the state
-    def transaction(self) -> Any:
-        return model.locked(self.state_dir)
+    @contextlib.contextmanager
+    def transaction(self, domain: str | None) -> Iterator[JsonObj]:
+        """Hold the lock while a command reads and changes the state; the data.
+
+        First the stop hooks of the stops no process saw yet run; and, as
+        libvirtd makes a call wait for the lock of a domain whose start runs
+        its qemu hook, a call about a domain another process is starting (or
+        ``list``, ``domain`` None, while any start runs) waits until it ended.
+        """
+        hooks.dispatch_stops(self.state_dir)
+        deadline = time.monotonic() + hooks.WAIT_LIMIT
+        while True:
+            with model.locked(self.state_dir):
+                data = model.load(self.state_dir)
+                if time.monotonic() > deadline or not hooks.busy(
+                    self.state_dir, data, domain
+                ):
+                    yield data
+                    return
+            time.sleep(0.005)
 
     def cmd_echo(self, cmd: Cmd) -> None:
         words = list(cmd.get("string") or [])
@@ -386,8 +404,7 @@ class Session:
         # virsh's echo prints no newline of its own: the command's newline ends it
 
     def cmd_list(self, cmd: Cmd) -> None:
-        with self.transaction():
-            data = model.load(self.state_dir)
+        with self.transaction(None) as data:
             world = model.world(data)
         show_all = bool(cmd.get("all"))
         doms = [
@@ -438,8 +455,7 @@ class Session:
             )
 
     def cmd_dumpxml(self, cmd: Cmd) -> None:
-        with self.transaction():
-            data = model.load(self.state_dir)
+        with self.transaction(cmd.get("domain")) as data:
             world = model.world(data)
             dom = self.lookup(data, world, cmd.get("domain"))
         if cmd.get("inactive"):
@@ -449,30 +465,28 @@ class Session:
             self.out.print(domxml.dump_xml(dom.live_spec(), dom.id))
 
     def cmd_domstate(self, cmd: Cmd) -> None:
-        with self.transaction():
-            data = model.load(self.state_dir)
+        with self.transaction(cmd.get("domain")) as data:
             world = model.world(data)
             dom = self.lookup(data, world, cmd.get("domain"))
         self.out.print(dom.state_text(reason=bool(cmd.get("reason"))) + "\n")
 
     def cmd_start(self, cmd: Cmd) -> None:
-        with self.transaction():
-            data = model.load(self.state_dir)
+        """Start a defined domain, running libvirt's qemu hook (``hooks.launch``):
+        the PCI functions are taken after ``prepare begin``, as
+        qemuProcessPrepareHost takes them after qemuProcessInit's hook."""
+        with self.transaction(cmd.get("domain")) as data:
             t = model.now(data)
             world = model.world(data, t)
             dom = self.lookup(data, world, cmd.get("domain"))
             if dom.running:
+                # virsh's own check (cmdStart), before libvirt is asked
                 raise CommandFailedError("Domain is already active")
-            for address in dom.addresses():
-                holder = world.holder(address, exclude=dom.name)
-                if holder is not None:
-                    raise CommandFailedError(
-                        f"Failed to start domain '{dom.name}'",
-                        f"Requested operation is not valid: PCI device {address} "
-                        f"is in use by driver {model.DRIVER_NAME}, domain {holder}",
-                    )
-            model.record(data, "start", dom.name, t)
+            start = hooks.claim(data, world, dom, t, "start")
             model.save(self.state_dir, data)
+        try:
+            hooks.launch(self.state_dir, start, f"Failed to start domain '{dom.name}'")
+        except hooks.StartFailedError as err:
+            raise CommandFailedError(*err.args) from None
         self.out.print_extra(f"Domain '{dom.name}' started\n")
 
     def cmd_create(self, cmd: Cmd) -> None:
@@ -505,8 +519,7 @@ class Session:
             definition = domxml.read_definition(text)
         except domxml.DefinitionError as err:
             raise CommandFailedError(failed, str(err)) from None
-        with self.transaction():
-            data = model.load(self.state_dir)
+        with self.transaction(definition.name) as data:
             t = model.now(data)
             world = model.world(data, t)
             dom = self._created_domain(world, definition, failed)
@@ -519,17 +532,14 @@ class Session:
                     "definition only as its domain's persistent definition with "
                     f"other PCI hostdevs, and {err}",
                 ) from None
-            for dev in hostdevs:
-                address = model.pci_name(dev["address"])
-                holder = world.holder(address, exclude=dom.name)
-                if holder is not None:
-                    raise CommandFailedError(
-                        failed,
-                        f"Requested operation is not valid: PCI device {address} "
-                        f"is in use by driver {model.DRIVER_NAME}, domain {holder}",
-                    )
-            model.record(data, "create", dom.name, t, hostdevs=hostdevs, file=path)
+            start = hooks.claim(
+                data, world, dom, t, "create", hostdevs=hostdevs, file=path
+            )
             model.save(self.state_dir, data)
+        try:
+            hooks.launch(self.state_dir, start, failed)
+        except hooks.StartFailedError as err:
+            raise CommandFailedError(*err.args) from None
         self.out.print_extra(f"Domain '{dom.name}' created from {path}\n")
 
     @staticmethod
@@ -579,8 +589,7 @@ class Session:
                         "'acpi', 'agent', 'initctl', 'signal', or 'paravirt'"
                     )
                 modes.append(mode)
-        with self.transaction():
-            data = model.load(self.state_dir)
+        with self.transaction(cmd.get("domain")) as data:
             t = model.now(data)
             world = model.world(data, t)
             dom = self.lookup(data, world, cmd.get("domain"))
@@ -611,8 +620,7 @@ class Session:
         self.out.print_extra(f"Domain '{dom.name}' is being shutdown\n")
 
     def cmd_destroy(self, cmd: Cmd) -> None:
-        with self.transaction():
-            data = model.load(self.state_dir)
+        with self.transaction(cmd.get("domain")) as data:
             world = model.world(data)
             dom = self.lookup(data, world, cmd.get("domain"))
         raise CommandFailedError(
@@ -633,8 +641,7 @@ class Session:
             if seconds < 1:
                 raise CommandFailedError("timeout must be positive")
         text = " ".join(cmd.get("cmd") or [])
-        with self.transaction():
-            data = model.load(self.state_dir)
+        with self.transaction(cmd.get("domain")) as data:
             world = model.world(data)
             dom = self.lookup(data, world, cmd.get("domain"))
         if not dom.running:
@@ -672,8 +679,7 @@ class Session:
                 raise CommandFailedError(
                     f"Numeric value '{screen}' for <screen> option is malformed or out of range"
                 ) from None
-        with self.transaction():
-            data = model.load(self.state_dir)
+        with self.transaction(cmd.get("domain")) as data:
             t = model.now(data)
             world = model.world(data, t)
             dom = self.lookup(data, world, cmd.get("domain"))
@@ -799,6 +805,9 @@ class EventStream:
             world = model.world(data)
         self.stamp = stamp
         self.clock_offset = float(data.get("clock_offset", 0.0))
+        if hooks.pending_stops(data, world):
+            # libvirtd runs the stop hooks before it sends the stop's event
+            hooks.dispatch_stops(self.state_dir)
         fresh = [
             e for e in world.events if e.key not in self.seen and e.t >= self.since
         ]
