@@ -40,7 +40,7 @@ from scripts.gpu_handoff_demo.home_assistant import log_problems
 from scripts.gpu_handoff_demo.screenshot import find_browser, text_problems
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.fresh_tower import fresh_tower_available
-from tests.support.kubelet import Kubelet
+from tests.support.kubelet import FAST, Kubelet
 from tests.support.libvirtd import libvirtd_available
 from tests.support.sshd import sshd_available
 from tests.support.stories import setup_entry
@@ -501,7 +501,7 @@ async def test_kubelet_follows_the_vm_and_brings_workloads_back(
     """The stand-in shared by the tests and the demo: the node is Ready while
     the VM runs; an evicted workload comes back once the node is schedulable
     again, not while it is cordoned."""
-    kubelet = Kubelet(sim, cluster, reschedule=True)
+    kubelet = Kubelet(sim, cluster, reschedule=True, **FAST)
 
     def llm_pods() -> list[dict[str, Any]]:
         return [

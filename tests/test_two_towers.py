@@ -34,7 +34,7 @@ from custom_components.gpu_handoff.const import (
 from custom_components.gpu_handoff.controller import handoff_store
 from tests.conftest import add_tower_entry
 from tests.k8semu import GPU_NODE, K8sEmulator
-from tests.support.kubelet import Kubelet
+from tests.support.kubelet import FAST, Kubelet
 from tests.support.simtower import write_agent_config
 from tests.support.sshd import Sshd
 from tests.support.stories import idle, setup_entry, until
@@ -79,8 +79,8 @@ async def two_entries(
     """Tower 1 lends to gpu-node, tower 2 to gpu-node-2, in one cluster."""
     cluster.add_node(GPU_NODE_2, gpus=3, address="10.0.0.11")
     kubelets = [
-        Kubelet(towers[0][0], cluster, node=GPU_NODE),
-        Kubelet(towers[1][0], cluster, node=GPU_NODE_2),
+        Kubelet(towers[0][0], cluster, node=GPU_NODE, **FAST),
+        Kubelet(towers[1][0], cluster, node=GPU_NODE_2, **FAST),
     ]
     for kubelet in kubelets:
         kubelet.start()

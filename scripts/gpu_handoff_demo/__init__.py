@@ -9,8 +9,10 @@ towers and an emulated Kubernetes cluster, all on 127.0.0.1.
 - the Kubernetes API emulator (tests/k8semu) with one GPU node per tower, its
   workloads and a PodDisruptionBudget (``cluster.py``), and per tower a
   stand-in kubelet (tests/support/kubelet.py, shared with the tests) that
-  keeps the node Ready exactly while the simulated VM runs and puts the
-  evicted workloads back once the node serves again;
+  follows the simulated VM as a real node's kubelet does (silent when it
+  stops, so the node turns Unknown only after the grace period; Ready with a
+  new bootID after each boot, the GPUs once the device plugin registered)
+  and puts the evicted workloads back once the node serves again;
 - Home Assistant as its own process, configured as a current installation is
   (``home_assistant.py``), onboarded through its onboarding API, each tower
   added through the real config flow and, with ``--lend``, its options flow

@@ -209,6 +209,11 @@ class Demo:
             "Handoff agent"
             + ("" if tower.named_by_agent else " (this agent takes no tower name)")
         )
+        # A real k3s node's pace, shortened (a hundred times with --fast,
+        # as the guests): the node stays Ready a while after its VM stops,
+        # then Unknown; after a boot, Ready with no GPUs, then the cards.
+        self.emu.node_monitor_grace_period = 0.5 if self.fast else 20.0
+        self.emu.node_monitor_period = 0.05 if self.fast else 1.0
         kubelet = Kubelet(
             tower.sim,
             self.emu,
@@ -216,6 +221,9 @@ class Demo:
             vm=tower.gpu_node,
             interval=0.05 if self.fast else 0.25,
             reschedule=True,
+            boot_delay=0.15 if self.fast else 5.0,
+            plugin_delay=0.25 if self.fast else 10.0,
+            threaded=True,
         )
         kubelet.start()
         self.kubelets.append(kubelet)

@@ -13,12 +13,14 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 import datetime as dt
+import functools
 import json
 from pathlib import Path
 import shlex
 import statistics
 import time
 from typing import Any
+import uuid
 
 from homeassistant.core import HomeAssistant
 from pytest_homeassistant_custom_component.common import MockConfigEntry
@@ -154,9 +156,11 @@ class Kubelet:
     """Event-driven stand-in for the GPU node's kubelet.
 
     It follows ``virsh event --loop`` of the simulator: the node turns Ready
-    exactly ``ready_after`` seconds after the event time of the GPU node's
-    start (scheduled on the event's own timestamp, so the event stream's
-    delivery delay adds no error), and NotReady as soon as its stop is read.
+    with a new bootID exactly ``ready_after`` seconds after the event time of
+    the GPU node's start (scheduled on the event's own timestamp, so the
+    event stream's delivery delay adds no error), and Unknown as soon as its
+    stop is read (the node monitor grace period is not what the bench
+    measures).
     """
 
     def __init__(
@@ -201,8 +205,16 @@ class Kubelet:
             if event["action"] == "started":
                 delay = event_epoch(event["time"]) + self.ready_after - time.time()
                 self._cancel_pending()
+                # Each boot's kubelet posts a new bootID (what tells GPU
+                # Handoff the node is back from this boot, not the last).
                 self._pending = loop.call_later(
-                    max(0.0, delay), self.cluster.set_node_up, GPU_NODE, True
+                    max(0.0, delay),
+                    functools.partial(
+                        self.cluster.set_node_up,
+                        GPU_NODE,
+                        True,
+                        boot_id=str(uuid.uuid4()),
+                    ),
                 )
             elif event["action"] == "stopped":
                 self._cancel_pending()

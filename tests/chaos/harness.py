@@ -8,9 +8,11 @@ forcing the real agent, the tower simulator (guests 100x faster than real
 ones) behind a ``virsh`` wrapper that can make libvirt unavailable, the
 Kubernetes API emulator behind a TCP proxy that can make it unreachable, two
 gaming VMs, pods with and without a PodDisruptionBudget, a kubelet stand-in
-(the GPU node's Kubernetes node turns Ready shortly after its VM runs and
-NotReady when it stops) and a ReplicaSet stand-in (evicted workload pods come
-back once the GPU node serves again).
+(tests/support/kubelet.py: when its VM stops the GPU node's Kubernetes node
+stays Ready until the grace period ends, then Unknown; after each boot it is
+Ready with a new bootID and no GPUs, then the cards once the device plugin
+registered, at delays drawn from the seed) and a ReplicaSet stand-in (evicted
+workload pods come back once the GPU node serves again).
 
 Each cycle draws, from ``random.Random(f"...:{seed}:{cycle}")`` alone, one
 request and 0-3 faults, each bound to a moment of the operation: ``before``
@@ -104,6 +106,7 @@ from custom_components.gpu_handoff.const import (
 )
 from tests.conftest import gaming_subentries, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.support.kubelet import Kubelet
 from tests.support.simtower import write_agent_config
 from tests.support.sshd import Sshd
 from tests.support.testdriver import AGENT
@@ -118,7 +121,14 @@ DEFAULT_SHUTDOWN: Final = 10.0  # simulated seconds (0.1 s real)
 AGENT_TIMEOUTS: Final = {"agent": 3.0, "shutdown": 3.0, "start": 10.0}
 DRAIN_TIMEOUT: Final = 8  # the option, seconds
 SCAN_INTERVAL: Final = 30  # the option's default
-KUBELET_READY_AFTER: Final = 0.3
+# The GPU node's kubelet and the control plane, in simulated seconds (times
+# TIME_SCALE): the kubelet's first status post after a boot, then the NVIDIA
+# device plugin's registration (drawn per boot); kube-controller-manager's
+# --node-monitor-grace-period and --node-monitor-period.
+KUBELET_FIRST_POST: Final = (10.0, 20.0)
+DEVICE_PLUGIN_AFTER: Final = (3.0, 60.0)
+NODE_MONITOR_GRACE: Final = 50.0
+NODE_MONITOR_PERIOD: Final = 5.0
 SETTLE_BOUND: Final = 90.0  # a cycle must be idle this long after it began
 QUIET: Final = 1.0  # idle this long without a break counts as settled
 CORDON_NET_BOUND: Final = SCAN_INTERVAL + 10.0  # the safety net runs on the poll
@@ -817,28 +827,26 @@ class ChaosRig:
             )
 
     async def _follow_gpu_node(self) -> None:
-        """The kubelet stand-in: Ready a moment after the VM runs, NotReady
-        as soon as it stops."""
-        up = True
-        since: float | None = None
-        while True:
-            try:
-                running = await asyncio.to_thread(self.sim.is_running, GPU)
-            except OSError, ValueError, KeyError:
-                await asyncio.sleep(0.05)
-                continue
-            now = time.monotonic()
-            if running and not up:
-                since = since or now
-                if now - since >= KUBELET_READY_AFTER:
-                    self.cluster.set_node_up(GPU_NODE, True)
-                    up, since = True, None
-            elif not running and up:
-                self.cluster.set_node_up(GPU_NODE, False)
-                up = False
-            elif not running:
-                since = None
-            await asyncio.sleep(0.05)
+        """The kubelet stand-in shared with the tests (tests/support/kubelet.py)
+        at the rig's pace: the VM stops, the node stays Ready (old bootID,
+        old GPUs) until the control plane's grace period ends, then Unknown;
+        each boot, a first post with a new bootID and 0 GPUs, the live card
+        count once the device plugin registered. The delays are drawn, boot
+        after boot, from a generator seeded by the run's seed, in simulated
+        seconds scaled as the guests are."""
+        rng = random.Random(f"gpu-handoff-chaos-kubelet:{self.seed}")  # noqa: S311
+        self.cluster.node_monitor_grace_period = NODE_MONITOR_GRACE * TIME_SCALE
+        self.cluster.node_monitor_period = NODE_MONITOR_PERIOD * TIME_SCALE
+        kubelet = Kubelet(
+            self.sim,
+            self.cluster,
+            node=GPU_NODE,
+            vm=GPU,
+            boot_delay=lambda: rng.uniform(*KUBELET_FIRST_POST) * TIME_SCALE,
+            plugin_delay=lambda: rng.uniform(*DEVICE_PLUGIN_AFTER) * TIME_SCALE,
+            threaded=True,  # the simulator's state is read off the loop
+        )
+        await kubelet.run()
 
     # --- violations -------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--plain-http", action="store_true")
     parser.add_argument("--lease-interval", type=float, default=10.0)
     parser.add_argument("--deletion-grace", type=float, default=0.0)
+    parser.add_argument("--node-monitor-grace-period", type=float, default=50.0)
     return parser
 
 
@@ -48,6 +49,7 @@ async def _serve(args: argparse.Namespace) -> None:
         rules=ALL_RULES if args.allow_all else PRODUCT_RULES,
         lease_interval=args.lease_interval,
         deletion_grace=args.deletion_grace,
+        node_monitor_grace_period=args.node_monitor_grace_period,
     )
     if args.admin_token:
         emu.add_token(args.admin_token, ALL_RULES)

@@ -372,6 +372,26 @@ def _disruption_allowed_conditions(
     )
 
 
+def _set_unreachable_taints(node: JsonObj, on: bool) -> None:
+    """Add (keeping those already there) or remove the node's
+    ``node.kubernetes.io/unreachable`` taints, NoSchedule and NoExecute."""
+    spec = node.setdefault("spec", {})
+    taints = list(spec.get("taints") or [])
+    if on:
+        have = {(t["key"], t["effect"]) for t in taints}
+        taints.extend(
+            {**t, "timeAdded": now_rfc3339()}
+            for t in objects.UNREACHABLE_TAINTS
+            if (t["key"], t["effect"]) not in have
+        )
+    else:
+        taints = [t for t in taints if t["key"] != "node.kubernetes.io/unreachable"]
+    if taints:
+        spec["taints"] = taints
+    else:
+        spec.pop("taints", None)
+
+
 def _terminated_status(status: JsonObj, killed: bool) -> JsonObj:
     """What the kubelet reports once a deleted pod's containers stopped: a
     terminal phase (Failed when it had to kill them at the end of the grace
@@ -421,6 +441,8 @@ class K8sEmulator:
         pdb_sync_delay: float = 0.0,
         lease_interval: float = 10.0,
         lease_duration: int = 40,
+        node_monitor_grace_period: float = 50.0,
+        node_monitor_period: float = 5.0,
         history_limit: int = 10_000,
         server_hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
         legacy_ca: bool = False,
@@ -445,6 +467,14 @@ class K8sEmulator:
         self.pdb_deletion_timeout = 120.0
         self.lease_interval = lease_interval
         self.lease_duration = lease_duration
+        # The node lifecycle controller (kube-controller-manager): a node
+        # whose kubelet is silent longer than the grace period is marked
+        # Unknown at its next pass (see node_monitor_pass).
+        self._monitor_wake = asyncio.Event()
+        self._grace = node_monitor_grace_period
+        self._monitor_period = node_monitor_period
+        self._probe: dict[str, float] = {}  # node -> its last heartbeat seen
+        self._monitor_task: asyncio.Task[None] | None = None
         self.store = Store(history_limit)
         self.store.listeners.append(self._on_store_event)
         self.requests: list[RecordedRequest] = []
@@ -497,6 +527,9 @@ class K8sEmulator:
         self._lease_task = asyncio.get_running_loop().create_task(
             self._lease_loop(), name="k8semu-leases"
         )
+        self._monitor_task = asyncio.get_running_loop().create_task(
+            self._node_monitor_loop(), name="k8semu-node-monitor"
+        )
         # Work that waited for an event loop: pods deleted before start and
         # budgets a lagging controller has not seen yet.
         for pod in self.store.list_objects(resource_for_kind("Pod")):
@@ -511,11 +544,12 @@ class K8sEmulator:
 
     async def stop(self) -> None:
         """Stop serving: end watches, timers and lease renewals."""
-        if self._lease_task is not None:
-            self._lease_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._lease_task
-            self._lease_task = None
+        for task in (self._lease_task, self._monitor_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._lease_task = self._monitor_task = None
         for timers in (self._timers, self._pdb_timers, self._pdb_rechecks):
             for timer in timers.values():
                 timer.cancel()
@@ -695,6 +729,7 @@ class K8sEmulator:
                 name, duration=self.lease_duration, node_uid=node["metadata"]["uid"]
             )
         )
+        self._probe[name] = time.monotonic()
         if not kwargs.get("up", True):
             self._down.add(name)
         return node
@@ -704,58 +739,184 @@ class K8sEmulator:
         self.delete("Node", name, "")
         self.delete("Lease", name, objects.NODE_LEASE_NAMESPACE)
         self._down.discard(name)
+        self._probe.pop(name, None)
 
-    def set_node_up(self, name: str, up: bool = True) -> JsonObj:
-        """Up: Ready=True and the Lease renews. Down: Ready=Unknown, unreachable
-        taints (as the node lifecycle controller sets them), no renewals."""
-        was_up = name not in self._down
+    def set_node_up(
+        self, name: str, up: bool = True, *, boot_id: str | None = None
+    ) -> JsonObj:
+        """The shortcut of the node's whole story. Up: its kubelet posts
+        Ready (``post_node_status``; ``boot_id`` as there, None keeps the
+        bootID). Down: its kubelet falls silent and the grace period is
+        taken as already over (``stop_node_heartbeats``, then
+        ``mark_node_unknown``): Ready=Unknown, unreachable taints, its pods
+        not Ready."""
+        if up:
+            return self.post_node_status(name, boot_id=boot_id)
+        self.stop_node_heartbeats(name)
+        return self.mark_node_unknown(name)
+
+    def post_node_status(
+        self,
+        name: str,
+        *,
+        boot_id: str | None = None,
+        gpus: int | None = None,
+        unhealthy_gpus: int = 0,
+    ) -> JsonObj:
+        """A status post of the node's kubelet (pkg/kubelet/kubelet_node_status.go
+        tryUpdateNodeStatus with the pkg/kubelet/nodestatus setters): every
+        condition it owns healthy (Ready=True KubeletReady, no pressure) with
+        its heartbeat now, the transition time kept where the status did not
+        change; ``boot_id`` into ``status.nodeInfo.bootID`` (None keeps it);
+        ``gpus``/``unhealthy_gpus`` the device manager's counts as
+        ``set_node_gpus`` writes them, in the same write (None leaves them).
+        Its Lease is renewed now and from then on (the kubelet's node lease
+        controller). The node lifecycle controller takes the unreachable
+        taints off once it sees Ready=True (markNodeAsReachable,
+        doNoScheduleTaintingPass): here in the same write.
+
+        A kubelet that was silent (or a node not Ready) also takes its pods
+        up again: the running ones Ready, the ones deleted meanwhile finished
+        (pod_workers.go: a restarted kubelet resumes terminating pods)."""
+        returning = name in self._down or self.node_ready_status(name) != "True"
 
         def mutate(node: JsonObj) -> None:
-            conditions = node["status"]["conditions"]
-            for index, cond in enumerate(conditions):
-                if cond["type"] == "Ready":
-                    new = objects.ready_condition(up)
-                    if was_up == up:
-                        new["lastTransitionTime"] = cond.get(
-                            "lastTransitionTime", new["lastTransitionTime"]
-                        )
-                    conditions[index] = new
-            taints = [
-                t
-                for t in node["spec"].get("taints", [])
-                if t["key"] != "node.kubernetes.io/unreachable"
-            ]
-            if not up:
-                taints.extend(
-                    {**t, "timeAdded": now_rfc3339()}
-                    for t in objects.UNREACHABLE_TAINTS
-                )
-            if taints:
-                node["spec"]["taints"] = taints
-            else:
-                node["spec"].pop("taints", None)
+            now = now_rfc3339()
+            status = node.setdefault("status", {})
+            conditions = status.setdefault("conditions", [])
+            for kind in objects.KUBELET_CONDITIONS:
+                new = objects.kubelet_condition(kind, now)
+                for index, old in enumerate(conditions):
+                    if old.get("type") == kind:
+                        if old.get("status") == new["status"]:
+                            new["lastTransitionTime"] = old.get(
+                                "lastTransitionTime", now
+                            )
+                        conditions[index] = new
+                        break
+                else:
+                    conditions.append(new)
+            if boot_id is not None:
+                status.setdefault("nodeInfo", {})["bootID"] = boot_id
+            if gpus is not None:
+                total = str(gpus + unhealthy_gpus)
+                status.setdefault("capacity", {})[objects.GPU] = total
+                status.setdefault("allocatable", {})[objects.GPU] = str(gpus)
+            _set_unreachable_taints(node, False)
 
         node = self.modify("Node", name, "", mutate=mutate)
-        if up:
-            self._down.discard(name)
-            self.renew_lease(name)
-        else:
-            self._down.add(name)
-        if was_up != up:
-            # Down: the node lifecycle controller marks its pods not Ready.
-            # Up: the kubelet reports its running pods Ready again, and
-            # finishes the pods deleted while it was away.
+        self._down.discard(name)
+        self.renew_lease(name)
+        if returning:
+            for pod in self.store.list_objects(resource_for_kind("Pod")):
+                if (pod.get("spec") or {}).get("nodeName") != name:
+                    continue
+                meta = pod["metadata"]
+                if meta.get("deletionTimestamp"):
+                    self._kubelet_schedule(pod)
+                elif (pod.get("status") or {}).get("phase") == "Running":
+                    self.set_pod_status(meta["name"], meta["namespace"], ready=True)
+        return node
+
+    def stop_node_heartbeats(self, name: str) -> None:
+        """The node's kubelet falls silent (its VM stopped or crashed): no
+        status post, no Lease renewal, and the node keeps what it showed -
+        Ready=True as last posted, the old bootID, the old GPUs. A k3s
+        kubelet that is shut down posts no NotReady (graceful node shutdown,
+        pkg/kubelet/nodeshutdown, is off while shutdownGracePeriod is 0, the
+        default). Pods deleted meanwhile stay Terminating. The node monitor
+        marks the node Unknown ``node_monitor_grace_period`` seconds after
+        its last heartbeat (``node_monitor_pass``)."""
+        self._down.add(name)
+
+    def mark_node_unknown(self, name: str) -> JsonObj:
+        """What the node lifecycle controller does to a node whose kubelet
+        stopped posting longer than the grace period ago
+        (pkg/controller/nodelifecycle/node_lifecycle_controller.go):
+        tryUpdateNodeHealth sets Ready, MemoryPressure, DiskPressure and
+        PIDPressure to Unknown ("NodeStatusUnknown", "Kubelet stopped posting
+        node status."; the heartbeat stays the kubelet's last);
+        doNoScheduleTaintingPass adds ``node.kubernetes.io/unreachable``
+        NoSchedule and the NoExecute tainter (processTaintBaseEviction,
+        markNodeForTainting) the NoExecute one; monitorNodeHealth marks the
+        node's pods not Ready (MarkPodsNotReady) when Ready was True. Here
+        all in one pass, at once."""
+        was_ready = self.node_ready_status(name) == "True"
+
+        def mutate(node: JsonObj) -> None:
+            now = now_rfc3339()
+            for condition in node.setdefault("status", {}).get("conditions") or []:
+                if condition.get("type") in objects.KUBELET_CONDITIONS:
+                    objects.mark_unknown(condition, now)
+            _set_unreachable_taints(node, True)
+
+        node = self.modify("Node", name, "", mutate=mutate)
+        if was_ready:
             for pod in self.store.list_objects(resource_for_kind("Pod")):
                 if (pod.get("spec") or {}).get("nodeName") == name:
                     meta = pod["metadata"]
-                    if up and meta.get("deletionTimestamp"):
-                        self._kubelet_schedule(pod)
-                        continue
-                    phase = (pod.get("status") or {}).get("phase")
-                    if up and phase != "Running":
-                        continue
-                    self.set_pod_status(meta["name"], meta["namespace"], ready=up)
+                    self.set_pod_status(meta["name"], meta["namespace"], ready=False)
         return node
+
+    def node_ready_status(self, name: str) -> str | None:
+        """The node's Ready condition status ("True", "False", "Unknown"),
+        None for a missing node or condition."""
+        node = self.store.get(resource_for_kind("Node"), "", name)
+        for condition in ((node or {}).get("status") or {}).get("conditions") or []:
+            if condition.get("type") == "Ready":
+                return str(condition.get("status"))
+        return None
+
+    def node_monitor_pass(self) -> list[str]:
+        """One pass of the node lifecycle controller's monitorNodeHealth
+        (every ``node_monitor_period`` s while serving): a node whose kubelet
+        is silent and whose last heartbeat (status post or Lease renewal, the
+        controller's probeTimestamp) is more than
+        ``node_monitor_grace_period`` s old is marked Unknown
+        (``mark_node_unknown``). The nodes it marked."""
+        now = time.monotonic()
+        marked = []
+        for node in self.store.list_objects(resource_for_kind("Node")):
+            name = node["metadata"]["name"]
+            if name not in self._down or self.node_ready_status(name) == "Unknown":
+                continue
+            probe = self._probe.setdefault(name, now)
+            if now - probe > self._grace:
+                self.mark_node_unknown(name)
+                marked.append(name)
+        return marked
+
+    @property
+    def node_monitor_grace_period(self) -> float:
+        """Seconds without a heartbeat before a node is marked Unknown
+        (kube-controller-manager --node-monitor-grace-period: 50 s since
+        Kubernetes 1.32, 40 s before)."""
+        return self._grace
+
+    @node_monitor_grace_period.setter
+    def node_monitor_grace_period(self, seconds: float) -> None:
+        self._grace = seconds
+        self._monitor_wake.set()
+
+    @property
+    def node_monitor_period(self) -> float:
+        """Seconds between two passes of the node monitor
+        (--node-monitor-period, 5 s)."""
+        return self._monitor_period
+
+    @node_monitor_period.setter
+    def node_monitor_period(self, seconds: float) -> None:
+        self._monitor_period = seconds
+        self._monitor_wake.set()
+
+    async def _node_monitor_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._monitor_wake.wait(), timeout=self._monitor_period
+                )
+            self._monitor_wake.clear()
+            self.node_monitor_pass()
 
     def set_pod_status(
         self,
@@ -803,7 +964,9 @@ class K8sEmulator:
         return self.modify("Node", name, "", mutate=mutate)
 
     def node_is_up(self, name: str) -> bool:
-        """Whether the node's kubelet is 'running'."""
+        """Whether the node's kubelet runs: it posts status and renews its
+        Lease (its Ready condition may say otherwise for a while: a silent
+        node stays Ready until the grace period ends)."""
         return name not in self._down
 
     def renew_lease(self, name: str) -> None:
@@ -814,6 +977,7 @@ class K8sEmulator:
         if lease is not None:
             lease["spec"]["renewTime"] = now_micro()
             self.store.update(resource_for_kind("Lease"), lease)
+        self._probe[name] = time.monotonic()
 
     async def _lease_loop(self) -> None:
         while True:

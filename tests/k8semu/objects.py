@@ -34,6 +34,53 @@ MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 GPU = "nvidia.com/gpu"
 
 
+def new_boot_id() -> str:
+    """A fresh ``status.nodeInfo.bootID``: the kernel's
+    /proc/sys/kernel/random/boot_id, a random UUID made at each boot."""
+    return str(uuid.uuid4())
+
+
+# The node conditions a kubelet posts; the node lifecycle controller turns
+# all of them Unknown when the kubelet falls silent (tryUpdateNodeHealth;
+# NetworkUnavailable is left alone, and k3s posts none).
+KUBELET_CONDITIONS = ("MemoryPressure", "DiskPressure", "PIDPressure", "Ready")
+
+
+def kubelet_condition(kind: str, now: str) -> JsonObj:
+    """A condition as a healthy kubelet posts it (pkg/kubelet/nodestatus
+    setters.go: ReadyCondition, MemoryPressureCondition...): heartbeat now."""
+    if kind == "Ready":
+        return {
+            "type": "Ready",
+            "status": "True",
+            "reason": "KubeletReady",
+            "message": "kubelet is posting ready status",
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": now,
+        }
+    label = kind  # MemoryPressure -> KubeletHasNoMemoryPressure
+    return {
+        "type": kind,
+        "status": "False",
+        "reason": f"KubeletHasNo{label}",
+        "message": f"kubelet has no {label.lower()}",
+        "lastHeartbeatTime": now,
+        "lastTransitionTime": now,
+    }
+
+
+def mark_unknown(condition: JsonObj, now: str) -> None:
+    """The node lifecycle controller's change to a condition of a node whose
+    kubelet stopped posting (tryUpdateNodeHealth): status Unknown, reason
+    NodeStatusUnknown, transition now if it was not Unknown already; the
+    heartbeat stays the kubelet's last."""
+    if condition.get("status") != "Unknown":
+        condition["status"] = "Unknown"
+        condition["reason"] = "NodeStatusUnknown"
+        condition["message"] = "Kubelet stopped posting node status."
+        condition["lastTransitionTime"] = now
+
+
 def ready_condition(up: bool) -> JsonObj:
     """The node Ready condition as the kubelet / node lifecycle controller set it."""
     now = now_rfc3339()
@@ -120,20 +167,12 @@ def make_node(
             *({**t, "timeAdded": now} for t in UNREACHABLE_TAINTS),
         ]
     pressure = [
-        {
-            "type": kind,
-            "status": "False",
-            "reason": f"KubeletHasNo{label}",
-            "message": f"kubelet has no {label.lower()}",
-            "lastHeartbeatTime": now,
-            "lastTransitionTime": now,
-        }
-        for kind, label in (
-            ("MemoryPressure", "MemoryPressure"),
-            ("DiskPressure", "DiskPressure"),
-            ("PIDPressure", "PIDPressure"),
-        )
+        kubelet_condition(kind, now)
+        for kind in ("MemoryPressure", "DiskPressure", "PIDPressure")
     ]
+    if not up:
+        for condition in pressure:
+            mark_unknown(condition, now)
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -158,7 +197,7 @@ def make_node(
             "nodeInfo": {
                 "machineID": uuid.uuid5(uuid.NAMESPACE_DNS, name).hex,
                 "systemUUID": str(uuid.uuid5(uuid.NAMESPACE_URL, name)),
-                "bootID": str(uuid.uuid4()),
+                "bootID": new_boot_id(),
                 "kernelVersion": "6.12.57+deb13-amd64",
                 "osImage": "Debian GNU/Linux 13 (trixie)",
                 "containerRuntimeVersion": "containerd://2.1.4-k3s1",
