@@ -166,7 +166,14 @@ async def test_a_restart_while_a_failed_handoff_settles_finishes_it(
     await until(lambda: (controller.pending or {}).get("settle") is not None)
     stored = await handoff_store(hass, entry.entry_id).async_load()
     assert stored is not None
-    assert stored["pending"]["settle"] == {"stopped_by_us": True}
+    # The handoff's own job never ran; the hook's stop is what stopped the
+    # GPU node, and its record decides (followed after the restart).
+    hook_job = controller.coordinator.data.tower.hook_requests[-1].job
+    assert hook_job is not None
+    assert stored["pending"]["settle"] == {
+        "stopped_by_us": False,
+        "hook_job": hook_job,
+    }
     assert stored["pending"]["origin"] == "hook"
     assert sim.is_running("gpu-node")  # the hook's stop is still under way
 

@@ -49,6 +49,7 @@ from tests.support.stories import (
     SWITCH_2,
     cordoned,
     idle,
+    lent_cards,
     setup_entry,
     switch,
     until,
@@ -60,14 +61,6 @@ GTX_960 = "0000:01:00"
 RTX_1 = "0000:03:00"  # Gaming station 1's
 RTX_2 = "0000:04:00"  # Gaming station 2's
 BOUND = 60.0
-
-
-def _cards(sim: Tower) -> set[str] | None:
-    """The cards the GPU node runs with (None while it is off)."""
-    functions = sim.live_hostdevs("gpu-node")
-    if functions is None:
-        return None
-    return {address.rsplit(".", 1)[0] for address in functions}
 
 
 def _gpus(cluster: K8sEmulator) -> int:
@@ -95,7 +88,7 @@ async def _serving_with(
     cards: set[str],
 ) -> None:
     """Everything settles with the GPU node serving these cards."""
-    await until(lambda: _cards(sim) == cards, BOUND)
+    await until(lambda: lent_cards(sim) == cards, BOUND)
     await until(lambda: idle(entry) and not entry.runtime_data.controller.requests)
     await until(lambda: not cordoned(cluster))
     await until(lambda: _gpus(cluster) == len(cards))
@@ -336,6 +329,11 @@ def test_an_agent_killed_mid_lend_leaves_the_definition(
     finally:
         runner.send_signal(signal.SIGKILL)
         runner.wait()
+    if moment == "created":
+        # libvirtd finishes a create whose client died (its hooks run first).
+        sim.wait_until(
+            lambda: sim.is_running("gpu-node"), timeout=BOUND, what="the create"
+        )
     assert sim.defined_xml("gpu-node") == before
     if sim.is_running("gpu-node"):
         if moment == "waiting_for_guest_agent":

@@ -194,7 +194,14 @@ def test_a_stored_job_that_cannot_be_read_is_none() -> None:
     assert PendingJob.from_dict({"kind": "stop"}) is None
     job = PendingJob.from_dict({"kind": "stop", "domain": "g", "request_id": "r"})
     assert job is not None
+    assert job.boot_id is None  # stored before bootIDs were
     assert PendingJob.from_dict(job.as_dict()) == job
+    release = PendingJob.from_dict(
+        {"kind": "release", "domain": None, "request_id": "r", "boot_id": "b-1"}
+    )
+    assert release is not None
+    assert release.boot_id == "b-1"
+    assert PendingJob.from_dict(release.as_dict()) == release
 
 
 def test_the_towers_name_is_read_and_older_agents_have_none() -> None:
@@ -208,3 +215,54 @@ def test_the_towers_name_is_read_and_older_agents_have_none() -> None:
     hello = parse_push(base | {"type": "hello", "host_name": "attic"}, strict=True)
     assert isinstance(hello, Hello)
     assert hello.version.host_name == "attic"
+
+
+def test_a_lend_job_acts_on_the_gpu_node() -> None:
+    """A lend job names no domain, yet it stops and starts the GPU node: the
+    GPU node's job, as a handoff's and a release's are."""
+    summary = {
+        k: v
+        for k, v in _job(kind="lend", args={"domain": None}).items()
+        if k not in ("steps", "created_epoch", "started", "runner")
+    }
+    status = parse_status(_status(active_jobs=[{**summary, "step": "shutdown"}]))
+    job = status.job_for("gpu-node")
+    assert job is not None
+    assert job.kind is JobKind.LEND
+    assert status.job_for("gaming-1") is None
+
+
+def _step(name: str, result: str | None, detail: str | None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "domain": "gpu-node",
+        "started": "t",
+        "finished": "t",
+        "result": result,
+        "detail": detail,
+    }
+
+
+@pytest.mark.parametrize(
+    ("steps", "shut_down", "started"),
+    [
+        ([_step("shutdown", "ok", "shutdown --mode agent accepted")], True, False),
+        ([_step("shutdown", "skipped", "already shut off")], False, False),
+        ([_step("shutdown", None, None)], False, False),
+        ([_step("start", "ok", "started")], False, True),
+        ([_step("start", "ok", "already running")], False, False),
+        ([_step("start_free", "ok", "started with every card")], False, True),
+        ([_step("start_free", "skipped", "every card is in use")], False, False),
+    ],
+)
+def test_what_a_job_did_is_read_from_its_steps(
+    steps: list[dict[str, Any]], shut_down: bool, started: bool
+) -> None:
+    """A step the agent skipped, or that found its work done, did nothing."""
+    record = parse_job_reply({"job": _job(steps=steps, step=None)})
+    assert record.did(StepName.SHUTDOWN, "gpu-node") is shut_down
+    assert (
+        record.did(StepName.START, "gpu-node")
+        or record.did(StepName.START_FREE, "gpu-node")
+    ) is started
+    assert not record.did(StepName.SHUTDOWN, "gaming-1")

@@ -372,6 +372,18 @@ class NodeView:
     # with `kubectl uncordon`, which leaves annotations alone): it must go
     # before anyone cordons the node again, or that cordon would look ours.
     stale_mark: bool = False
+    # status.nodeInfo.bootID: new at each boot of the node's machine (the
+    # kubelet posts it); None when the node reports none.
+    boot_id: str | None = None
+    # Pods on the node that nothing would recreate (no controller, not a
+    # mirror pod, not finished): a drain refuses them unless forced.
+    unmanaged: tuple[str, ...] = ()
+
+
+def new_boot(view: NodeView, not_boot: str | None) -> bool:
+    """Whether what ``view`` shows was posted after the boot ``not_boot``
+    (always, when there is no boot to leave out)."""
+    return not_boot is None or view.boot_id != not_boot
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -468,6 +480,17 @@ def is_evictable(pod: Any) -> bool:
     if MIRROR_ANNOTATION in (pod.metadata.annotations or {}):
         return False
     return not _finished(pod)
+
+
+def is_unmanaged(pod: Any) -> bool:
+    """Whether nothing would recreate this pod once evicted (kubectl drain's
+    "not managed by a controller" filter): a running pod with no controller
+    that is not a mirror pod."""
+    return (
+        _controller_of(pod) is None
+        and MIRROR_ANNOTATION not in (pod.metadata.annotations or {})
+        and not _finished(pod)
+    )
 
 
 def cordon_owner(node: Any) -> str | None:
@@ -837,8 +860,15 @@ class ClusterClient:
             events=tuple(events),
         )
 
-    async def wait_ready(self, name: str, timeout: float) -> NodeView:
+    async def wait_ready(
+        self, name: str, timeout: float, *, not_boot: str | None = None
+    ) -> NodeView:
         """Until the node is Ready; TimeoutError after ``timeout`` seconds.
+
+        ``not_boot``: the bootID of a boot that does not count. A node whose
+        machine was just restarted still shows the Ready its old kubelet
+        posted, for up to the node monitor grace period: only the new
+        kubelet's first post (a new ``status.nodeInfo.bootID``) says it is back.
 
         Event-driven: between reads it watches the node, so a return is not
         held up by a poll interval; when a watch fails it polls every second.
@@ -848,11 +878,13 @@ class ClusterClient:
         return await self._wait_node(
             name,
             timeout,
-            lambda view: bool(view.ready),
+            lambda view: bool(view.ready) and new_boot(view, not_boot),
             f"{name} did not become Ready in {timeout:.0f} s",
         )
 
-    async def wait_gpus(self, name: str, count: int, timeout: float) -> NodeView:
+    async def wait_gpus(
+        self, name: str, count: int, timeout: float, *, not_boot: str | None = None
+    ) -> NodeView:
         """Until the Ready node advertises at least ``count`` allocatable
         ``nvidia.com/gpu`` (its device plugin registered the cards: after a
         kubelet restart they stay at zero until it does, see the kubelet's
@@ -861,7 +893,11 @@ class ClusterClient:
         return await self._wait_node(
             name,
             timeout,
-            lambda view: bool(view.ready) and view.gpu_allocatable >= count,
+            lambda view: (
+                bool(view.ready)
+                and new_boot(view, not_boot)
+                and view.gpu_allocatable >= count
+            ),
             f"{name} did not advertise {count} GPU(s) in {timeout:.0f} s",
         )
 
@@ -964,6 +1000,12 @@ class ClusterClient:
             pods=len(running),
             evictable_pods=sum(1 for pod in running if is_evictable(pod)),
             stale_mark=has_stale_mark(node),
+            unmanaged=tuple(
+                sorted(_ref(pod).label for pod in running if is_unmanaged(pod))
+            ),
+            boot_id=(status.node_info.boot_id or None)
+            if status and status.node_info
+            else None,
         )
         return node, pods.items, view
 

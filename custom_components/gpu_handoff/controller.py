@@ -53,11 +53,10 @@ from .const import (
     EVENT_RETURN_SUCCEEDED,
     EVENT_RETURN_UNHEALTHY,
     EVENT_STOP_SUCCEEDED,
-    PHASE_STOPPING,
 )
 from .coordinator import GpuHandoffCoordinator
 from .models import domain_identifier
-from .protocol import RUNNING, SHUT_OFF, JobRecord, TowerStatus
+from .protocol import RUNNING, SHUT_OFF, JobRecord, StepName, TowerStatus
 from .runner import (
     JobFailedError,
     OperationRunner,
@@ -145,8 +144,12 @@ class HandoffController:
         # running yet are stored too, so a restart carries them out.
         self.requests: dict[str, str] = {}
         # The gaming VMs whose handoff libvirt's hook asked for (started by
-        # hand): GPU Handoff's hook stopped the GPU node for them.
-        self._by_hook: set[str] = set()
+        # hand), and the stop of the GPU node the hook asked for with it
+        # (None: not known, a store written before hook jobs were kept).
+        self._by_hook: dict[str, str | None] = {}
+        # The pods that refused the last lend (a drain refuses pods nothing
+        # recreates): the lend is tried again once they are gone.
+        self.lend_refused: tuple[str, ...] = ()
 
     # --- persistence ---------------------------------------------------------
 
@@ -161,7 +164,7 @@ class HandoffController:
         if self.pending is not None:
             vm, kind = self.pending["vm"], self.pending["kind"]
             if self.pending.get("origin") == ORIGIN_HOOK:
-                self._by_hook.add(vm)
+                self._by_hook[vm] = self.pending.get("hook_job")
             if vm == status.gpu_node or vm in self.configured_vms:
                 _LOGGER.info("Resuming the %s of %s after a restart", kind, vm)
                 self._spawn(self._run(vm, kind, resume=True))
@@ -179,7 +182,7 @@ class HandoffController:
                 "Carrying out the %s of %s asked for before a restart", kind, vm
             )
             if queued.get("origin") == ORIGIN_HOOK:
-                self._by_hook.add(vm)
+                self._by_hook[vm] = queued.get("hook_job")
             self.requests[vm] = kind
             self._spawn(self._run(vm, kind))
         self._entry.async_on_unload(
@@ -194,15 +197,17 @@ class HandoffController:
         }
 
     def _forget_unknown_vms(self) -> bool:
-        """Drop VMs no longer configured or no longer defined on the tower from
-        the desired set (they would block the automatic return forever)."""
+        """Drop VMs no longer defined on the tower, or no longer configured
+        and not running, from the desired set (they would block the automatic
+        return forever). A VM removed from GPU Handoff while it plays keeps
+        its session until it stops: then its cards go back."""
         domains = self.coordinator.data.tower.domains
         known = {
             vm
             for vm in self.desired
-            if vm in self.configured_vms
-            and (state := domains.get(vm)) is not None
+            if (state := domains.get(vm)) is not None
             and state.exists
+            and (vm in self.configured_vms or state.state == RUNNING)
         }
         if known == self.desired:
             return False
@@ -212,12 +217,14 @@ class HandoffController:
 
     async def _save(self) -> None:
         running = (self.pending or {}).get("vm")
-        queued = [
-            {"vm": vm, "kind": kind}
-            | ({"origin": ORIGIN_HOOK} if vm in self._by_hook else {})
-            for vm, kind in self.requests.items()
-            if vm != running
-        ]
+        queued: list[dict[str, str | None]] = []
+        for vm, kind in self.requests.items():
+            if vm == running:
+                continue
+            item: dict[str, str | None] = {"vm": vm, "kind": kind}
+            if vm in self._by_hook:
+                item |= {"origin": ORIGIN_HOOK, "hook_job": self._by_hook[vm]}
+            queued.append(item)
         await self._store.async_save(
             {"desired": sorted(self.desired), "pending": self.pending, "queued": queued}
         )
@@ -270,8 +277,12 @@ class HandoffController:
         )
 
     async def async_turn_on(self, vm: str) -> asyncio.Task[bool]:
-        """Accept a handoff to ``vm``; it runs in the background."""
+        """Accept a handoff to ``vm``; it runs in the background. A VM that
+        plays already (GPU Handoff handed it its cards) is left as it is."""
         self._validate(vm)
+        domain = self.coordinator.data.tower.domains.get(vm)
+        if vm in self.desired and domain is not None and domain.state == RUNNING:
+            return self._spawn(self._already_playing(vm))
         node = self.coordinator.data.node
         if node_holds_cards_of(self.coordinator.data.tower, vm):
             try:
@@ -322,6 +333,11 @@ class HandoffController:
             )
         return self._spawn(self._run(self.coordinator.data.tower.gpu_node, "return"))
 
+    async def _already_playing(self, vm: str) -> bool:
+        """Turning on a VM that plays: nothing to do."""
+        _LOGGER.debug("%s plays already", vm)
+        return True
+
     def _spawn(self, coro: Any) -> asyncio.Task[bool]:
         """Run an operation in the background (cancelled when the entry unloads)."""
         return self._entry.async_create_background_task(
@@ -351,28 +367,46 @@ class HandoffController:
                 # cards: do the handoff properly, so a retry of the start works.
                 _LOGGER.info("%s was started on the tower; handing its cards over", vm)
                 self.desired.add(vm)
-                self._by_hook.add(vm)
+                self._by_hook[vm] = request.job
                 self._spawn(self._persist_and_run(vm, "handoff"))
                 return
-        changed = self._forget_unknown_vms()
         ended = [
             vm
             for vm in sorted(self.desired)
             if (domain := status.domains.get(vm)) is not None
             and domain.state == SHUT_OFF
         ]
-        # The player shut the game down from inside.
+        # The player shut the game down from inside (a VM removed from GPU
+        # Handoff while it played too: its session ends all the same).
         self.desired.difference_update(ended)
-        changed = changed or bool(ended)
+        changed = self._forget_unknown_vms() or bool(ended)
         playing = [
             vm
             for vm in status.gaming
             if (d := status.domains.get(vm)) is not None and d.state == RUNNING
         ]
         gpu = status.domains.get(status.gpu_node)
-        auto = self._entry.options.get(CONF_AUTO_RETURN, DEFAULT_AUTO_RETURN)
+        settings = self.settings
+        auto = settings.auto_return
         session_ended = bool(ended) and not playing and not self.desired
         node = data.node
+        # Lending: a player quit while another plays; their cards are free
+        # now, so the GPU node takes them (the return restarts it with every
+        # free card). A lend refused by pods nothing recreates is tried again
+        # once they are gone.
+        lend_again = (
+            settings.lend_free
+            and auto
+            and gpu is not None
+            and (
+                bool(ended)
+                or (
+                    bool(self.lend_refused)
+                    and node is not None
+                    and not set(self.lend_refused) & set(node.unmanaged)
+                )
+            )
+        )
         # The safety net: our own cordon on a GPU node that serves again (an
         # operation interrupted between the node's return and the uncordon, a
         # failed handoff whose rollback could not reach the tower). Whoever
@@ -385,7 +419,7 @@ class HandoffController:
             and node.cordon_owner == CORDON_OWNER_US
             and status.job_for(status.gpu_node) is None
         )
-        if (session_ended and auto and gpu is not None) or leftover:
+        if (session_ended and auto and gpu is not None) or leftover or lend_again:
             if not self._returning:
                 self._returning = True
                 self._spawn(self._persist_and_run(status.gpu_node, "return"))
@@ -432,21 +466,10 @@ class HandoffController:
             async with self._lock:
                 succeeded, follow_up = await self._operate(vm, kind, resume)
                 if follow_up:
-                    # A failed handoff left the GPU node off (GPU Handoff
-                    # stopped it): the cards go back, as a return of its own,
-                    # stored before this one ended (so a restart resumes it).
-                    gpu = self.coordinator.data.tower.gpu_node
-                    self.requests.setdefault(gpu, "return")
-                    self._returning = True
-                    try:
-                        await self._operate(gpu, "return", resume=True)
-                    finally:
-                        self._returning = False
-                        if self.requests.get(gpu) == "return":
-                            del self.requests[gpu]
+                    await self._follow_up_return()
                 return succeeded
         finally:
-            self._by_hook.discard(vm)
+            self._by_hook.pop(vm, None)
             if self.requests.get(vm) == kind:
                 del self.requests[vm]
             if kind == "return":
@@ -461,8 +484,13 @@ class HandoffController:
             self.pending = {"vm": vm, "kind": kind, "job": None}
             if vm in self._by_hook:
                 self.pending["origin"] = ORIGIN_HOOK
+                self.pending["hook_job"] = self._by_hook[vm]
             await self._save()
         settle = self.pending.get("settle")
+        # A return lends again after a refused lend, or says why not.
+        relend = kind == "return" and bool(self.lend_refused)
+        if kind == "return":
+            self.lend_refused = ()
         self.operation = Operation(vm, kind, "preparing", dt_util.utcnow().isoformat())
         self.last_error.pop(vm, None)
         if settle is None:
@@ -485,6 +513,15 @@ class HandoffController:
         # Fresh state before anything reconciles again: a stale snapshot
         # (say, the cordon just lifted) would start the same work twice.
         await self.coordinator.async_refresh()
+        if kind == "handoff":
+            # libvirtd ran the qemu hook for the start this handoff made; an
+            # agent older than 0.3.1 recorded that as a start by hand. It
+            # was ours: never a request.
+            self._seen_hook_requests.update(
+                request.key
+                for request in self.coordinator.data.tower.hook_requests
+                if request.domain == vm
+            )
         self.operation = None
         self.drain = None
         self.requests.pop(vm, None)
@@ -521,8 +558,9 @@ class HandoffController:
         elif returned:
             self._fire(EVENT_CARDS_RETURNED, self.coordinator.data.tower.gpu_node)
         ir.async_delete_issue(self.hass, DOMAIN, self._issue_id(vm))
-        if kind == "handoff":
-            # The pods that refused a handoff are gone (or were evicted).
+        if kind == "handoff" or relend:
+            # The pods that refused a handoff or a lend are gone (or were
+            # evicted).
             ir.async_delete_issue(self.hass, DOMAIN, self._unmanaged_issue_id)
         return True, follow_up
 
@@ -559,23 +597,38 @@ class HandoffController:
             if kind != "handoff":
                 return False, False, False
             self.desired.discard(vm)
-            return False, False, await self._settle(vm, None)
+            return False, False, await self._settle(vm, None, err)
         return True, returned, False
 
-    async def _settle(self, vm: str, settle: dict[str, Any] | None) -> bool:
+    def _job_stopped_gpu_node(self, err: Exception | None) -> bool:
+        """Whether the failed handoff's own tower job shut the GPU node down,
+        from what the job did: its record when it ended (a shutdown step
+        skipped because the GPU node was off already did nothing), else
+        whether a job was asked for at all (one not followed to its end may
+        have: the return that follows reads the tower again)."""
+        if isinstance(err, JobFailedError):
+            return err.record.did(
+                StepName.SHUTDOWN, self.coordinator.data.tower.gpu_node
+            )
+        return self.pending_job is not None
+
+    async def _settle(
+        self, vm: str, settle: dict[str, Any] | None, err: Exception | None = None
+    ) -> bool:
         """Leave what a failed handoff left safe (see the runner's
         ``settle_failed_handoff``), stored first so a restart finishes it.
         True when a return must follow."""
         if settle is None:
-            operation = self.operation
-            stopped = vm in self._by_hook or (
-                operation is not None and operation.phase == PHASE_STOPPING
-            )
-            settle = {"stopped_by_us": stopped}
+            settle = {
+                "stopped_by_us": self._job_stopped_gpu_node(err),
+                "hook_job": self._by_hook.get(vm),
+            }
             if self.pending is not None:
                 self.pending = {**self.pending, "job": None, "settle": settle}
                 await self._save()
-        return await self.runner.settle_failed_handoff(bool(settle["stopped_by_us"]))
+        return await self.runner.settle_failed_handoff(
+            bool(settle["stopped_by_us"]), self.settings, settle.get("hook_job")
+        )
 
     @property
     def current_phase(self) -> str | None:
@@ -641,16 +694,56 @@ class HandoffController:
 
     async def _abandon(self) -> None:
         """End an operation whose gaming VM is no longer configured: follow a
-        tower job it asked for to its end, then lift our own cordon if the GPU
-        node still serves, and forget it."""
+        tower job it asked for to its end, then leave things as a finished
+        operation would. A handoff that gave the VM its cards keeps its
+        session (the cards go back when the VM stops); one that did not is
+        settled as a failed handoff (the cards go back if GPU Handoff stopped
+        the GPU node); anything else lifts our own cordon if the GPU node
+        still serves."""
         async with self._lock:
-            try:
-                await self.runner.finish_job()
-            except Exception as err:  # noqa: BLE001 - logged; nothing to resume
-                _LOGGER.warning("The abandoned operation's job failed: %s", err)
-            await self.runner.uncordon_if_serving()
-            self.pending = None
+            pending = self.pending or {}
+            vm, kind = str(pending.get("vm")), pending.get("kind")
+            settle = pending.get("settle")
+            err: Exception | None = None
+            if settle is None:
+                try:
+                    await self.runner.finish_job()
+                except Exception as failed:  # noqa: BLE001 - settled below
+                    err = failed
+                    _LOGGER.warning("The abandoned operation's job failed: %s", err)
+            follow_up = False
+            if kind == "handoff":
+                await self.coordinator.async_refresh()
+                domain = self.coordinator.data.tower.domains.get(vm)
+                if err is None and domain is not None and domain.state == RUNNING:
+                    self.desired.add(vm)
+                else:
+                    self.desired.discard(vm)
+                    follow_up = await self._settle(vm, settle, err)
+            else:
+                await self.runner.uncordon_if_serving()
+            gpu = self.coordinator.data.tower.gpu_node
+            self.pending = (
+                {"vm": gpu, "kind": "return", "job": None} if follow_up else None
+            )
             await self._save()
+            if follow_up:
+                await self._follow_up_return()
+                self.coordinator.async_update_listeners()
+
+    async def _follow_up_return(self) -> None:
+        """The cards go back after an operation that left the GPU node off
+        (GPU Handoff stopped it), as a return of its own, stored before that
+        operation ended (so a restart resumes it). The lock is held."""
+        gpu = self.coordinator.data.tower.gpu_node
+        self.requests.setdefault(gpu, "return")
+        self._returning = True
+        try:
+            await self._operate(gpu, "return", resume=True)
+        finally:
+            self._returning = False
+            if self.requests.get(gpu) == "return":
+                del self.requests[gpu]
 
     async def _failed(self, vm: str, kind: str, err: Exception) -> None:
         """Report a failure every way a user may look: the event (automations,
@@ -672,6 +765,8 @@ class HandoffController:
             _LOGGER.error("The %s of %s failed unexpectedly", kind, vm, exc_info=err)
         if isinstance(err, UnmanagedPodsError):
             code = ISSUE_UNMANAGED_PODS
+            if kind == "return":
+                self.lend_refused = err.pods
         self.last_error[vm] = message
         self._fire(EVENT_HANDOFF_FAILED, vm, kind=kind, error=message, code=code)
         name = self._device_name(vm)

@@ -427,11 +427,13 @@ class TowerStatus:
         )
 
     def job_for(self, domain: str) -> Job | None:
-        """The active job acting on ``domain`` (a stop, start, handoff or release)."""
+        """The active job acting on ``domain``: a stop or start of it, or for
+        the GPU node a handoff, a release or a lend (which name no GPU node
+        but stop or start it)."""
         for job in self.active_jobs:
             if domain in job.domains or (
                 domain == self.gpu_node
-                and job.kind in (JobKind.HANDOFF, JobKind.RELEASE)
+                and job.kind in (JobKind.HANDOFF, JobKind.RELEASE, JobKind.LEND)
             ):
                 return job
         return None
@@ -463,6 +465,11 @@ def parse_status(data: Any, *, strict: bool = False) -> TowerStatus:
 
 
 # --- jobs -------------------------------------------------------------------------------
+
+
+# The details of a step that succeeded with nothing to do (the agent's
+# step_start and step_start_free: the domain was running already).
+NOTHING_DONE: Final = frozenset({"already running"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -498,6 +505,17 @@ class JobRecord:
     job: Job
     steps: tuple[JobStep, ...]
     step_index: int | None = None
+
+    def did(self, step: StepName, domain: str) -> bool:
+        """Whether the job ran ``step`` on ``domain`` to success: a step it
+        skipped (the domain was shut off or running already) did nothing."""
+        return any(
+            s.name is step
+            and s.domain == domain
+            and s.result == "ok"
+            and s.detail not in NOTHING_DONE
+            for s in self.steps
+        )
 
     @property
     def current(self) -> JobStep | None:

@@ -80,6 +80,7 @@ class JobFailedError(Exception):
         error = record.job.error
         super().__init__(error.message if error else "the tower job failed")
         self.code = error.code if error else "job_failed"
+        self.record = record
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +91,9 @@ class PendingJob:
     domain: str | None
     request_id: str
     job_id: str | None = None
+    # The GPU node's bootID when a job that may start it was asked for: the
+    # node is back only when a later boot posts Ready.
+    boot_id: str | None = None
 
     def as_dict(self) -> dict[str, str | None]:
         """For storage."""
@@ -98,6 +102,7 @@ class PendingJob:
             "domain": self.domain,
             "request_id": self.request_id,
             "job_id": self.job_id,
+            "boot_id": self.boot_id,
         }
 
     @classmethod
@@ -111,9 +116,30 @@ class PendingJob:
                 domain=data.get("domain"),
                 request_id=str(data["request_id"]),
                 job_id=data.get("job_id"),
+                boot_id=data.get("boot_id"),
             )
         except KeyError, ValueError:
             return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DoneJob:
+    """A tower job followed to its end, and the GPU node's bootID before it."""
+
+    record: JobRecord
+    boot_before: str | None
+
+    def booted(self, gpu_node: str) -> str | None:
+        """The boot that no longer counts when the job started the GPU node
+        (None when it did not, or the bootID was not known)."""
+        started = self.record.did(StepName.START, gpu_node) or self.record.did(
+            StepName.START_FREE, gpu_node
+        )
+        return self.boot_before if started else None
+
+
+# Jobs that may start the GPU node.
+STARTS_GPU_NODE: Final = frozenset({JobKind.RELEASE, JobKind.LEND})
 
 
 def new_request_id() -> str:
@@ -218,6 +244,26 @@ def cards_in_play(status: TowerStatus) -> bool:
     )
 
 
+def can_run(status: TowerStatus, settings: Settings) -> bool:
+    """Whether the GPU node can run now: with every card of its definition,
+    or, lending, with the free ones (at least one)."""
+    if settings.lend_free:
+        return bool(free_cards(status))
+    return not cards_in_play(status)
+
+
+def serves_free_cards(status: TowerStatus) -> bool:
+    """Whether the GPU node runs with exactly the cards nobody plays with
+    (lending at rest), or is off with none free."""
+    gpu = status.domains.get(status.gpu_node)
+    if gpu is None:
+        return True
+    free = free_cards(status)
+    if gpu.state != RUNNING:
+        return not free
+    return {card_of(address) for address in gpu.cards} == free
+
+
 async def lift_own_cordon_if_serving(
     tower: TowerClient, cluster: ClusterClient, k8s_node: str
 ) -> bool:
@@ -283,25 +329,35 @@ class OperationRunner:
             self._host.phase(PHASE_STOPPING)
         await self._job(JobKind.HANDOFF if node_holds else JobKind.START, vm)
 
-    async def settle_failed_handoff(self, stopped_by_us: bool) -> bool:
+    async def settle_failed_handoff(
+        self, stopped_by_us: bool, settings: Settings, hook_job: str | None = None
+    ) -> bool:
         """After a failed handoff: leave the GPU node serving or say it must be
         started again. True when the cards must go back to the cluster (a
         return follows).
 
-        A stop of the GPU node that libvirt's hook started (a gaming VM
-        started by hand) is followed to its end first: GPU Handoff stopped the
-        GPU node then, so GPU Handoff starts it again when the gaming VM does
-        not run. A GPU node that still runs is uncordoned (our own cordon
-        only). A GPU node shut down by someone else stays as it is, and so
-        does one whose cards a running gaming VM holds.
+        ``stopped_by_us``: the handoff's own job shut the GPU node down (its
+        record says so: a shutdown step skipped because the GPU node was off
+        already did nothing). A stop of the GPU node that libvirt's hook
+        started for a gaming VM started by hand (``hook_job``; or, for an
+        operation stored before hook jobs were, any hook job running now) is
+        followed to its end and counts when it shut the GPU node down. A GPU
+        node that still runs is uncordoned (our own cordon only). A GPU node
+        shut down by someone else stays as it is, and so does one that
+        cannot run now: every card a running gaming VM holds (lending: it
+        runs with the free ones).
         """
         try:
             status = await self.tower.status()
-            job = status.job_for(self.gpu_node)
-            if job is not None and job.requested_by == REQUESTED_BY_HOOK:
-                record = await self._follow(job.id)
-                if record.job.state is JobState.SUCCEEDED:
-                    stopped_by_us = True
+            if hook_job is None:
+                job = status.job_for(self.gpu_node)
+                if job is not None and job.requested_by == REQUESTED_BY_HOOK:
+                    hook_job = job.id
+            if hook_job is not None:
+                record = await self._follow(hook_job)
+                stopped_by_us = stopped_by_us or record.did(
+                    StepName.SHUTDOWN, self.gpu_node
+                )
                 status = await self.tower.status()
             gpu = status.domains.get(self.gpu_node)
             if gpu is not None and gpu.state == RUNNING:
@@ -312,7 +368,7 @@ class OperationRunner:
                 and gpu is not None
                 and gpu.state == SHUT_OFF
                 and status.job_for(self.gpu_node) is None
-                and not cards_in_play(status)
+                and can_run(status, settings)
             )
         except (TowerConnectionError, AgentCommandError, ClusterError) as err:
             # The tower cannot tell: when GPU Handoff may have stopped the GPU
@@ -342,10 +398,10 @@ class OperationRunner:
         pending = self._host.pending_job
         if pending is not None:
             # Resume the job the stored operation asked for.
-            await self._job(pending.kind, pending.domain)
+            done = await self._job(pending.kind, pending.domain)
             if pending.kind is not JobKind.RELEASE:
                 return await self._return_if_nobody_plays(settings)
-            await self._node_back()
+            await self._node_back(done)
             return True
         status = await self.tower.status()
         others = [
@@ -364,8 +420,7 @@ class OperationRunner:
         # The return begins now (the Handoff state goes to `starting` and
         # only forward from there, whatever the snapshot lags behind).
         self._host.phase(PHASE_RETURNING)
-        await self._job(JobKind.RELEASE, vm)
-        await self._node_back()
+        await self._node_back(await self._job(JobKind.RELEASE, vm))
         return True
 
     async def _return_if_nobody_plays(self, settings: Settings) -> bool:
@@ -385,8 +440,7 @@ class OperationRunner:
         if gpu is None or gpu.state != SHUT_OFF or playing:
             return False
         self._host.phase(PHASE_RETURNING)
-        await self._job(JobKind.RELEASE, None)
-        await self._node_back()
+        await self._node_back(await self._job(JobKind.RELEASE, None))
         return True
 
     async def return_cards(self, settings: Settings) -> bool:
@@ -395,35 +449,38 @@ class OperationRunner:
         with (none free: it stays off). True when the cluster has cards back."""
         self._host.phase(PHASE_RETURNING)
         pending = self._host.pending_job
+        done: DoneJob | None = None
         if pending is None and settings.lend_free:
-            if not await self._lend(settings):
+            lent, done = await self._lend(settings)
+            if not lent:
                 return False
         else:
             status = await self.tower.status()
             gpu = status.domains[status.gpu_node]
             if pending is not None or gpu.state != RUNNING:
-                await self._job(JobKind.RELEASE, None)
-        await self._node_back()
+                done = await self._job(JobKind.RELEASE, None)
+        await self._node_back(done)
         return True
 
-    async def _lend(self, settings: Settings) -> bool:
+    async def _lend(self, settings: Settings) -> tuple[bool, DoneJob | None]:
         """Have the GPU node run with every free card: as it is if it does
         already; else drained, stopped through its guest agent and started
         again with them (a live-only definition on the tower: its persistent
-        one never changes). False when no card is free (it stays off)."""
+        one never changes). False when no card is free (it stays off); the
+        lend job, when one ran."""
         status = await self.tower.status()
         gpu = status.domains[status.gpu_node]
         free = free_cards(status)
         if gpu.state == RUNNING:
             if {card_of(address) for address in gpu.cards} >= free:
-                return True
+                return True, None
             await self._drain("lending the cards nobody plays with", settings)
             self._host.phase(PHASE_RETURNING)
         elif not free:
-            return False
+            return False, None
         self._check_agent_lends()
-        await self._job(JobKind.LEND, None)
-        return bool(free)
+        done = await self._job(JobKind.LEND, None)
+        return bool(free), done
 
     def _check_agent_lends(self) -> None:
         """An agent older than lending (0.3.0) has no `lend`: say so before
@@ -447,7 +504,7 @@ class OperationRunner:
         if pending is not None:
             await self._job(pending.kind, pending.domain)
 
-    async def _node_back(self) -> None:
+    async def _node_back(self, done: DoneJob | None) -> None:
         """Wait until the GPU node's Kubernetes node is Ready and advertises
         the GPUs the GPU node holds, then lift our own cordon (a drain's
         cordon survives the node's reboot); an operator's cordon stays.
@@ -457,12 +514,20 @@ class OperationRunner:
         wait is bounded (health.GPUS_BOUND); a node still short then is given
         back all the same (it runs other pods), and ``returned_unhealthy``
         says the cluster did not get its cards back.
+
+        After a job that started the GPU node (``done``), only a Ready from a
+        later boot counts: the node keeps the Ready its old kubelet posted
+        until kube-controller-manager's node monitor grace period ends (the
+        kubelet of a VM shut down posts nothing), and so do its GPUs.
         """
         self.returned_unhealthy = None
         self._host.phase(PHASE_RETURNING)
         self._host.step("waiting_for_node")
+        old_boot = done.booted(self.gpu_node) if done is not None else None
         try:
-            view = await self.cluster.wait_ready(self.k8s_node, NODE_READY_TIMEOUT)
+            view = await self.cluster.wait_ready(
+                self.k8s_node, NODE_READY_TIMEOUT, not_boot=old_boot
+            )
         except TimeoutError as err:
             raise RunnerError(
                 "node_not_ready",
@@ -479,7 +544,7 @@ class OperationRunner:
         if view.gpu_allocatable < expected:
             try:
                 view = await self.cluster.wait_gpus(
-                    self.k8s_node, expected, health.GPUS_BOUND
+                    self.k8s_node, expected, health.GPUS_BOUND, not_boot=old_boot
                 )
             except TimeoutError:
                 with contextlib.suppress(ClusterError):
@@ -512,13 +577,18 @@ class OperationRunner:
 
     # --- tower jobs ----------------------------------------------------------
 
-    async def _job(self, kind: JobKind, domain: str | None) -> JobRecord:
+    async def _job(self, kind: JobKind, domain: str | None) -> DoneJob:
         """Ask for a tower job of ``kind`` (or pick up the one the stored
         operation asked for, whatever its kind) and follow it to its end; its
         steps show as the operation's."""
         pending = self._host.pending_job
         if pending is None:
-            pending = PendingJob(kind=kind, domain=domain, request_id=new_request_id())
+            pending = PendingJob(
+                kind=kind,
+                domain=domain,
+                request_id=new_request_id(),
+                boot_id=await self._boot_id() if kind in STARTS_GPU_NODE else None,
+            )
             await self._host.save_job(pending)  # stored before it is sent
         job_id = pending.job_id
         if job_id is None:
@@ -531,7 +601,16 @@ class OperationRunner:
         # What the job did, shown before the next step (a push may lag it).
         with contextlib.suppress(TowerConnectionError, AgentCommandError):
             self._host.show_tower(await self.tower.status())
-        return record
+        return DoneJob(record=record, boot_before=pending.boot_id)
+
+    async def _boot_id(self) -> str | None:
+        """The GPU node's bootID now (None when the cluster cannot say: then
+        any Ready counts, as before bootIDs were read)."""
+        try:
+            return (await self.cluster.node_view(self.k8s_node)).boot_id
+        except ClusterError as err:
+            _LOGGER.warning("Could not read %s's bootID: %s", self.k8s_node, err)
+            return None
 
     async def _submit(self, pending: PendingJob) -> str:
         """The job id for ``pending``'s request id: asked for, or, after a reply

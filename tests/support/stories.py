@@ -16,6 +16,7 @@ from homeassistant.config_entries import ConfigEntryState
 from homeassistant.core import HomeAssistant
 from pytest_homeassistant_custom_component.common import MockConfigEntry
 
+from custom_components.gpu_handoff.const import CONF_DOMAIN_NAME
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.testdriver import AGENT
 from tests.towersim import Tower
@@ -97,3 +98,23 @@ def libvirt_hook(sim: Tower, agent_config: Path, vm: str) -> None:
         check=False,
     )
     assert hook.returncode == 0
+
+
+def lent_cards(sim: Tower) -> set[str] | None:
+    """The cards the GPU node runs with (None while it is off)."""
+    functions = sim.live_hostdevs("gpu-node")
+    if functions is None:
+        return None
+    return {address.rsplit(".", 1)[0] for address in functions}
+
+
+async def remove_gaming_vm(
+    hass: HomeAssistant, entry: MockConfigEntry, vm: str
+) -> None:
+    """Remove ``vm``'s subentry (the entry reloads) and wait until loaded."""
+    subentry = next(
+        sub for sub in entry.subentries.values() if sub.data[CONF_DOMAIN_NAME] == vm
+    )
+    assert hass.config_entries.async_remove_subentry(entry, subentry.subentry_id)
+    await hass.async_block_till_done()
+    await until(lambda: entry.state is ConfigEntryState.LOADED)

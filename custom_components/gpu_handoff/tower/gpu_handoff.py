@@ -52,7 +52,7 @@ import zlib
 # --- protocol: the Home Assistant side imports these ---------------------------
 
 PROTOCOL = 2
-VERSION = "0.3.0"
+VERSION = "0.3.1"
 
 ERR_BAD_REQUEST = "bad_request"
 ERR_NOT_ALLOWED = "not_allowed"

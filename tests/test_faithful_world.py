@@ -1,0 +1,456 @@
+"""The moments a kind rig never drew, each a story that failed before its fix.
+
+libvirtd runs the qemu hook on every start and stop, the agent's own too
+(tests/towersim/test_hook_lifecycle.py); a start can fail after the hook ran;
+a node whose VM stopped keeps its last Ready until the node monitor grace
+period ends, each boot posts a new bootID, and the GPUs come back after the
+device plugin registers (tests/k8semu/test_node_lifecycle.py). Against that
+world:
+
+1. the agent's own start of a gaming VM is never a request: a handoff that
+   fails after the hook ran is not asked for again, and a VM turned off during
+   a lending restart stays off;
+2. the cards are "back" only when the new boot posted Ready (and its GPUs);
+3. lending: the free cards go back after a failed handoff while another
+   player plays, and when one of two players quits from inside;
+4. a stop the job skipped (the operator had shut the GPU node down) is not
+   counted as GPU Handoff's;
+5. a gaming VM removed while its tower job runs is settled as a failed
+   handoff (the cards go back);
+6. lend jobs are seen as jobs on the GPU node;
+7. a refused lend stays reported and is tried again when its pods are gone;
+   turning on a VM that plays is a no-op.
+
+Real parts: sshd forcing the real agent (libvirtd's live hook of the
+simulated tower), the tower simulator, the Kubernetes emulator with the
+kubelet stand-in.
+"""
+
+from __future__ import annotations
+
+from homeassistant.core import Event, HomeAssistant, callback
+from homeassistant.helpers import issue_registry as ir
+import pytest
+from pytest_homeassistant_custom_component.common import (
+    MockConfigEntry,
+    async_capture_events,
+)
+
+from custom_components.gpu_handoff.const import (
+    CONF_DRAIN_TIMEOUT,
+    CONF_LEND_FREE_CARDS,
+    DOMAIN,
+    EVENT_CARDS_RETURNED,
+    EVENT_HANDOFF_FAILED,
+    EVENT_HANDOFF_STARTED,
+)
+from custom_components.gpu_handoff.protocol import JobKind
+from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.support.kubelet import Kubelet
+from tests.support.stories import (
+    HANDOFF,
+    SWITCH_1,
+    SWITCH_2,
+    cordoned,
+    idle,
+    lent_cards,
+    play,
+    remove_gaming_vm,
+    setup_entry,
+    switch,
+    until,
+)
+from tests.towersim import Tower
+
+GTX_960 = "0000:01:00"
+RTX_1 = "0000:03:00"  # Gaming station 1's
+RTX_2 = "0000:04:00"  # Gaming station 2's
+BOUND = 60.0
+
+
+def _handoffs(events: list[Event], vm: str) -> int:
+    return sum(1 for e in events if e.data["kind"] == "handoff" and e.data["vm"] == vm)
+
+
+async def _settled(hass: HomeAssistant, entry: MockConfigEntry) -> None:
+    """Idle, and still idle after the tower and the cluster were read again
+    (whatever a fresh snapshot would start has started and ended)."""
+    controller = entry.runtime_data.controller
+    for _ in range(3):
+        await until(lambda: idle(entry) and not controller.requests, BOUND)
+        await entry.runtime_data.coordinator.async_refresh()
+        await hass.async_block_till_done()
+
+
+async def _lend(hass: HomeAssistant, entry: MockConfigEntry) -> None:
+    hass.config_entries.async_update_entry(
+        entry, options=entry.options | {CONF_LEND_FREE_CARDS: True}
+    )
+    await setup_entry(hass, entry)
+
+
+# --- 1. the agent's own start is never a request --------------------------------
+
+
+async def test_a_start_that_fails_after_the_hook_is_not_asked_for_again(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Gaming station 1's start fails after libvirtd ran the hook (a VFIO
+    error). The cards go back once; nothing hands off again by itself (the
+    hook's record of the agent's own start once looked like a start by hand:
+    drain, stop, failed start, return, forever)."""
+    await setup_entry(hass, entry)
+    started = async_capture_events(hass, EVENT_HANDOFF_STARTED)
+    failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
+    returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
+    sim.fail_next_start("gaming-1", "vfio")
+
+    await switch(hass, "turn_on", SWITCH_1)
+    await until(lambda: bool(returned), BOUND)
+    await _settled(hass, entry)
+
+    assert [e.data["code"] for e in failed] == ["start_failed"]
+    assert _handoffs(started, "gaming-1") == 1
+    assert len(sim.calls("start", "gaming-1")) == 1
+    assert entry.runtime_data.coordinator.data.tower.hook_requests == ()
+    assert len(returned) == 1
+    assert sim.is_running("gpu-node")
+    assert not sim.is_running("gaming-1")
+    assert hass.states.get(SWITCH_1).state == "off"
+    await until(lambda: not cordoned(cluster))
+
+
+async def test_a_vm_turned_off_during_a_lending_restart_stays_off(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Lending: Gaming station 1 plays, the GPU node restarts with the free
+    cards, and the player turns the VM off meanwhile. It stays off."""
+    await _lend(hass, entry)
+    controller = entry.runtime_data.controller
+    started = async_capture_events(hass, EVENT_HANDOFF_STARTED)
+
+    await switch(hass, "turn_on", SWITCH_1)
+    await until(lambda: sim.is_running("gaming-1"), BOUND)
+    await until(
+        lambda: (
+            controller.operation is not None and controller.operation.kind == "return"
+        ),
+        BOUND,
+    )
+    await switch(hass, "turn_off", SWITCH_1)
+    await until(lambda: not sim.is_running("gaming-1"), BOUND)
+    await _settled(hass, entry)
+
+    assert not sim.is_running("gaming-1")
+    assert _handoffs(started, "gaming-1") == 1
+    assert len(sim.calls("start", "gaming-1")) == 1
+    assert lent_cards(sim) == {GTX_960, RTX_1, RTX_2}
+    assert hass.states.get(SWITCH_1).state == "off"
+
+
+# --- 3. lending: the free cards go back --------------------------------------------
+
+
+async def test_lending_a_failed_second_handoff_gives_the_free_cards_back(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Gaming station 1 plays, the GPU node serves the two free cards.
+    Gaming station 2's handoff stops the GPU node and its start fails: the
+    GPU node comes back with the free cards (the shut-off GPU node's
+    definition still lists Gaming station 1's card; that card is in play,
+    the other two are free)."""
+    await _lend(hass, entry)
+    await play(hass, entry, sim, 1)
+    await until(lambda: lent_cards(sim) == {GTX_960, RTX_2}, BOUND)
+    await _settled(hass, entry)
+    failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
+    sim.fail_next_start("gaming-2", "disk")
+
+    await switch(hass, "turn_on", SWITCH_2)
+    await until(lambda: bool(failed), BOUND)
+    await until(lambda: lent_cards(sim) == {GTX_960, RTX_2}, BOUND)
+    await _settled(hass, entry)
+
+    assert sim.is_running("gaming-1")
+    assert not sim.is_running("gaming-2")
+    assert lent_cards(sim) == {GTX_960, RTX_2}
+    await until(lambda: not cordoned(cluster))
+
+
+async def test_lending_a_player_quitting_from_inside_frees_their_card(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Both play; the GPU node serves the GTX 960. Gaming station 2's player
+    shuts the game down from inside: the GPU node takes the freed RTX too,
+    while Gaming station 1 plays on."""
+    await _lend(hass, entry)
+    await play(hass, entry, sim, 1)
+    await play(hass, entry, sim, 2)
+    await until(lambda: lent_cards(sim) == {GTX_960}, BOUND)
+    await _settled(hass, entry)
+
+    sim.guest_shutdown("gaming-2")
+    await until(lambda: not sim.is_running("gaming-2"), BOUND)
+    await entry.runtime_data.coordinator.async_refresh()
+    await until(lambda: lent_cards(sim) == {GTX_960, RTX_2}, BOUND)
+    await _settled(hass, entry)
+
+    assert sim.is_running("gaming-1")
+    assert lent_cards(sim) == {GTX_960, RTX_2}
+    await until(lambda: not cordoned(cluster))
+
+
+# --- 4. a stop that did nothing is not ours -------------------------------------------
+
+
+async def test_a_gpu_node_the_operator_stopped_mid_drain_stays_off(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+) -> None:
+    """The drain waits on a PodDisruptionBudget; meanwhile the operator shuts
+    the GPU node down. The job's guest-agent step finds it off and skips the
+    stop; Gaming station 1's start then fails. GPU Handoff did not stop the
+    GPU node, so it does not start it."""
+    hass.config_entries.async_update_entry(
+        entry, options=entry.options | {CONF_DRAIN_TIMEOUT: 60}
+    )
+    await setup_entry(hass, entry)
+    controller = entry.runtime_data.controller
+    failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
+    sim.fail_next_start("gaming-1", "vfio")
+
+    await switch(hass, "turn_on", SWITCH_1)
+    await until(lambda: controller.drain is not None, BOUND)  # the PDB holds it
+    sim.guest_shutdown("gpu-node")
+    await until(lambda: not sim.is_running("gpu-node"), BOUND)
+    # The operator also removes what ran there (kubectl delete --force: a
+    # pod on a node that is down never finishes terminating by itself).
+    for pod in cluster.list_objects("Pod", "ai"):
+        cluster.delete("Pod", pod["metadata"]["name"], "ai")
+    await until(lambda: bool(failed), BOUND)
+    await _settled(hass, entry)
+
+    assert [e.data["code"] for e in failed] == ["start_failed"]
+    assert not sim.is_running("gpu-node")
+    assert sim.calls("start", "gpu-node") == []
+    assert sim.calls("shutdown", "gpu-node") == []
+
+
+# --- 5. a gaming VM removed while its job runs -------------------------------------------
+
+
+async def test_a_vm_removed_while_its_job_stops_the_gpu_node_gives_the_cards_back(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Gaming station 1 is removed from GPU Handoff while its tower job stops
+    the GPU node; its start then fails. The job stopped the GPU node, so the
+    cards go back to the cluster."""
+    sim.set_shutdown_duration("gpu-node", 300.0)  # 3 s at the tests' scale
+    await setup_entry(hass, entry)
+    controller = entry.runtime_data.controller
+    sim.fail_next_start("gaming-1", "vfio")
+
+    await switch(hass, "turn_on", SWITCH_1)
+    await until(lambda: bool(sim.calls("shutdown", "gpu-node")), BOUND)
+    await remove_gaming_vm(hass, entry, "gaming-1")
+    controller = entry.runtime_data.controller
+    await until(lambda: sim.is_running("gpu-node"), BOUND)
+    await _settled(hass, entry)
+
+    assert not sim.is_running("gaming-1")
+    assert sim.is_running("gpu-node")
+    await until(lambda: not cordoned(cluster))
+    assert controller.desired == set()
+
+
+async def test_a_vm_removed_while_it_plays_returns_the_cards_when_it_stops(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Gaming station 1 plays and is then removed from GPU Handoff: its
+    session goes on, and when its player shuts it down the cards go back."""
+    await setup_entry(hass, entry)
+    await play(hass, entry, sim, 1)
+    await remove_gaming_vm(hass, entry, "gaming-1")
+    returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
+
+    sim.guest_shutdown("gaming-1")
+    await until(lambda: not sim.is_running("gaming-1"), BOUND)
+    await entry.runtime_data.coordinator.async_refresh()
+    await until(lambda: bool(returned), BOUND)
+    await _settled(hass, entry)
+    assert sim.is_running("gpu-node")
+    await until(lambda: not cordoned(cluster))
+
+
+# --- 6. lend jobs are jobs on the GPU node ---------------------------------------------
+
+
+async def test_a_lend_job_shows_on_the_gpu_node(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """While the lend job restarts the GPU node, the GPU node's job attribute
+    says so, and the leftover-cordon net (which must not lift the cordon
+    while a job may stop the GPU node) sees it."""
+    sim.set_shutdown_duration("gpu-node", 200.0)
+    await _lend(hass, entry)
+    coordinator = entry.runtime_data.coordinator
+    jobs: list[str] = []
+
+    @callback
+    def look() -> None:
+        status = coordinator.data.tower
+        job = status.job_for(status.gpu_node)
+        if job is not None:
+            jobs.append(job.kind.value)
+
+    entry.async_on_unload(coordinator.async_add_listener(look))
+    attributes: list[str] = []
+
+    @callback
+    def seen(event: Event) -> None:
+        state = event.data.get("new_state")
+        if state is not None and state.entity_id == HANDOFF:
+            attributes.append(state.attributes.get("job"))
+
+    entry.async_on_unload(hass.bus.async_listen("state_changed", seen))
+    await play(hass, entry, sim, 1)
+    await until(lambda: lent_cards(sim) == {GTX_960, RTX_2}, BOUND)
+    await _settled(hass, entry)
+    assert JobKind.LEND.value in jobs
+    assert JobKind.LEND.value in attributes
+
+
+# --- 7. a refused lend -------------------------------------------------------------------
+
+
+async def test_a_refused_lend_is_reported_and_tried_again_when_its_pod_is_gone(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Both play with lending on. A pod nothing recreates lands on the GPU
+    node; Gaming station 1 stops and the lend of its card is refused
+    (reported). Turning on Gaming station 2, which plays, changes nothing and
+    hides nothing. Once the pod is deleted the lend is tried again."""
+    await _lend(hass, entry)
+    await play(hass, entry, sim, 1)
+    await play(hass, entry, sim, 2)
+    await until(lambda: lent_cards(sim) == {GTX_960}, BOUND)
+    await _settled(hass, entry)
+    started = async_capture_events(hass, EVENT_HANDOFF_STARTED)
+    failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
+    cluster.add_pod("debug", node=GPU_NODE)  # no controller: kubectl refuses
+    issue_id = f"unmanaged_pods_{entry.entry_id}"
+
+    await switch(hass, "turn_off", SWITCH_1)
+    await until(lambda: bool(failed), BOUND)
+    await _settled(hass, entry)
+    assert [e.data["code"] for e in failed] == ["unmanaged_pods"]
+    assert ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is not None
+    assert lent_cards(sim) == {GTX_960}
+
+    await switch(hass, "turn_on", SWITCH_2)  # plays already
+    await _settled(hass, entry)
+    assert _handoffs(started, "gaming-2") == 0
+    assert ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is not None
+    assert len(failed) == 1
+
+    cluster.delete("Pod", "debug", "default")
+    await entry.runtime_data.coordinator.async_refresh()
+    await until(lambda: lent_cards(sim) == {GTX_960, RTX_1}, BOUND)
+    await _settled(hass, entry)
+    assert sim.is_running("gaming-2")
+    assert ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is None
+    await until(lambda: not cordoned(cluster))
+
+
+# --- 2. back means Ready from the new boot -----------------------------------------------
+
+
+def _boot_and_gpus(cluster: K8sEmulator) -> tuple[str, str, int]:
+    node = cluster.get("Node", GPU_NODE, "")
+    ready = next(c for c in node["status"]["conditions"] if c["type"] == "Ready")
+    return (
+        node["status"]["nodeInfo"]["bootID"],
+        ready["status"],
+        int(node["status"]["allocatable"].get("nvidia.com/gpu", 0)),
+    )
+
+
+@pytest.mark.parametrize("lend", [False, True], ids=["return", "lending_restart"])
+async def test_cards_are_back_only_when_the_new_boot_is_ready(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    kubelet: Kubelet,
+    no_pdb: None,
+    lend: bool,
+) -> None:
+    """The GPU node is stopped and started again (a player's session ends;
+    lending: it restarts with the free cards at once). Its node still shows
+    the old boot's Ready and GPUs until the new kubelet posts, seconds later
+    (the grace period is longer than that). GPU Handoff reports the cards back
+    and lifts its cordon only once the new boot is Ready with its GPUs."""
+    cluster.node_monitor_grace_period = 30.0  # never Unknown in this story
+    kubelet.boot_delay = 1.0
+    kubelet.plugin_delay = 0.5
+    if lend:
+        await _lend(hass, entry)
+    else:
+        await setup_entry(hass, entry)
+    seen: list[tuple[tuple[str, str, int], bool]] = []
+
+    @callback
+    def returned(event: Event) -> None:
+        seen.append((_boot_and_gpus(cluster), cordoned(cluster)))
+
+    entry.async_on_unload(hass.bus.async_listen(EVENT_CARDS_RETURNED, returned))
+    boots = len(kubelet.boot_ids)
+    if lend:
+        await switch(hass, "turn_on", SWITCH_1)
+    else:
+        await play(hass, entry, sim, 1)
+        await switch(hass, "turn_off", SWITCH_1)
+    await until(lambda: bool(seen), BOUND)
+    await _settled(hass, entry)
+
+    assert len(kubelet.boot_ids) == boots + 1  # the GPU node booted once
+    (boot, ready, gpus), still_cordoned = seen[0]
+    assert boot == kubelet.boot_ids[-1]
+    assert ready == "True"
+    assert gpus == (2 if lend else 3)
+    assert not still_cordoned
+    assert hass.states.get(HANDOFF).state == "serving"
