@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from custom_components.gpu_handoff.models import Snapshot
 from custom_components.gpu_handoff.protocol import (
     PROTOCOL,
     Hello,
@@ -29,6 +30,7 @@ from custom_components.gpu_handoff.protocol import (
     parse_version,
 )
 from custom_components.gpu_handoff.runner import PendingJob
+from custom_components.gpu_handoff.sensor import gpu_node_state
 
 
 def _status(**changes: Any) -> dict[str, Any]:
@@ -266,3 +268,29 @@ def test_what_a_job_did_is_read_from_its_steps(
         or record.did(StepName.START_FREE, "gpu-node")
     ) is started
     assert not record.did(StepName.SHUTDOWN, "gaming-1")
+
+
+@pytest.mark.parametrize(
+    ("vm_state", "step", "expected"),
+    [
+        ("running", "wait_agent", "stopping"),
+        ("running", "shutdown", "stopping"),
+        ("shut_off", "wait_shut_off", "starting"),
+        ("shut_off", "start_free", "starting"),
+    ],
+)
+def test_a_lend_job_shows_in_the_handoff_state(
+    vm_state: str, step: str, expected: str
+) -> None:
+    """A lend job stops the GPU node and starts it with the free cards: the
+    Handoff state says so while no operation of this Home Assistant runs it
+    (after a restart, or an operation it abandoned)."""
+    summary = {
+        k: v
+        for k, v in _job(kind="lend", args={"domain": None}).items()
+        if k not in ("steps", "created_epoch", "started", "runner")
+    }
+    body = _status(active_jobs=[{**summary, "step": step}])
+    body["domains"][0]["state"] = vm_state
+    status = parse_status(body)
+    assert gpu_node_state(Snapshot(tower=status, node=None)) == expected

@@ -33,7 +33,7 @@ from .entity import (
     unique_names,
 )
 from .models import Snapshot
-from .protocol import RUNNING, TowerStatus
+from .protocol import RUNNING, JobKind, StepName, TowerStatus
 
 PARALLEL_UPDATES = 0
 
@@ -62,7 +62,11 @@ VM_STATES: Final = [
 HANDOFF_ORDER: Final = ("serving", "draining", "stopping", "off")
 RETURN_ORDER: Final = ("off", "starting", "joining", "serving")
 STOPPING_JOBS: Final = frozenset({"stop", "handoff"})
-STARTING_JOBS: Final = frozenset({"start", "release"})
+# A lend job stops the GPU node and starts it again with the free cards.
+STARTING_JOBS: Final = frozenset({"start", "release", "lend"})
+STOP_STEPS: Final = frozenset(
+    {StepName.WAIT_AGENT, StepName.SHUTDOWN, StepName.WAIT_SHUT_OFF}
+)
 
 
 def gpu_node_state(snapshot: Snapshot, phase: str | None = None) -> str:
@@ -83,7 +87,12 @@ def gpu_node_state(snapshot: Snapshot, phase: str | None = None) -> str:
         )
         return "starting" if starting else "off"
     if phase == PHASE_STOPPING or (
-        job is not None and job.kind in STOPPING_JOBS and job.state == "running"
+        job is not None
+        and job.state == "running"
+        and (
+            job.kind in STOPPING_JOBS
+            or (job.kind is JobKind.LEND and job.step in STOP_STEPS)
+        )
     ):
         return "stopping"
     if phase == PHASE_DRAINING:
