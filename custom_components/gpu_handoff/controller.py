@@ -529,7 +529,7 @@ class HandoffController:
         # requests, even when that one was a stop that failed (the requests
         # before it, merged into it, changed what is free).
         follow_up = follow_up or (
-            (succeeded or kind == "stop") and self._lends_after(kind)
+            (succeeded or kind == "stop") and self._lends_after(vm, kind)
         )
         self.pending = (
             {"vm": self.coordinator.data.tower.gpu_node, "kind": "return", "job": None}
@@ -564,16 +564,30 @@ class HandoffController:
             ir.async_delete_issue(self.hass, DOMAIN, self._unmanaged_issue_id)
         return True, follow_up
 
-    def _lends_after(self, kind: str) -> bool:
+    def _lends_after(self, vm: str, kind: str) -> bool:
         """Whether the free cards go back to the cluster after a handoff or a
         stop (lending): not while another request waits, whose own end does
-        it (two requests close together cost one GPU node restart)."""
+        it (two requests close together cost one GPU node restart). After a
+        handoff only when GPU Handoff stopped the GPU node for it (its job,
+        or libvirt's hook for a start by hand) or the GPU node runs: a GPU
+        node someone else shut down stays off (a stop is a session's end,
+        the edge the cards go back on)."""
         settings = self.settings
-        return (
+        if not (
             kind in ("handoff", "stop")
             and settings.lend_free
             and settings.auto_return
             and not self.requests
+        ):
+            return False
+        if kind == "stop":
+            return True
+        status = self.coordinator.data.tower
+        gpu = status.domains.get(status.gpu_node)
+        return (
+            self.runner.stopped_gpu_node
+            or vm in self._by_hook
+            or (gpu is not None and gpu.state == RUNNING)
         )
 
     async def _attempt(self, vm: str, kind: str) -> tuple[bool, bool, bool]:
@@ -712,16 +726,20 @@ class HandoffController:
                     err = failed
                     _LOGGER.warning("The abandoned operation's job failed: %s", err)
             follow_up = False
+            await self.coordinator.async_refresh()
             if kind == "handoff":
-                await self.coordinator.async_refresh()
                 domain = self.coordinator.data.tower.domains.get(vm)
                 if err is None and domain is not None and domain.state == RUNNING:
                     self.desired.add(vm)
+                    follow_up = self._lends_after(vm, kind)
                 else:
                     self.desired.discard(vm)
                     follow_up = await self._settle(vm, settle, err)
             else:
                 await self.runner.uncordon_if_serving()
+                # Lending: the stop freed the VM's cards (or, failed, was
+                # merged with requests that changed what is free).
+                follow_up = kind == "stop" and self._lends_after(vm, kind)
             gpu = self.coordinator.data.tower.gpu_node
             self.pending = (
                 {"vm": gpu, "kind": "return", "job": None} if follow_up else None
