@@ -19,9 +19,18 @@ request and 0-3 faults, each bound to a moment of the operation: ``before``
 the request is sent, while ``draining``, at ``job`` (the drain is done and the
 tower job's request id stored, the job not yet asked for), ``mid_job`` (the
 tower job runs) or at ``node_return`` (waiting for the GPU node's Kubernetes
-node). The same seed and cycle give the same request and the same faults at
-the same moments; a moment the operation never reaches leaves its fault
-unfired ("unreached" in the summary).
+node). The operator's shutdown of the GPU node always strikes while
+draining, a gaming VM's removal always while the tower job runs. The same seed
+and cycle give the same request and the same faults at the same moments; a
+moment the operation never reaches leaves its fault unfired ("unreached" in
+the summary), and a fault whose precondition does not hold at its moment
+(nobody else plays, the GPU node is off already) does nothing
+("inapplicable").
+
+A start by hand is ``virsh start`` on the tower: the simulator runs libvirt's
+qemu hook (the agent) as libvirtd does, and refuses the start while the GPU
+node holds the VM's cards. A gaming VM removed from GPU Handoff is added back
+(its subentry as it was) at the end of the cycle, before the next one.
 
 Invariants and how they are observed:
 
@@ -58,6 +67,41 @@ Invariants and how they are observed:
 - ``loop_blocked``: a task sleeping 10 ms at a time measures how late Home
   Assistant's event loop wakes it; the largest lag per cycle must stay under
   ``LAG_LIMIT`` (the harness itself does its blocking work in threads).
+- ``handoff_unasked``: no handoff without an ask. Every ``handoff_started``
+  event of kind handoff (the bus) and every start or create of a gaming VM
+  on the tower (the simulator's own record of each, with its time) must come
+  after a request of this cycle to turn that VM on was sent (a switch, the
+  ``start_handoff`` action, or the harness's own ``virsh start`` by hand).
+- ``returned_before_new_boot``, ``returned_while_off``: when a
+  ``cards_returned`` event fires, the harness reads the Node in the API
+  server's store at that instant: it must be Ready=True with a bootID other
+  than the one the store held just before the GPU node's VM last started
+  (the store's bootID history from the store listener; the start's time from
+  the simulator's replay of that instant), and that replay must show the VM
+  running.
+- ``cards_not_lent`` (lending on, someone plays): at idle at the end of a
+  cycle the GPU node serves exactly the free cards (the cards of its live
+  hostdevs equal the cards of its persistent definition minus those running
+  gaming VMs hold; none free: it is off), or a failure is on report (a
+  ``handoff_failed`` event this cycle, a ``last_error``, a repair issue of the
+  entry; one on report stays so until the GPU node serves the free cards
+  again, as a restart forgets ``last_error``), or the operator shut it down.
+- ``operator_stop_undone``: a GPU node the operator shut down (the
+  ``operator_stop`` fault) is not started by a tower job of GPU Handoff's (a
+  ``start`` or ``start_free`` step of the GPU node that started it, in the
+  agent's job records) until a request asks for the cards back: GPU Handoff
+  returns them on an edge, ``return_cards`` or a session it knows of ending
+  (a running gaming VM turned off, a player quitting from inside). Taken
+  conservatively: a start is not held against GPU Handoff when such a
+  request of the same cycle came before the shutdown (the operator stopped a
+  return under way), or when the GPU node accepted a shutdown of GPU
+  Handoff's own after the operator's (its job stopped it too). The operator
+  starts the GPU node again at the end of a cycle nobody plays in; while
+  someone plays it stays off, and a cycle that ends with it off and nobody
+  playing is no ``half_state``.
+
+Each violation carries the command that replays it with every option of the
+run (``--lend``; ``GPU_HANDOFF_CHAOS_LAG_LIMIT`` if not the default).
 """
 
 from __future__ import annotations
@@ -81,9 +125,10 @@ import subprocess
 import sys
 import time
 import traceback
+from types import MappingProxyType
 from typing import Any, Final
 
-from homeassistant.config_entries import ConfigEntryState
+from homeassistant.config_entries import ConfigEntryState, ConfigSubentry
 from homeassistant.core import Event, HomeAssistant, callback
 from homeassistant.exceptions import HomeAssistantError
 from homeassistant.helpers import issue_registry as ir
@@ -93,6 +138,7 @@ import yaml
 from custom_components.gpu_handoff.cluster_client import CORDON_ANNOTATION
 from custom_components.gpu_handoff.const import (
     CONF_AUTO_RETURN,
+    CONF_DOMAIN_NAME,
     CONF_DRAIN_TIMEOUT,
     CONF_KUBECONFIG,
     CONF_LEND_FREE_CARDS,
@@ -135,7 +181,10 @@ CORDON_NET_BOUND: Final = SCAN_INTERVAL + 10.0  # the safety net runs on the pol
 LEAK_GRACE: Final = 5.0
 SWITCH_GRACE: Final = 6.0  # the agent session's refresh (5 s) and a little
 ONE_SHOT_AGE: Final = 15.0  # a one-shot agent process older than this leaked
-LAG_LIMIT: Final = float(os.environ.get("GPU_HANDOFF_CHAOS_LAG_LIMIT", "0.5"))
+DEFAULT_LAG_LIMIT: Final = 0.5
+LAG_LIMIT: Final = float(
+    os.environ.get("GPU_HANDOFF_CHAOS_LAG_LIMIT", str(DEFAULT_LAG_LIMIT))
+)
 
 GPU: Final = "gpu-node"
 GAMING: Final = ("gaming-1", "gaming-2")
@@ -144,8 +193,9 @@ SWITCHES: Final = {vm: f"switch.gaming_station_{vm[-1]}" for vm in GAMING}
 # --- what a cycle may do ----------------------------------------------------------
 
 # Requests: a switch on or off, both players starting or quitting, a VM
-# started by hand on the tower, the return_cards action, the start_handoff
-# action (waiting for its answer).
+# started by hand on the tower (``virsh start``: libvirt runs the agent's
+# hook), the return_cards action, the start_handoff action (waiting for its
+# answer).
 REQUESTS: Final = (
     "on",
     "off",
@@ -175,7 +225,14 @@ FAULTS: Final = (
     "api_down",  # the API server unreachable for a while
     "operator_cordon",  # an operator places or removes a cordon
     "unmanaged_pod",  # a pod nothing recreates appears on the GPU node
+    "start_fails",  # a gaming VM's next start fails after the hook (disk, VFIO)
+    "player_quits",  # a player shuts their VM down from inside while another plays
+    "operator_stop",  # the operator shuts the GPU node down mid-drain
+    "vm_removed",  # a gaming VM's subentry removed while the tower job runs
 )
+# Faults bound to one moment whatever the request: the operator's shutdown
+# strikes while GPU Handoff drains, a removal while the tower job runs.
+FIXED_MOMENTS: Final = {"operator_stop": "draining", "vm_removed": "mid_job"}
 FAULT_COUNT_WEIGHTS: Final = (2, 4, 3, 2)  # 0, 1, 2 or 3 faults
 
 # Failures the user must act on get a repair issue (controller._failed).
@@ -268,7 +325,18 @@ def _fault(rng: random.Random, kind: str, moment: str, vm: str | None) -> Fault:
         params["seconds"] = round(rng.uniform(1.0, 6.0), 1)
     elif kind == "operator_cordon":
         params["action"] = rng.choice(("place", "remove"))
-    return Fault(kind, moment, tuple(sorted(params.items())))
+    elif kind == "start_fails":
+        params["target"] = vm or rng.choice(GAMING)
+        params["reason"] = rng.choice(("disk", "vfio"))
+    elif kind == "player_quits":
+        # The other player: the request's VM is the one that goes on (or
+        # is handed its cards meanwhile).
+        params["target"] = (
+            next(other for other in GAMING if other != vm) if vm else rng.choice(GAMING)
+        )
+    elif kind == "vm_removed":
+        params["target"] = vm or rng.choice(GAMING)
+    return Fault(kind, FIXED_MOMENTS.get(kind, moment), tuple(sorted(params.items())))
 
 
 def plan_cycle(seed: int, cycle: int) -> Plan:
@@ -286,6 +354,19 @@ def plan_cycle(seed: int, cycle: int) -> Plan:
 # --- results ------------------------------------------------------------------------
 
 
+def replay_command(seed: int, cycle: int, *, lend: bool = False) -> str:
+    """The command that replays cycles 1..``cycle`` of ``seed`` with every
+    option of the run (lending; a loop lag limit other than the default)."""
+    words = ["scripts/chaos"]
+    if lend:
+        words.append("--lend")
+    words += ["--cycles", str(cycle), "--seed", str(seed)]
+    limit = os.environ.get("GPU_HANDOFF_CHAOS_LAG_LIMIT")
+    if limit is not None and float(limit) != DEFAULT_LAG_LIMIT:
+        words.insert(0, f"GPU_HANDOFF_CHAOS_LAG_LIMIT={shlex.quote(limit)}")
+    return " ".join(words)
+
+
 @dataclass(frozen=True)
 class Violation:
     """An invariant that did not hold, and how to replay it."""
@@ -294,6 +375,7 @@ class Violation:
     cycle: int
     invariant: str
     detail: str
+    lend: bool = False
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -301,7 +383,7 @@ class Violation:
             "cycle": self.cycle,
             "invariant": self.invariant,
             "detail": self.detail,
-            "replay": f"scripts/chaos --cycles {self.cycle} --seed {self.seed}",
+            "replay": replay_command(self.seed, self.cycle, lend=self.lend),
         }
 
 
@@ -315,6 +397,8 @@ class Ask:
     status: str = "pending"  # accepted | refused | unavailable | cancelled | ...
     detail: str = ""
     response: Any = None
+    sent_at: float | None = None  # epoch seconds: when it was sent (None: never)
+    removed: bool = False  # its gaming VM was removed from GPU Handoff meanwhile
 
 
 @dataclass
@@ -324,6 +408,38 @@ class Seen:
     at: float
     type: str
     data: dict[str, Any]
+    epoch: float = 0.0
+
+
+@dataclass(frozen=True)
+class Returned:
+    """The GPU node's Kubernetes node at the instant a ``cards_returned``
+    event fired."""
+
+    cycle: int
+    epoch: float
+    boot_id: str | None
+    ready: bool
+
+
+@dataclass
+class OperatorStop:
+    """The operator shut the GPU node down (``operator_stop``): GPU Handoff
+    may not start it again until a request asks for the cards back."""
+
+    cycle: int
+    at: float  # epoch seconds
+    # A request of the same cycle, sent before the stop, asked for the cards
+    # back (the stop came while GPU Handoff returned them): a start within
+    # that cycle is not held against it.
+    excused: bool = False
+    ended: float | None = None  # epoch: the cards asked for back, or started by hand
+    why_ended: str = ""
+
+
+class InapplicableError(Exception):
+    """A fault whose precondition does not hold at its moment (no second
+    player, a GPU node already off, a VM already removed): it does nothing."""
 
 
 @dataclass
@@ -530,6 +646,12 @@ def _epoch(stamp: str) -> float:
     return dt.datetime.fromisoformat(stamp).timestamp()
 
 
+def _stamp(epoch: float) -> str:
+    """Epoch seconds as the agent writes its times (UTC, milliseconds)."""
+    moment = dt.datetime.fromtimestamp(float(epoch), dt.UTC)
+    return moment.strftime("%H:%M:%S.") + f"{moment.microsecond // 1000:03d}"
+
+
 def _lock_free(path: Path) -> bool:
     try:
         handle = path.open("a+", encoding="utf-8")
@@ -568,6 +690,7 @@ class CycleRecord:
     outcome: str = ""
     fired: list[str] = field(default_factory=list)
     unreached: list[str] = field(default_factory=list)
+    inapplicable: list[str] = field(default_factory=list)
     asks: list[Ask] = field(default_factory=list)
 
 
@@ -590,7 +713,6 @@ class ChaosRig:
     ) -> None:
         self.hass = hass
         self.lend = lend
-        self._return_failure_reported = False
         self.recover = recover
         self.cordon_bound = cordon_bound
         self.cluster = cluster
@@ -633,6 +755,20 @@ class ChaosRig:
         self._jobs: dict[str, dict[str, Any]] = {}
         self._listener_errors: list[str] = []
         self._pod_counter = 0
+        self.kubelet: Kubelet | None = None
+        self._inapplicable: list[str] = []
+        self._asks_sent: list[Ask] = []
+        self._cycle_began = 0.0  # epoch
+        # The GPU node's bootIDs as the API server stored them: (epoch, bootID).
+        self._boots: list[tuple[float, str | None]] = []
+        self._returned: list[Returned] = []
+        self._actions_seen = 0  # the simulator's actions read so far
+        self._edges: list[tuple[float, str]] = []  # (epoch, what): cards asked back
+        self._operator_stops: list[OperatorStop] = []
+        self._starts_checked: set[tuple[str, int]] = set()  # (job id, step index)
+        self._armed: set[str] = set()  # gaming VMs whose next start fails
+        self._removed: dict[str, dict[str, Any]] = {}  # vm -> its subentry's fields
+        self._failure_on_report = False
 
     # --- life cycle ---------------------------------------------------------------
 
@@ -664,6 +800,7 @@ class ChaosRig:
         )
         self.proxy = ApiProxy(self.cluster.port)
         await self.proxy.start()
+        self._boots.append((time.time(), self._boot_id()))
         self.cluster.store.listeners.append(self._on_store)
         self._set_pdb(min_available=0)
         self.lag.start()
@@ -739,7 +876,13 @@ class ChaosRig:
     @callback
     def _on_event(self, event: Event) -> None:
         data = dict(event.data)
-        self._events.append(Seen(time.monotonic(), event.event_type, data))
+        now = time.time()
+        self._events.append(Seen(time.monotonic(), event.event_type, data, now))
+        if event.event_type == EVENT_CARDS_RETURNED:
+            # The node as the API server has it at this instant (in process).
+            self._returned.append(
+                Returned(self.cycle, now, self._boot_id(), self._node_ready())
+            )
         if event.event_type == EVENT_HANDOFF_STEP:
             step = str(data.get("step") or "")
             if step == "draining":
@@ -782,6 +925,9 @@ class ChaosRig:
         new, old = event.new, event.old
         if new is None or new["metadata"]["name"] != GPU_NODE:
             return
+        boot_id = ((new.get("status") or {}).get("nodeInfo") or {}).get("bootID")
+        if boot_id != self._boots[-1][1]:
+            self._boots.append((time.time(), boot_id))
         if (
             old is not None
             and (old.get("spec") or {}).get("unschedulable")
@@ -837,7 +983,7 @@ class ChaosRig:
         rng = random.Random(f"gpu-handoff-chaos-kubelet:{self.seed}")  # noqa: S311
         self.cluster.node_monitor_grace_period = NODE_MONITOR_GRACE * TIME_SCALE
         self.cluster.node_monitor_period = NODE_MONITOR_PERIOD * TIME_SCALE
-        kubelet = Kubelet(
+        self.kubelet = kubelet = Kubelet(
             self.sim,
             self.cluster,
             node=GPU_NODE,
@@ -850,12 +996,15 @@ class ChaosRig:
 
     # --- violations -------------------------------------------------------------------
 
-    def _violate(self, invariant: str, detail: str) -> None:
-        key = (self.cycle, invariant, detail)
+    def _violate(self, invariant: str, detail: str, cycle: int | None = None) -> None:
+        cycle = self.cycle if cycle is None else cycle
+        key = (cycle, invariant, detail)
         if any((v.cycle, v.invariant, v.detail) == key for v in self.violations):
             return
-        self.violations.append(Violation(self.seed, self.cycle, invariant, detail))
-        self.log(f"chaos: cycle {self.cycle}: VIOLATION {invariant}: {detail}")
+        self.violations.append(
+            Violation(self.seed, cycle, invariant, detail, lend=self.lend)
+        )
+        self.log(f"chaos: cycle {cycle}: VIOLATION {invariant}: {detail}")
 
     def _phase_text(self) -> str:
         controller = self._controller()
@@ -886,14 +1035,16 @@ class ChaosRig:
         started = time.monotonic()
         await self._prepare()
         self.lag.take()
+        self._cycle_began = time.time()
         self._events.clear()
         self._restarts.clear()
         self._fired = []
+        self._inapplicable = []
         self._pending = {}
         for fault in plan.faults:
             self._pending.setdefault(fault.moment, []).append(fault)
         asks = await self._asks(plan)
-        record.asks = asks
+        record.asks = self._asks_sent = asks
         # "before": every fault of the moment has struck when the request goes.
         await asyncio.gather(
             *(self._strike(f) for f in self._pending.pop("before", []))
@@ -910,6 +1061,7 @@ class ChaosRig:
         ]
         self._pending = {}
         record.fired = list(self._fired)
+        record.inapplicable = list(self._inapplicable)
         await self._check(plan, record, settled)
         if not settled and self.recover:
             await self._recover()
@@ -925,7 +1077,8 @@ class ChaosRig:
         self.log(
             f"chaos: cycle {plan.cycle}: {plan.request} {plan.vm or ''} "
             f"faults={[f'{f.kind}@{f.moment}' for f in plan.faults]} "
-            f"unreached={record.unreached} -> {record.outcome} "
+            f"unreached={record.unreached} inapplicable={record.inapplicable} "
+            f"-> {record.outcome} "
             f"[{', '.join(f'{a.vm} {a.want}: {a.status} {a.detail}' for a in asks)}] "
             f"{record.seconds:.1f} s, lag {record.lag_max * 1000:.0f} ms"
         )
@@ -947,11 +1100,18 @@ class ChaosRig:
             if ask.how == "hand":
                 await self._hand_start(ask)
                 return
+            if ask.how == "return_cards":
+                self._edge("return_cards")
+            elif ask.how == "off" and await asyncio.to_thread(
+                self.sim.is_running, ask.vm
+            ):
+                self._edge(f"{ask.vm} turned off")
             if ask.how in ("on", "off"):
                 state = self.hass.states.get(SWITCHES[ask.vm])
                 if state is None or state.state == "unavailable":
                     ask.status = "unavailable"
                     return
+                ask.sent_at = time.time()
                 await self.hass.services.async_call(
                     "switch",
                     "turn_on" if ask.how == "on" else "turn_off",
@@ -959,6 +1119,7 @@ class ChaosRig:
                     blocking=True,
                 )
             elif ask.how == "return_cards":
+                ask.sent_at = time.time()
                 await self.hass.services.async_call(
                     DOMAIN,
                     "return_cards",
@@ -966,6 +1127,7 @@ class ChaosRig:
                     blocking=True,
                 )
             else:
+                ask.sent_at = time.time()
                 ask.response = await self.hass.services.async_call(
                     DOMAIN,
                     "start_handoff",
@@ -989,9 +1151,11 @@ class ChaosRig:
             ask.status = "accepted"
 
     async def _hand_start(self, ask: Ask) -> None:
-        """Someone starts a gaming VM on the tower: libvirt runs the agent's
-        hook (prepare begin) with the domain's XML, then starts it, which
-        fails while the GPU node holds its cards."""
+        """Someone starts a gaming VM on the tower (``virsh start``): libvirt
+        runs the agent's qemu hook (prepare begin: a request for the cards),
+        then refuses the start while the GPU node holds its cards. A start
+        that fails otherwise (a missing disk, a VFIO error) is an answer the
+        person sees at once: nothing was asked of GPU Handoff."""
         if self.down_flag.exists():
             ask.status, ask.detail = "refused", "libvirt is down"
             return
@@ -999,42 +1163,25 @@ class ChaosRig:
             ask.status, ask.detail = "refused", "already running"
             return
 
-        def start() -> str:
-            xml = subprocess.run(
-                [str(self.sim.virsh), "-c", self.sim.uri, "dumpxml", ask.vm],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-            subprocess.run(
-                [
-                    sys.executable,
-                    str(self.agent),
-                    "--config",
-                    str(self.config),
-                    "hook",
-                    ask.vm,
-                    "prepare",
-                    "begin",
-                    "-",
-                ],
-                input=xml,
-                capture_output=True,
-                text=True,
-                check=False,
-                timeout=30,
-            )
-            started = subprocess.run(
+        def start() -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
                 [str(self.root / "virsh"), "-c", self.sim.uri, "start", ask.vm],
                 capture_output=True,
                 text=True,
                 check=False,
-                timeout=30,
+                timeout=60,
             )
-            return "started" if started.returncode == 0 else "start refused"
 
-        ask.detail = await asyncio.to_thread(start)
-        ask.status = "accepted"
+        ask.sent_at = time.time()
+        started = await asyncio.to_thread(start)
+        if started.returncode == 0:
+            ask.status, ask.detail = "accepted", "started"
+        elif "is in use by" in started.stderr:
+            ask.status, ask.detail = "accepted", "start refused"
+        else:
+            error = started.stderr.strip().splitlines()
+            ask.status = "refused"
+            ask.detail = f"start failed: {error[-1] if error else started.returncode}"
 
     # --- faults -------------------------------------------------------------------------
 
@@ -1052,6 +1199,11 @@ class ChaosRig:
         self.log(f"chaos: cycle {self.cycle}: {fault.kind} at {fault.moment}")
         try:
             ending = await self._begin(fault)
+        except InapplicableError as why:
+            self._fired.remove(fault.kind)
+            self._inapplicable.append(fault.kind)
+            self.log(f"chaos: cycle {self.cycle}: {fault.kind} does nothing: {why}")
+            return
         except Exception:  # noqa: BLE001 - a fault that could not strike
             self.log(f"chaos: fault {fault.kind} failed: {traceback.format_exc()}")
             self._violate("harness_error", f"{fault.kind}: {traceback.format_exc()}")
@@ -1120,7 +1272,124 @@ class ChaosRig:
             name = f"debug-{self.cycle}-{self._pod_counter}"
             self.cluster.add_pod(name, "default", node=GPU_NODE)
             self._unmanaged.add(("default", name))
+        elif kind == "start_fails":
+            target = str(fault.get("target"))
+            if self.records[-1].plan.request not in HANDOFF_REQUESTS:
+                raise InapplicableError("nothing starts a gaming VM this cycle")
+            self._armed.add(target)
+            await asyncio.to_thread(
+                self.sim.fail_next_start, target, str(fault.get("reason"))
+            )
+        elif kind == "player_quits":
+            await self._player_quits(str(fault.get("target")))
+        elif kind == "operator_stop":
+            return await self._operator_stop()
+        elif kind == "vm_removed":
+            await self._remove_vm(str(fault.get("target")))
         return None
+
+    def _edge(self, what: str) -> None:
+        """A request for the cards back (``return_cards``, a session GPU
+        Handoff knows of ending): from now on GPU Handoff may start a GPU
+        node the operator shut down."""
+        now = time.time()
+        self._edges.append((now, what))
+        for stop in self._operator_stops:
+            if stop.ended is None:
+                stop.ended, stop.why_ended = now, what
+
+    async def _player_quits(self, target: str) -> None:
+        """The player of ``target`` shuts the game down from inside while
+        another plays (or is being handed their cards)."""
+        world = await asyncio.to_thread(self.sim.world)
+        if not world.doms[target].running:
+            raise InapplicableError(f"{target} is not running")
+        others = {vm for vm in GAMING if vm != target and world.doms[vm].running} | {
+            ask.vm for ask in self._asks_sent if ask.want == "on" and ask.vm != target
+        }
+        if not others:
+            raise InapplicableError(f"nobody plays beside {target}")
+        self._edge(f"{target} quit from inside")
+        await asyncio.to_thread(self.sim.guest_shutdown, target)
+
+    async def _operator_stop(self) -> Awaitable[None]:
+        """The operator powers the GPU node off from inside (``poweroff`` in
+        the guest) while GPU Handoff drains it; once it is off, they remove
+        the pods left Terminating on the node that is down (``kubectl delete
+        --force``: nothing else ever finishes them)."""
+        world = await asyncio.to_thread(self.sim.world)
+        gpu = world.doms[GPU]
+        if not gpu.running or gpu.off_at is not None:
+            raise InapplicableError("the GPU node is not running, or shutting down")
+        edges = [what for at, what in self._edges if at >= self._cycle_began]
+        await asyncio.to_thread(self.sim.guest_shutdown, GPU)
+        self._operator_stops.append(
+            OperatorStop(self.cycle, time.time(), excused=bool(edges))
+        )
+        return self._force_delete_when_off()
+
+    async def _force_delete_when_off(self) -> None:
+        deadline = time.monotonic() + DRAIN_TIMEOUT + 2.0
+        while await asyncio.to_thread(self.sim.is_running, GPU):
+            if time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.1)
+        while time.monotonic() < deadline:
+            for pod in self.cluster.list_objects("Pod"):
+                meta = pod["metadata"]
+                if (pod.get("spec") or {}).get("nodeName") != GPU_NODE or not meta.get(
+                    "deletionTimestamp"
+                ):
+                    continue
+                self._harness_removed.add(meta["uid"])
+                with contextlib.suppress(Exception):
+                    self.cluster.delete("Pod", meta["name"], meta["namespace"])
+            controller = self._controller()
+            operation = controller.operation if controller is not None else None
+            if operation is None or operation.step != "draining":
+                return
+            await asyncio.sleep(0.2)
+
+    async def _remove_vm(self, target: str) -> None:
+        """The user removes ``target`` from GPU Handoff (its subentry) while
+        the tower job runs; the entry reloads. It is added back at the end of
+        the cycle (``_clean_up``)."""
+        async with self._restart_lock:
+            subentry = next(
+                (
+                    sub
+                    for sub in self.entry.subentries.values()
+                    if sub.data.get(CONF_DOMAIN_NAME) == target
+                ),
+                None,
+            )
+            if subentry is None:
+                raise InapplicableError(f"{target} is not configured")
+            self._removed[target] = {
+                "data": dict(subentry.data),
+                "subentry_type": subentry.subentry_type,
+                "title": subentry.title,
+                "unique_id": subentry.unique_id,
+            }
+            for ask in self._asks_sent:
+                if ask.vm == target:
+                    ask.removed = True
+            before = self._controller()
+            assert self.hass.config_entries.async_remove_subentry(
+                self.entry, subentry.subentry_id
+            )
+            # The entry reloads (its update listener schedules it).
+            await self._wait_reloaded(before)
+            self._restarts.append(time.monotonic())
+
+    async def _wait_reloaded(self, before: Any, bound: float = 30.0) -> None:
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:
+            controller = self._controller()
+            if controller is not None and controller is not before:
+                break
+            await asyncio.sleep(0.05)
+        self._instrument()
 
     async def _after(self, seconds: float, end: Callable[[], None]) -> None:
         try:
@@ -1271,6 +1540,7 @@ class ChaosRig:
             self._violate("harness_error", error)
         self._listener_errors.clear()
         await self._check_tower_history()
+        await self._check_world_history()
         self._check_pods()
         if self.operator_cordon and not self._node()["spec"].get("unschedulable"):
             self._violate("operator_cordon_lifted", "the operator's cordon is gone")
@@ -1324,13 +1594,15 @@ class ChaosRig:
                 return await self._check_lending(world, running)
             return "playing"
         if GPU not in running:
+            if self._stopped_by_operator():
+                return "stopped_by_operator"  # left as the operator left it
             self._violate(
                 "half_state",
                 "the GPU node is off and no gaming VM runs "
                 f"(failures reported: {self._failures_text()})",
             )
             return "half_state"
-        self._return_failure_reported = False
+        self._failure_on_report = False
         if not await self._wait(self._node_ready, 3.0):
             self._violate("harness_error", "the kubelet stand-in did not follow")
         if self._our_cordon() and not await self._wait(
@@ -1346,9 +1618,11 @@ class ChaosRig:
         return "serving"
 
     async def _check_lending(self, world: Any, running: set[str]) -> str:
-        """Lending, someone plays: the GPU node serves with exactly the cards
-        no running domain holds (its live definition), uncordoned; or it does
-        not, and a failure of the GPU node's return was reported."""
+        """Lending, someone plays: at idle the GPU node serves exactly the free
+        cards (its live hostdevs' cards are its defined cards minus those the
+        running gaming VMs hold; none free: it is off), uncordoned; or a
+        failure is on report (``_on_report``), or the operator shut it down
+        (it stays as they left it)."""
         gpu = world.doms[GPU]
         taken = {
             address.rsplit(".", 1)[0]
@@ -1361,27 +1635,28 @@ class ChaosRig:
             for address in await asyncio.to_thread(self.sim.defined_hostdevs, GPU)
         }
         free = defined - taken
-        if GPU not in running:
-            # A failed return stays reported (repair, last_error) until the
-            # user acts or the next request brings the GPU node back: a
-            # later cycle that leaves it off is not a new silence.
-            if free and self._reported(GPU) is None:
-                self._return_failure_reported = True
-            elif free and not self._return_failure_reported:
-                self._violate(
-                    "cards_not_lent",
-                    f"the GPU node is off while {sorted(free)} are free, and no "
-                    "failure of its return was reported",
-                )
-            return "playing"
-        self._return_failure_reported = False
-        lent = {address.rsplit(".", 1)[0] for address in gpu.addresses()}
-        if lent != free and self._reported(GPU) is not None:
+        lent = (
+            {address.rsplit(".", 1)[0] for address in gpu.addresses()}
+            if GPU in running
+            else set()
+        )
+        if lent == free:
+            self._failure_on_report = False
+        elif GPU not in running and self._stopped_by_operator():
+            pass
+        elif self._on_report():
+            # A failure stays on report until the GPU node serves the free
+            # cards again: a later cycle that leaves it so (after a restart
+            # forgot last_error) is not a new silence.
+            self._failure_on_report = True
+        elif not self._failure_on_report:
             self._violate(
                 "cards_not_lent",
-                f"the GPU node runs with {sorted(lent)}, the free cards are "
-                f"{sorted(free)}, and no failure of its return was reported",
+                f"the GPU node {'runs with ' + str(sorted(lent)) if lent else 'is off'}"
+                f", the free cards are {sorted(free)}, and no failure was reported",
             )
+        if GPU not in running:
+            return "playing"
         if self._our_cordon() and not await self._wait(
             lambda: not self._our_cordon(), self.cordon_bound
         ):
@@ -1392,11 +1667,36 @@ class ChaosRig:
             )
         return "playing_and_lending"
 
+    def _on_report(self) -> bool:
+        """Whether a failure is on report now: a ``handoff_failed`` event of
+        this cycle, a ``last_error``, or a repair issue of the entry."""
+        if any(seen.type == EVENT_HANDOFF_FAILED for seen in self._events):
+            return True
+        controller = self._controller()
+        if controller is not None and any(controller.last_error.values()):
+            return True
+        entry_id = self.entry.entry_id
+        return any(
+            domain == DOMAIN
+            and entry_id in issue_id
+            and issue_id.startswith(("handoff_failed_", "unmanaged_pods_"))
+            for domain, issue_id in ir.async_get(self.hass).issues
+        )
+
+    def _stopped_by_operator(self) -> bool:
+        """Whether the operator's shutdown of the GPU node still stands (no
+        request asked for the cards back since)."""
+        return any(stop.ended is None for stop in self._operator_stops)
+
     def _node_ready(self) -> bool:
         return any(
             condition["type"] == "Ready" and condition["status"] == "True"
             for condition in self._node()["status"].get("conditions", [])
         )
+
+    def _boot_id(self) -> str | None:
+        """The GPU node's ``status.nodeInfo.bootID`` as the API server has it."""
+        return ((self._node().get("status") or {}).get("nodeInfo") or {}).get("bootID")
 
     def _our_cordon(self) -> str | None:
         node = self._node()
@@ -1523,16 +1823,162 @@ class ChaosRig:
         left, self._left = self._left, []
         for cycle, namespace, name, _uid, how in left:
             if (namespace, name) not in self._accepted_evictions:
-                self.violations.append(
-                    Violation(
-                        self.seed,
-                        cycle,
-                        "pod_left_without_eviction",
-                        f"{namespace}/{name} {how} without an accepted eviction",
-                    )
+                self._violate(
+                    "pod_left_without_eviction",
+                    f"{namespace}/{name} {how} without an accepted eviction",
+                    cycle,
                 )
 
     # --- the tower's history -----------------------------------------------------
+
+    async def _check_world_history(self) -> None:
+        """What happened on the tower and in the cluster this cycle, against
+        the requests sent: handoffs only asked for, cards back only from a
+        new boot, an operator's shutdown left as it is."""
+        data = await asyncio.to_thread(self._sim_data)
+        actions = data["actions"][self._actions_seen :]
+        self._actions_seen = len(data["actions"])
+        self._check_asked(actions)
+        returned, self._returned = self._returned, []
+        # The simulator's replay at each instant, off the event loop.
+        worlds = await asyncio.to_thread(
+            lambda: [sim_model.world(data, at=item.epoch) for item in returned]
+        )
+        for item, world in zip(returned, worlds, strict=True):
+            self._check_returned(world, item)
+        self._check_operator_stops()
+
+    def _sim_data(self) -> dict[str, Any]:
+        with sim_model.locked(self.sim.state_dir, exclusive=False):
+            return sim_model.load(self.sim.state_dir)
+
+    def _check_asked(self, actions: list[dict[str, Any]]) -> None:
+        """No handoff without an ask: a handoff GPU Handoff begins
+        (``handoff_started`` of kind handoff) and a gaming VM's start on the
+        tower (the simulator's record of every start and create) each follow
+        a request to turn that VM on sent this cycle (a switch, the
+        ``start_handoff`` action, a start by hand the harness made)."""
+        asked = [
+            (ask.vm, ask.sent_at)
+            for ask in self._asks_sent
+            if ask.want == "on" and ask.sent_at is not None
+        ]
+
+        def follows_ask(vm: str, at: float) -> bool:
+            return any(name == vm and sent <= at for name, sent in asked)
+
+        for seen in self._events:
+            vm = str(seen.data.get("vm"))
+            if (
+                seen.type == EVENT_HANDOFF_STARTED
+                and seen.data.get("kind") == "handoff"
+                and not follows_ask(vm, seen.epoch)
+            ):
+                self._violate(
+                    "handoff_unasked",
+                    f"a handoff to {vm} began ({_stamp(seen.epoch)}) and no "
+                    f"request of this cycle asked for it ({self._asks_text()})",
+                )
+        for action in actions:
+            name = action.get("name")
+            if action.get("op") not in ("start", "create") or name not in GAMING:
+                continue
+            if not follows_ask(name, float(action["t"])):
+                self._violate(
+                    "handoff_unasked",
+                    f"{name} was started on the tower ({_stamp(action['t'])}) and "
+                    f"no request of this cycle asked for it ({self._asks_text()})",
+                )
+
+    def _asks_text(self) -> str:
+        return (
+            ", ".join(
+                f"{ask.how} {ask.vm} at {_stamp(ask.sent_at)}"
+                if ask.sent_at is not None
+                else f"{ask.how} {ask.vm} not sent ({ask.status} {ask.detail})"
+                for ask in self._asks_sent
+            )
+            or "none"
+        )
+
+    def _check_returned(self, world: Any, item: Returned) -> None:
+        """``cards_returned`` only for a running GPU node whose new boot is
+        Ready: at the event's instant the node is Ready=True and its bootID
+        is not the one it had before the GPU node's VM last started (the
+        simulator's replay at that instant gives the start)."""
+        gpu = world.doms[GPU]
+        if not gpu.running:
+            self._violate(
+                "returned_while_off",
+                f"cards_returned fired ({_stamp(item.epoch)}) while the GPU node's "
+                f"VM was {gpu.state_text(reason=True)}",
+                item.cycle,
+            )
+            return
+        before = self._boot_before(float(gpu.boot_t or 0.0))
+        if not item.ready or (before is not None and item.boot_id == before):
+            self._violate(
+                "returned_before_new_boot",
+                f"cards_returned fired ({_stamp(item.epoch)}) with the node "
+                f"{'Ready' if item.ready else 'not Ready'} and bootID "
+                f"{item.boot_id!r}; before the VM's start at "
+                f"{_stamp(float(gpu.boot_t or 0.0))} it was {before!r}",
+                item.cycle,
+            )
+
+    def _boot_before(self, at: float) -> str | None:
+        """The bootID the API server had for the node just before ``at``
+        (None: the rig began later, that boot's bootID is not known)."""
+        earlier = [boot_id for when, boot_id in self._boots if when < at]
+        return earlier[-1] if earlier else None
+
+    def _check_operator_stops(self) -> None:
+        """A GPU node the operator shut down is not started by a tower job of
+        GPU Handoff's (a start or start_free step of the GPU node that
+        started it) until a request asks for the cards back: ``return_cards``,
+        or a session GPU Handoff knows of ending (a running gaming VM turned
+        off, a player quitting from inside). Conservatively, a start is not
+        held against GPU Handoff when such a request of the same cycle came
+        before the shutdown (the operator stopped a return under way), or
+        when a shutdown of GPU Handoff's own was accepted by the GPU node
+        after the operator's (the job stopped it too)."""
+        ours = [
+            (_epoch(step["started"]), _epoch(step["finished"]))
+            for job in self._jobs.values()
+            for step in job.get("steps") or []
+            if step.get("name") == "shutdown"
+            and step.get("domain") == GPU
+            and step.get("result") == "ok"
+            and step.get("started")
+            and step.get("finished")
+        ]
+        for job in self._jobs.values():
+            for index, step in enumerate(job.get("steps") or []):
+                if (
+                    step.get("name") not in ("start", "start_free")
+                    or step.get("domain") != GPU
+                    or step.get("result") != "ok"
+                    or not str(step.get("detail") or "").startswith("started")
+                    or (job["id"], index) in self._starts_checked
+                ):
+                    continue
+                self._starts_checked.add((job["id"], index))
+                at = _epoch(step["started"])
+                for stop in self._operator_stops:
+                    if at < stop.at or (stop.ended is not None and at >= stop.ended):
+                        continue
+                    if stop.excused and stop.cycle == self.cycle:
+                        continue
+                    if any(stop.at <= end and begin <= at for begin, end in ours):
+                        continue
+                    self._violate(
+                        "operator_stop_undone",
+                        f"job {job['id']} ({job['kind']}, by "
+                        f"{job.get('requested_by')}) started the GPU node at "
+                        f"{_stamp(at)} ({step.get('detail')}); the operator had shut "
+                        f"it down at {_stamp(stop.at)} (cycle {stop.cycle}) and no "
+                        "request asked for the cards back since",
+                    )
 
     async def _check_tower_history(self) -> None:
         commands, jobs = await asyncio.to_thread(self._read_tower)
@@ -1598,14 +2044,11 @@ class ChaosRig:
                 began = _epoch(job["started"])
                 ended = _epoch(job["finished"]) if job.get("finished") else None
                 if began <= at and (ended is None or at < ended):
-                    self.violations.append(
-                        Violation(
-                            self.seed,
-                            cycle,
-                            "rollback_under_running_job",
-                            f"GPU Handoff's cordon was lifted while job {job['id']} "
-                            f"({job['kind']}, by {job.get('requested_by')}) ran",
-                        )
+                    self._violate(
+                        "rollback_under_running_job",
+                        f"GPU Handoff's cordon was lifted while job {job['id']} "
+                        f"({job['kind']}, by {job.get('requested_by')}) ran",
+                        cycle,
                     )
 
     def _read_tower(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -1804,18 +2247,54 @@ class ChaosRig:
         if self.operator_cordon:
             self.operator_cordon = False
             self._write_node(unschedulable=False)
-        if record.outcome == "half_state":
-            # The administrator starts the GPU node again.
+        for vm in sorted(self._armed):
+            await asyncio.to_thread(self.sim.clear_start_failure, vm)
+        self._armed.clear()
+        if record.outcome in ("half_state", "stopped_by_operator"):
+            # The administrator starts the GPU node again (the operator who
+            # shut it down, once nobody plays).
             await asyncio.to_thread(
                 subprocess.run,
                 [str(self.sim.virsh), "-c", self.sim.uri, "start", GPU],
                 capture_output=True,
                 check=False,
             )
-        if record.outcome in ("half_state", "serving") and self._our_cordon():
+        if self._stopped_by_operator() and await asyncio.to_thread(
+            self.sim.is_running, GPU
+        ):
+            now = time.time()
+            for stop in self._operator_stops:
+                if stop.ended is None:
+                    stop.ended, stop.why_ended = now, "running again"
+        if (
+            record.outcome in ("half_state", "serving", "stopped_by_operator")
+            and self._our_cordon()
+        ):
             self._write_node(unschedulable=False, unmark=True)
         self._fault_tasks = [task for task in self._fault_tasks if not task.done()]
         self._request_tasks = []
+        if self._removed:
+            await self._add_back()
+
+    async def _add_back(self) -> None:
+        """The gaming VMs removed this cycle are added back (the entry
+        reloads), so that the soak goes on with both."""
+        async with self._restart_lock:
+            for _vm, fields in sorted(self._removed.items()):
+                before = self._controller()
+                self.hass.config_entries.async_add_subentry(
+                    self.entry,
+                    ConfigSubentry(
+                        data=MappingProxyType(fields["data"]),
+                        subentry_type=fields["subentry_type"],
+                        title=fields["title"],
+                        unique_id=fields["unique_id"],
+                    ),
+                )
+                await self._wait_reloaded(before)
+            self._removed.clear()
+        if not await self._settle(time.monotonic() + self.settle_bound):
+            self._violate("unsettled", "after the removed gaming VM was added back")
 
     # --- the summary --------------------------------------------------------------------
 
@@ -1823,6 +2302,7 @@ class ChaosRig:
         """The run in one JSON-able dict."""
         fired: Counter[str] = Counter()
         unreached: Counter[str] = Counter()
+        inapplicable: Counter[str] = Counter()
         moments: Counter[str] = Counter()
         requests: Counter[str] = Counter()
         outcomes: Counter[str] = Counter()
@@ -1830,6 +2310,7 @@ class ChaosRig:
         for record in self.records:
             fired.update(record.fired)
             unreached.update(record.unreached)
+            inapplicable.update(record.inapplicable)
             moments.update(
                 f.moment for f in record.plan.faults if f.kind in record.fired
             )
@@ -1844,12 +2325,14 @@ class ChaosRig:
         lags = [record.lag_max for record in self.records]
         return {
             "seed": self.seed,
+            "lend": self.lend,
             "cycles": len(self.records),
             "wall_s": round(wall, 1),
             "requests": dict(sorted(requests.items())),
             "faults": {
                 "fired": dict(sorted(fired.items())),
                 "unreached": dict(sorted(unreached.items())),
+                "inapplicable": dict(sorted(inapplicable.items())),
                 "by_moment": {m: moments[m] for m in MOMENTS if moments[m]},
                 "total_fired": sum(fired.values()),
             },

@@ -21,19 +21,25 @@ import pytest
 from custom_components.gpu_handoff.cluster_client import ClusterClient
 from tests.chaos.harness import (
     FAULTS,
+    FIXED_MOMENTS,
     MOMENTS,
     REQUESTS,
     Fault,
     Plan,
+    Violation,
     plan_cycle,
     run_soak,
 )
 from tests.k8semu import K8sEmulator
 from tests.support.testdriver import AGENT
 
-# (seed, cycles, lend): about 30 cycles in all, a few minutes at most; one
-# with the tower lending its free cards while someone plays.
-CI_SEEDS = ((22, 10, False), (24, 10, False), (26, 10, True))
+# (seed, cycles, lend): about 30 cycles in all, a few minutes at most; two
+# with the tower lending its free cards while someone plays. Each draws the
+# new faults: a gaming VM's start failing after the hook and a player
+# quitting from inside in both modes; the operator's shutdown mid-drain and
+# a removal mid-job without lending (with lending both hit the product bugs
+# kept as expected failures below).
+CI_SEEDS = ((5, 8, False), (56, 8, False), (34, 8, True), (8, 6, True))
 # A correct product settles within seconds; a broken one need not be waited
 # for as long as the soak waits (2 minutes).
 SHORT_BOUND = 15.0
@@ -83,6 +89,27 @@ def test_plans_are_seeded() -> None:
     assert all(len(plan.faults) <= 3 for plan in plans)
     assert all(
         len({fault.kind for fault in plan.faults}) == len(plan.faults) for plan in plans
+    )
+    assert all(
+        fault.moment == FIXED_MOMENTS[fault.kind]
+        for fault in faults
+        if fault.kind in FIXED_MOMENTS
+    )
+
+
+def test_a_violation_replays_with_every_option_of_its_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replay line of a violation carries the run's options: ``--lend``
+    for a lending run, the loop lag limit when it is not the default."""
+    monkeypatch.delenv("GPU_HANDOFF_CHAOS_LAG_LIMIT", raising=False)
+    plain = Violation(3, 7, "half_state", "detail")
+    assert plain.as_json()["replay"] == "scripts/chaos --cycles 7 --seed 3"
+    lending = Violation(3, 7, "cards_not_lent", "detail", lend=True)
+    assert lending.as_json()["replay"] == "scripts/chaos --lend --cycles 7 --seed 3"
+    monkeypatch.setenv("GPU_HANDOFF_CHAOS_LAG_LIMIT", "2")
+    assert lending.as_json()["replay"] == (
+        "GPU_HANDOFF_CHAOS_LAG_LIMIT=2 scripts/chaos --lend --cycles 7 --seed 3"
     )
 
 
@@ -201,6 +228,145 @@ async def test_no_rollback_under_the_hooks_stop_job(
     }
 
 
+async def test_a_gpu_node_the_operator_stopped_and_gpu_handoff_started_is_caught(
+    hass: HomeAssistant,
+    k8s_emulator: K8sEmulator,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The operator shuts the GPU node down while GPU Handoff drains it; the
+    handoff's job finds it off (its stop skipped) and Gaming station 1's start
+    fails after the hook. A product that counts the skipped stop as its own
+    starts the GPU node again: reported as exactly that."""
+    monkeypatch.setattr(
+        "custom_components.gpu_handoff.controller.HandoffController"
+        "._job_stopped_gpu_node",
+        lambda self, err: True,
+    )
+    plans = [
+        Plan(
+            0,
+            1,
+            "on",
+            "gaming-1",
+            (
+                Fault(
+                    "start_fails",
+                    "before",
+                    (("reason", "vfio"), ("target", "gaming-1")),
+                ),
+                Fault("operator_stop", "draining"),
+            ),
+        )
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
+    assert summary["faults"]["fired"] == {"operator_stop": 1, "start_fails": 1}
+    assert _invariants(summary) == [(1, "operator_stop_undone")]
+
+
+async def test_the_new_faults_leave_a_sound_product_sound(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Each new fault once, where it matters: a handoff whose start fails
+    after the hook, a start by hand that fails so, a player quitting from
+    inside while the other's stop runs, the operator shutting the GPU node
+    down mid-drain (the handoff goes on; the GPU node stays off until the
+    player quits), a gaming VM removed while its job runs (added back
+    after the cycle)."""
+    plans = [
+        Plan(
+            0,
+            1,
+            "on",
+            "gaming-1",
+            (
+                Fault(
+                    "start_fails",
+                    "before",
+                    (("reason", "vfio"), ("target", "gaming-1")),
+                ),
+            ),
+        ),
+        Plan(
+            0,
+            2,
+            "hand",
+            "gaming-2",
+            (
+                Fault(
+                    "start_fails",
+                    "before",
+                    (("reason", "disk"), ("target", "gaming-2")),
+                ),
+            ),
+        ),
+        Plan(0, 3, "both_on"),
+        Plan(
+            0,
+            4,
+            "off",
+            "gaming-1",
+            (Fault("player_quits", "mid_job", (("target", "gaming-2"),)),),
+        ),
+        Plan(0, 5, "on", "gaming-1", (Fault("operator_stop", "draining"),)),
+        Plan(0, 6, "off", "gaming-1"),
+        Plan(
+            0,
+            7,
+            "on",
+            "gaming-2",
+            (Fault("vm_removed", "mid_job", (("target", "gaming-2"),)),),
+        ),
+        Plan(0, 8, "off", "gaming-2"),
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
+    assert summary["faults"]["fired"] == {
+        "operator_stop": 1,
+        "player_quits": 1,
+        "start_fails": 2,
+        "vm_removed": 1,
+    }
+    assert summary["violations"] == []
+
+
+# --- bugs the soak found in the faithful world, kept as regression cases -------------
+
+
+async def test_lending_leaves_a_gpu_node_the_operator_stopped_mid_drain_off(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Found by ``scripts/chaos --lend --cycles 38 --seed 1``: lending on,
+    the operator shuts the GPU node down while the handoff to Gaming station
+    1 drains it; the handoff goes on (its stop is skipped). No request asked
+    for the cards back: the GPU node stays off (the lend after a handoff
+    restarted it)."""
+    plans = [Plan(0, 1, "on", "gaming-1", (Fault("operator_stop", "draining"),))]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
+    assert summary["faults"]["fired"] == {"operator_stop": 1}
+    assert summary["violations"] == []
+
+
+async def test_lending_a_vm_removed_mid_job_still_lends_the_free_cards(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Found by ``scripts/chaos --lend --cycles 18 --seed 1``: lending on,
+    Gaming station 1 is removed from GPU Handoff while its handoff's job
+    runs. It plays on; the GPU node serves the two free cards (the abandoned
+    operation never lent them)."""
+    plans = [
+        Plan(
+            0,
+            1,
+            "on",
+            "gaming-1",
+            (Fault("vm_removed", "mid_job", (("target", "gaming-1"),)),),
+        )
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
+    assert summary["faults"]["fired"] == {"vm_removed": 1}
+    assert summary["violations"] == []
+
+
 # --- bugs the soak found, kept as regression cases -----------------------------------
 
 
@@ -301,6 +467,9 @@ async def test_a_tower_that_stops_lending_is_caught(
     plans = [Plan(0, 1, "on", "gaming-1")]
     summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
     assert _invariants(summary) == [(1, "cards_not_lent")]
+    assert summary["violations"][0]["replay"] == (
+        "scripts/chaos --lend --cycles 1 --seed 0"
+    )
 
 
 async def test_a_lending_gpu_node_loses_a_cordon_left_by_a_failed_handoff(
