@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 import shlex
 import socket
+import subprocess
 from typing import Any
 
 from homeassistant.config_entries import (
@@ -405,6 +406,78 @@ async def test_invalid_agent_configuration(
         hass, result["flow_id"], tower.client_key.read_text(encoding="utf-8")
     )
     assert result["errors"] == {"base": "agent_config_invalid"}
+
+
+async def test_an_agent_configured_with_a_vm_named_like_an_id_is_refused(
+    hass: HomeAssistant, tower: Sshd, tower_dir: Path
+) -> None:
+    """Installed by hand with a gaming VM named `1`: virsh would look it up as
+    a domain id first (tools/virsh-util.c virshLookupDomainInternal), so the
+    agent refuses its configuration (check-config says why) and the flow
+    stores nothing."""
+    config = tower_dir / "config.json"
+    data = json.loads(config.read_text(encoding="utf-8"))
+    data["gaming"] = ["gaming-1", "1"]
+    config.write_text(json.dumps(data), encoding="utf-8")
+    result = await _to_credentials(hass, tower)
+    result = await _paste(
+        hass, result["flow_id"], tower.client_key.read_text(encoding="utf-8")
+    )
+    assert result["errors"] == {"base": "agent_config_invalid"}
+    assert hass.config_entries.async_entries(DOMAIN) == []
+
+
+def _renamed_replies(command: list[str], directory: Path) -> dict[str, str]:
+    """The real agent's version and status replies (its CLI), gaming-2
+    renamed `1`, each also written to ``directory``/VERB.json."""
+    replies = {}
+    for verb in ("version", "status"):
+        run = subprocess.run(
+            [*command, verb], capture_output=True, text=True, check=True
+        )
+        replies[verb] = run.stdout.replace('"gaming-2"', '"1"')
+        (directory / f"{verb}.json").write_text(replies[verb], encoding="utf-8")
+    return replies
+
+
+async def test_an_older_agent_reporting_a_vm_named_like_an_id_gets_no_switch_for_it(
+    hass: HomeAssistant, tower: Sshd, tower_dir: Path
+) -> None:
+    """An agent older than its own check may still report a gaming VM named
+    `1` (here: the real agent's replies, gaming-2 renamed `1`): neither the
+    setup nor an added gaming VM offers it."""
+    replies = await hass.async_add_executor_job(
+        _renamed_replies, tower.command[:-1], tower_dir
+    )
+    assert '"1"' in replies["status"]
+    _fake_agent(
+        tower,
+        'case "$SSH_ORIGINAL_COMMAND" in\n'
+        f"  version*) cat {shlex.quote(str(tower_dir / 'version.json'))} ;;\n"
+        f"  status*) cat {shlex.quote(str(tower_dir / 'status.json'))} ;;\n"
+        "  *) exit 1 ;;\n"
+        "esac",
+    )
+    result = await _to_credentials(hass, tower)
+    result = await _paste(
+        hass, result["flow_id"], tower.client_key.read_text(encoding="utf-8")
+    )
+    assert result["step_id"] == "gaming_vms", result.get("errors")
+    options = result["data_schema"].schema[CONF_GAMING_VMS].config["options"]
+    assert [option["value"] for option in options] == ["gaming-1"]
+    hass.config_entries.flow.async_abort(result["flow_id"])
+
+    entry = MockConfigEntry(
+        domain=DOMAIN,
+        data=tower_entry_data(tower),
+        subentries_data=gaming_subentries(1),
+    )
+    entry.add_to_hass(hass)
+    result = await hass.config_entries.subentries.async_init(
+        (entry.entry_id, SUBENTRY_GAMING_VM), context={"source": SOURCE_USER}
+    )
+    assert result["type"] is FlowResultType.ABORT
+    assert result["reason"] == "no_more_gaming_vms"
 
 
 async def test_host_key_changing_during_setup(hass: HomeAssistant, tower: Sshd) -> None:

@@ -773,6 +773,56 @@ async def test_a_libvirt_without_vms_and_the_sessions_own_failures(
         assert caught.value.key == key
 
 
+def _node_file(directory: Path, names: list[str]) -> str:
+    """A libvirt test-driver node with these shut-off domains (in /tmp,
+    which the tower shares)."""
+    domains = "".join(
+        "<domain type='test'><name>"
+        + name
+        + "</name><memory>1024</memory><os><type>hvm</type></os></domain>"
+        for name in names
+    )
+    node = directory / "node.xml"
+    node.write_text(f"<node>{domains}</node>\n", encoding="utf-8")
+    directory.chmod(0o755)
+    node.chmod(0o644)
+    return f"test://{node}"
+
+
+async def test_vms_virsh_would_look_up_by_id_or_uuid_are_not_offered(
+    hass: HomeAssistant, fresh: FreshTower
+) -> None:
+    """virsh looks `--domain WORD` up by a running domain's id first, then
+    by UUID, then by name (tools/virsh-util.c, virshLookupDomainInternal): a
+    VM named `1` or like a UUID could make the agent act on another VM. The
+    tower's list offers the others and names these with the reason; a tower
+    with only such names is refused with the reason, and nothing is written."""
+    uuid_name = "6695eb01-f6a4-8304-79aa-97f2502e193f"
+    login = _key_login(fresh, "gh-admin")
+    with tempfile.TemporaryDirectory(dir="/tmp") as directory:
+        uri = _node_file(Path(directory), ["gpu-node", "win-1", "1", uuid_name])
+        flow_id = await _to_menu(hass, fresh)
+        result = await _login(hass, flow_id, uri, **login)
+    assert result["step_id"] == "install_options", result.get("errors")
+    options = result["data_schema"].schema[CONF_GPU_NODE].config["options"]
+    assert [option["value"] for option in options] == ["gpu-node", "win-1"]
+    assert result["description_placeholders"]["left_out"] == f"1, {uuid_name}"
+    assert "{left_out}" in STRINGS["config"]["step"]["install_options"]["description"]
+    _nothing_installed(fresh)
+    hass.config_entries.flow.async_abort(flow_id)
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as directory:
+        uri = _node_file(Path(directory), ["1", "02"])
+        flow_id = await _to_menu(hass, fresh)
+        result = await _login(hass, flow_id, uri, **login)
+    assert result["step_id"] == "install_agent"
+    assert result["errors"] == {"base": "ambiguous_domain"}
+    assert result["description_placeholders"]["detail"] == "02, 1"
+    assert "id or UUID" in STRINGS["config"]["error"]["ambiguous_domain"]
+    _nothing_installed(fresh)
+    hass.config_entries.flow.async_abort(flow_id)
+
+
 async def test_a_reply_lost_after_the_install_is_retried_safely(
     hass: HomeAssistant,
     fresh: FreshTower,

@@ -4,6 +4,7 @@ The install itself is tested end to end in tests/test_guided_install.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 import shlex
 from types import SimpleNamespace
 
@@ -95,6 +96,30 @@ def test_a_plan_holds_only_the_towers_own_names(
     with pytest.raises(InstallError) as caught:
         check_plan(_plan(**changes), SURVEY)
     assert caught.value.key == key
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"gpu_node": "1"},
+        {"gaming": ["win-1", "02"]},
+        {"gaming": ["6695eb01-f6a4-8304-79aa-97f2502e193f"]},
+    ],
+)
+def test_a_plan_never_names_a_vm_virsh_would_read_as_an_id_or_uuid(
+    changes: dict[str, object],
+) -> None:
+    """virsh looks a domain up by id, then UUID, then name (tools/virsh-util.c
+    virshLookupDomainInternal): such a name could make the agent act on
+    another VM, even if the tower lists it (the survey leaves it out)."""
+    survey = replace(
+        SURVEY,
+        domains=[*SURVEY.domains, "1", "02", "6695eb01-f6a4-8304-79aa-97f2502e193f"],
+    )
+    with pytest.raises(InstallError) as caught:
+        check_plan(_plan(**changes), survey)
+    assert caught.value.key == "ambiguous_domain"
+    assert caught.value.detail in {"1", "02", "6695eb01-f6a4-8304-79aa-97f2502e193f"}
 
 
 def test_the_install_command_is_one_word_per_option() -> None:

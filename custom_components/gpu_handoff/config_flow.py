@@ -241,8 +241,13 @@ def _domain_label(domain: DomainState) -> str:
 
 
 def _gaming_domains(status: TowerStatus) -> list[DomainState]:
+    """The gaming VMs a switch may be made for: never one whose name virsh
+    would read as a domain id or UUID first (an agent older than its own
+    check may still report one; a command for it could act on another VM)."""
     return [
-        domain for domain in status.domains.values() if domain.name in status.gaming
+        domain
+        for domain in status.domains.values()
+        if domain.name in status.gaming and not agent.virsh_reads_as(domain.name)
     ]
 
 
@@ -525,6 +530,7 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
                 "host": self._data[CONF_HOST],
                 "python": survey.python,
                 "agent": survey.agent_version or "-",
+                "left_out": ", ".join(survey.left_out) or "-",
             },
             errors=errors,
         )

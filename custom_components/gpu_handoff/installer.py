@@ -113,7 +113,10 @@ class Survey:
     nixos: bool
     config_exists: bool
     agent_version: str | None
+    # The VMs the agent may manage; those whose names virsh would read as a
+    # domain id or UUID first (the agent refuses them) are left out.
     domains: list[str]
+    left_out: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +198,9 @@ def check_plan(plan: InstallPlan, survey: Survey) -> None:
         raise InstallError("invalid_agent_user", plan.user)
     if not check_uri(plan.uri):
         raise InstallError("invalid_uri", plan.uri)
+    for name in (plan.gpu_node, *plan.gaming):
+        if agent.virsh_reads_as(name):
+            raise InstallError("ambiguous_domain", name)
     if plan.gpu_node not in known:
         raise InstallError("unknown_domain", plan.gpu_node)
     for name in plan.gaming:
@@ -298,11 +304,17 @@ class AdminSession:
                 _text(listed.stdout)
             )
             raise InstallError("tower_not_libvirt", said)
-        domains = sorted(
+        listing = sorted(
             {line.strip() for line in _text(listed.stdout).splitlines()} - {""}
         )
-        if not domains:
+        if not listing:
             raise InstallError("tower_no_domains", uri)
+        # virsh would look such a name up as a domain id or UUID first, and
+        # could act on another VM: the agent refuses it, so nobody picks it.
+        left_out = [name for name in listing if agent.virsh_reads_as(name)]
+        domains = [name for name in listing if name not in left_out]
+        if not domains:
+            raise InstallError("ambiguous_domain", ", ".join(left_out))
         return Survey(
             sudo=self._sudo,
             python=python,
@@ -310,6 +322,7 @@ class AdminSession:
             config_exists=bool(found.get("config")),
             agent_version=_agent_version(found.get("agent", "")),
             domains=domains,
+            left_out=left_out,
         )
 
     @contextlib.asynccontextmanager

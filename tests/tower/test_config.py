@@ -188,3 +188,95 @@ def test_path_entries_are_appended(tmp_path: Path) -> None:
     assert agent.resolve_program("virsh", None, cfg) == str(first / "virsh")
     cfg = agent.Config("c", {**GOOD, "path": [str(extra)]}, {"PATH": "/nonexistent"})
     assert agent.resolve_program("virsh", None, cfg) == str(extra / "virsh")
+
+
+# virsh looks `--domain WORD` up by a running domain's id first, then by UUID,
+# then by name (tools/virsh-util.c virshLookupDomainInternal; the exact rules,
+# pinned against real virsh: tests/towersim/test_lookup.py and
+# test_conformance_lookup.py). A managed VM named so could make the agent
+# ping, stop or report another VM: refused, for the GPU node and each gaming VM.
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("1", "id"),
+        ("01", "id"),
+        ("+7", "id"),
+        (" 2", "id"),
+        ("2147483647", "id"),
+        ("6695eb01-f6a4-8304-79aa-97f2502e193f", "UUID"),
+        ("6695EB01F6A4830479AA97F2502E193F    ", "UUID"),
+        ("6695eb01 f6a4 8304 79aa 97f2502e193f", "UUID"),
+    ],
+)
+@pytest.mark.parametrize("key", ["gpu_node", "gaming"])
+def test_names_virsh_reads_as_an_id_or_uuid_are_refused(
+    tmp_path: Path, name: str, kind: str, key: str
+) -> None:
+    data = {**GOOD, key: [name] if key == "gaming" else name}
+    path = write_config(tmp_path / "c.json", **data)
+    run = run_agent(["--config", str(path), "check-config"])
+    assert run.rc == 1
+    assert run.reply["error"]["code"] == agent.ERR_CONFIG_INVALID
+    where = "gaming[0]" if key == "gaming" else "gpu_node"
+    assert (
+        f"{where}: virsh would look {name!r} up as a domain {kind} first, and "
+        "could act on another VM; rename the VM in libvirt (shut it off, then "
+        "`virsh domrename OLD-NAME NEW-NAME`)"
+    ) in run.reply["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gaming-1",
+        "1 ",  # virStrToLong_i reads to the end: not an id
+        "1a",
+        "2147483648",  # beyond an int
+        "9" * 200,
+        "0x1",
+        "1.5",
+        "6695eb01-f6a4-8304-79aa-97f2502e193",  # 35 bytes
+        "6695eb01-f6a4-8304-79aa-97f2502e193f-",  # 37 bytes
+        "6695eb01-f6a4-8304-79aa-97f2502e193g",
+        "é695eb01-f6a4-8304-79aa-97f2502e193",  # 36 characters, 37 bytes
+        "6695eb01f6a4830479aa97f2502e193f----",  # '-' after the last pair
+    ],
+)
+def test_names_virsh_reads_only_as_names_are_accepted(
+    tmp_path: Path, name: str
+) -> None:
+    assert agent.virsh_reads_as(name) is None
+    path = write_config(tmp_path / "c.json", **{**GOOD, "gaming": [name]})
+    run = run_agent(["--config", str(path), "check-config"])
+    assert run.rc == 0, run.reply
+
+
+def test_the_check_agrees_with_virshs_lookup_as_the_simulator_models_it() -> None:
+    """The agent refuses exactly the words the simulator's virsh (pinned
+    against real virsh) reads as an id or a UUID."""
+    from tests.towersim.virsh import domain_id, domain_uuid
+
+    uuid = "6695eb01-f6a4-8304-79aa-97f2502e193f"
+    words = [
+        *(
+            f"{pad}{sign}{digits}{tail}"
+            for pad in ("", " ", "\t", "\v")
+            for sign in ("", "+", "-")
+            for digits in ("0", "1", "007", "2147483647", "2147483648")
+            for tail in ("", " ", "x")
+        ),
+        uuid,
+        uuid.upper(),
+        uuid.replace("-", " "),
+        uuid.replace("-", "") + "    ",
+        "  " + uuid.replace("-", "")[:-2] + "--",
+        uuid[:-1] + "-",
+        "\v" + uuid.replace("-", "") + "   ",
+        "\t" + uuid.replace("-", "") + "   ",
+        "-" + uuid[1:],
+        "gaming-1",
+        "",
+    ]
+    for word in words:
+        modelled = domain_id(word) is not None or domain_uuid(word) is not None
+        assert bool(agent.virsh_reads_as(word)) is modelled, repr(word)

@@ -31,6 +31,7 @@ import struct
 import sys
 import time
 from typing import IO, Any
+from uuid import UUID
 import zlib
 
 from . import domxml, hooks, model
@@ -344,15 +345,28 @@ class Session:
         self.state_dir = state_dir
         self.out = out
 
-    def lookup(self, data: JsonObj, world: model.World, name: str) -> model.Dom:
-        dom = world.doms.get(name)
-        if dom is None:
+    def lookup(
+        self, data: JsonObj, world: model.World, word: str, *, by_id: bool = True
+    ) -> model.Dom:
+        """The domain ``--domain WORD`` names, as virsh finds it
+        (tools/virsh-util.c, virshLookupDomainInternal): the RUNNING domain of
+        that id if WORD reads as one (``domain_id``), else the domain of that
+        UUID if WORD reads as one (``domain_uuid``), else the domain of that
+        name. ``start`` looks up by UUID and name only (cmdStart passes
+        VIRSH_BYNAME | VIRSH_BYUUID: a shut-off domain has no id)."""
+        number = domain_id(word) if by_id else None
+        if number is not None:
             for candidate in world.doms.values():
-                if candidate.spec.get("uuid") == name or (
-                    candidate.id is not None and str(candidate.id) == name
-                ):
+                if candidate.running and candidate.id == number:
                     return candidate
-            raise CommandFailedError(f"failed to get domain '{name}'")
+        raw = domain_uuid(word)
+        if raw is not None:
+            for candidate in world.doms.values():
+                if UUID(str(candidate.spec["uuid"])).bytes == raw:
+                    return candidate
+        dom = world.doms.get(word)
+        if dom is None:
+            raise CommandFailedError(f"failed to get domain '{word}'")
         return dom
 
     def run(self, cmd: Cmd) -> bool:
@@ -477,7 +491,7 @@ class Session:
         with self.transaction(cmd.get("domain")) as data:
             t = model.now(data)
             world = model.world(data, t)
-            dom = self.lookup(data, world, cmd.get("domain"))
+            dom = self.lookup(data, world, cmd.get("domain"), by_id=False)
             if dom.running:
                 # virsh's own check (cmdStart), before libvirt is asked
                 raise CommandFailedError("Domain is already active")
@@ -593,7 +607,8 @@ class Session:
             t = model.now(data)
             world = model.world(data, t)
             dom = self.lookup(data, world, cmd.get("domain"))
-            failed = f"Failed to shutdown domain '{dom.name}'"
+            # cmdShutdown names the domain as it was given (an id, a UUID)
+            failed = f"Failed to shutdown domain '{cmd.get('domain')}'"
             if not dom.running:
                 raise CommandFailedError(failed, NOT_RUNNING)
             unsupported = [m for m in modes if m not in ("acpi", "agent")]
@@ -617,14 +632,15 @@ class Session:
                 # the guest ignores the ACPI power button: accepted, no effect
                 model.record(data, "acpi-ignored", dom.name, t)
             model.save(self.state_dir, data)
-        self.out.print_extra(f"Domain '{dom.name}' is being shutdown\n")
+        self.out.print_extra(f"Domain '{cmd.get('domain')}' is being shutdown\n")
 
     def cmd_destroy(self, cmd: Cmd) -> None:
         with self.transaction(cmd.get("domain")) as data:
             world = model.world(data)
-            dom = self.lookup(data, world, cmd.get("domain"))
+            self.lookup(data, world, cmd.get("domain"))
+        # cmdDestroy names the domain as it was given
         raise CommandFailedError(
-            f"Failed to destroy domain '{dom.name}'",
+            f"Failed to destroy domain '{cmd.get('domain')}'",
             "Operation not supported: the tower simulator refuses destroy "
             "(GPU Handoff never destroys a domain); the attempt was recorded",
         )
@@ -727,11 +743,13 @@ class Session:
         domain = cmd.get("domain")
         loop = bool(cmd.get("loop"))
         timestamp = bool(cmd.get("timestamp"))
-        stream = EventStream(self.state_dir, domain, wanted)
         if domain is not None:
+            # virsh finds the domain once (an id, a UUID or a name) and
+            # follows that domain
             with model.locked(self.state_dir, exclusive=False):
                 data = model.load(self.state_dir)
-                self.lookup(data, model.world(data), domain)
+                domain = self.lookup(data, model.world(data), domain).name
+        stream = EventStream(self.state_dir, domain, wanted)
         count = 0
         interrupted: list[bool] = []
 
@@ -820,6 +838,60 @@ class EventStream:
             ahead = self.pending[0] - (time.time() + self.clock_offset)
             return max(0.002, min(0.02, ahead))
         return 0.02
+
+
+# virStrToLong_i (src/util/virstring.c) reads with g_ascii_strtoll (strtol
+# before libvirt 6.x): C whitespace, then a sign, then digits, to the end.
+STRTOLL_SPACE = " \t\n\v\f\r"
+# virUUIDParse (src/util/viruuid.c) skips g_ascii_isspace, which has no \v.
+GLIB_SPACE = " \t\n\f\r"
+HEX_DIGITS = "0123456789abcdefABCDEF"
+UUID_STRING_LEN = 36  # VIR_UUID_STRING_BUFLEN - 1
+
+
+def domain_id(word: str) -> int | None:
+    """The id virsh reads in ``word``, or None: virshLookupDomainInternal
+    tries an id when ``virStrToLong_i(word, NULL, 10, &id) == 0 && id >= 0``:
+    the whole word read (nothing after the digits, not even a blank), within
+    an int, not negative ("-0" is 0)."""
+    i = 0
+    while i < len(word) and word[i] in STRTOLL_SPACE:
+        i += 1
+    j = i + 1 if word[i : i + 1] in ("+", "-") else i
+    k = j
+    while k < len(word) and word[k] in "0123456789":
+        k += 1
+    if k == j or k != len(word) or len(word[j:k].lstrip("0")) > 10:
+        return None
+    value = int(word[i:k])
+    return value if 0 <= value < 2**31 else None
+
+
+def domain_uuid(word: str) -> bytes | None:
+    """The UUID virsh reads in ``word``, or None: tried when ``strlen(word) ==
+    VIR_UUID_STRING_BUFLEN-1`` (36 bytes), parsed by virUUIDParse: GLib
+    whitespace, then 16 pairs of hex digits with any '-' or ' ' between the
+    pairs (none inside one), then only whitespace."""
+    if len(os.fsencode(word)) != UUID_STRING_LEN:
+        return None
+    cur = 0
+    while cur < len(word) and word[cur] in GLIB_SPACE:
+        cur += 1
+    raw = bytearray()
+    while len(raw) < 16:
+        if cur >= len(word):
+            return None
+        if word[cur] in "- ":
+            cur += 1
+            continue
+        pair = word[cur : cur + 2]
+        if len(pair) < 2 or any(c not in HEX_DIGITS for c in pair):
+            return None
+        raw.append(int(pair, 16))
+        cur += 2
+    if any(c not in GLIB_SPACE for c in word[cur:]):
+        return None
+    return bytes(raw)
 
 
 def _uuid(dom: model.Dom) -> str:

@@ -366,6 +366,34 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# virsh looks `--domain WORD` up by id first, then by UUID, then by name
+# (tools/virsh-util.c, virshLookupDomainInternal). An id is what
+# virStrToLong_i reads whole in base 10 (C whitespace and a sign may come
+# first: " 1", "+1", "01", "-0") that is an int >= 0; a UUID is a word of 36
+# bytes that virUUIDParse reads (src/util/viruuid.c: GLib whitespace around
+# 32 hex digits in pairs, any '-' or ' ' between the pairs).
+_VIRSH_ID_RE = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+_VIRSH_UUID_RE = re.compile(r"[ \t\n\f\r]*(?:[- ]*[0-9A-Fa-f]{2}){16}[ \t\n\f\r]*")
+
+
+def virsh_reads_as(name: str) -> Optional[str]:
+    """Whether virsh would look `name` up as a domain id or UUID before it
+    tries it as a name (and so could find another domain): "id", "UUID" or
+    None."""
+    number = _VIRSH_ID_RE.fullmatch(name)
+    digits = number.group(1) if number else ""
+    if (
+        digits
+        and len(digits.lstrip("+-").lstrip("0")) <= 10
+        and 0 <= int(digits) < 2**31
+    ):
+        return "id"
+    size = len(name.encode("utf-8", "surrogateescape"))
+    if size == 36 and _VIRSH_UUID_RE.fullmatch(name):
+        return "UUID"
+    return None
+
+
 def _check_domain_name(where: str, value: Any, problems: List[str]) -> None:
     if not isinstance(value, str) or not value:
         problems.append(f"{where}: must be a non-empty string")
@@ -377,6 +405,13 @@ def _check_domain_name(where: str, value: Any, problems: List[str]) -> None:
         )
     elif len(value) > 200:
         problems.append(f"{where}: longer than 200 characters")
+    elif virsh_reads_as(value):
+        problems.append(
+            f"{where}: virsh would look {value!r} up as a domain "
+            f"{virsh_reads_as(value)} first, and could act on another VM; "
+            "rename the VM in libvirt (shut it off, then `virsh domrename "
+            "OLD-NAME NEW-NAME`)"
+        )
 
 
 def validate_config(data: Any) -> List[str]:
