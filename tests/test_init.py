@@ -559,6 +559,7 @@ async def test_diagnostics_snapshot(
     assert diagnostics == snapshot(
         exclude=props(
             "lease_age",
+            "boot_id",
             "age",
             "virsh_calls",
             "entry_id",
