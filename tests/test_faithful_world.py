@@ -28,6 +28,8 @@ kubelet stand-in.
 
 from __future__ import annotations
 
+import subprocess
+
 from homeassistant.core import Event, HomeAssistant, callback
 from homeassistant.helpers import issue_registry as ir
 import pytest
@@ -454,3 +456,35 @@ async def test_cards_are_back_only_when_the_new_boot_is_ready(
     assert gpus == (2 if lend else 3)
     assert not still_cordoned
     assert hass.states.get(HANDOFF).state == "serving"
+
+
+async def test_a_stop_supersedes_an_earlier_start_by_hand(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Gaming station 2 plays (the GPU node is off). Someone starts Gaming
+    station 1 on the tower, and the user turns it off before Home Assistant
+    took up the hook's record of that start (found by ``scripts/chaos
+    --cycles 99 --seed 1``, where an SSH cut hid it). It stays off: the
+    stop came after that start and supersedes it."""
+    await setup_entry(hass, entry)
+    await play(hass, entry, sim, 2)
+    await _settled(hass, entry)
+    started = async_capture_events(hass, EVENT_HANDOFF_STARTED)
+    subprocess.run(  # noqa: ASYNC221 - blocks on purpose: no push in between
+        [str(sim.virsh), "-c", sim.uri, "start", "--domain", "gaming-1"],
+        check=True,
+        capture_output=True,
+    )
+    # In the same turn of the event loop: no push came in between.
+    await switch(hass, "turn_off", SWITCH_1)
+    await until(lambda: not sim.is_running("gaming-1"), BOUND)
+    await _settled(hass, entry)
+
+    assert not sim.is_running("gaming-1")
+    assert _handoffs(started, "gaming-1") == 0
+    assert len(sim.calls("start", "gaming-1")) == 1
+    assert hass.states.get(SWITCH_1).state == "off"

@@ -513,10 +513,12 @@ class HandoffController:
         # Fresh state before anything reconciles again: a stale snapshot
         # (say, the cordon just lifted) would start the same work twice.
         await self.coordinator.async_refresh()
-        if kind == "handoff":
-            # libvirtd ran the qemu hook for the start this handoff made; an
-            # agent older than 0.3.1 recorded that as a start by hand. It
-            # was ours: never a request.
+        if kind in ("handoff", "stop"):
+            # A request for the VM supersedes its starts by hand recorded
+            # before it ends (the user turned it off since; or it was the
+            # start this handoff made, which libvirtd runs the qemu hook for
+            # too, and an agent older than 0.3.1 recorded as a start by
+            # hand): none of them is a request any more.
             self._seen_hook_requests.update(
                 request.key
                 for request in self.coordinator.data.tower.hook_requests
@@ -724,7 +726,9 @@ class HandoffController:
                     await self.runner.finish_job()
                 except Exception as failed:  # noqa: BLE001 - settled below
                     err = failed
-                    _LOGGER.warning("The abandoned operation's job failed: %s", err)
+                    # Reported as any failed operation is: the request the
+                    # user made before the removal did not happen.
+                    await self._failed(vm, str(kind), err)
             follow_up = False
             await self.coordinator.async_refresh()
             if kind == "handoff":

@@ -527,3 +527,48 @@ async def test_a_failed_stop_after_a_merged_one_still_lends_the_free_cards(
     summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
     assert summary["faults"]["fired"] == {"guest_shutdown": 1}
     assert summary["violations"] == []
+
+
+async def test_a_stop_supersedes_an_earlier_start_by_hand(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Found by ``scripts/chaos --cycles 99 --seed 1``: Gaming station 2
+    plays; Gaming station 1 is started by hand (the SSH connection cut just
+    before); then the user turns it off. The hook's record of that start,
+    not yet taken up, must not hand the cards to it again after the stop.
+    (Fixed: a request for a VM supersedes its starts by hand recorded before
+    that request ends.)"""
+    plans = [
+        Plan(0, 1, "on", "gaming-2"),
+        Plan(0, 2, "hand", "gaming-1", (Fault("ssh_cut", "before"),)),
+        Plan(0, 3, "off", "gaming-1"),
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
+    assert summary["violations"] == []
+
+
+async def test_a_stop_that_fails_after_its_vm_was_removed_is_reported(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Found by ``scripts/chaos --cycles 139 --seed 1``: Gaming station 1's
+    guest ignores shutdowns; the user turns it off and removes it from GPU
+    Handoff while the stop job runs. The job fails: that is reported, as any
+    failed stop is. (Fixed: the abandoned operation's failed job is reported.)"""
+    ignored = (("mode", "ignored"), ("seconds", 30.0), ("target", "gaming-1"))
+    plans = [
+        Plan(0, 1, "both_on"),
+        Plan(0, 2, "off", "gaming-2"),
+        Plan(
+            0,
+            3,
+            "off",
+            "gaming-1",
+            (
+                Fault("guest_shutdown", "before", ignored),
+                Fault("vm_removed", "mid_job", (("target", "gaming-1"),)),
+            ),
+        ),
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
+    assert summary["faults"]["fired"] == {"guest_shutdown": 1, "vm_removed": 1}
+    assert summary["violations"] == []
