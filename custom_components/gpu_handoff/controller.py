@@ -150,6 +150,11 @@ class HandoffController:
         # The pods that refused the last lend (a drain refuses pods nothing
         # recreates): the lend is tried again once they are gone.
         self.lend_refused: tuple[str, ...] = ()
+        # Whether the GPU node is off because a tower job of GPU Handoff's
+        # shut it down (stored; cleared whenever it is seen running): lending
+        # restarts only such a GPU node after a handoff, never one someone
+        # else shut down.
+        self.gpu_stopped_by_us = False
 
     # --- persistence ---------------------------------------------------------
 
@@ -158,6 +163,7 @@ class HandoffController:
         stored = await self._store.async_load() or {}
         self.desired = set(stored.get("desired", []))
         self.pending = stored.get("pending")
+        self.gpu_stopped_by_us = bool(stored.get("gpu_stopped_by_us", False))
         status = self.coordinator.data.tower
         self._seen_hook_requests = {request.key for request in status.hook_requests}
         self._forget_unknown_vms()
@@ -226,7 +232,12 @@ class HandoffController:
                 item |= {"origin": ORIGIN_HOOK, "hook_job": self._by_hook[vm]}
             queued.append(item)
         await self._store.async_save(
-            {"desired": sorted(self.desired), "pending": self.pending, "queued": queued}
+            {
+                "desired": sorted(self.desired),
+                "pending": self.pending,
+                "queued": queued,
+                "gpu_stopped_by_us": self.gpu_stopped_by_us,
+            }
         )
 
     async def _save_in_background(self) -> None:
@@ -497,6 +508,7 @@ class HandoffController:
             self._fire(EVENT_HANDOFF_STARTED, vm, kind=kind)
         self.coordinator.async_update_listeners()
         returned = follow_up = False
+        self.runner.stopped_gpu_node = False
         try:
             if settle is not None:
                 # It failed before a restart; what it left is settled now.
@@ -513,6 +525,7 @@ class HandoffController:
         # Fresh state before anything reconciles again: a stale snapshot
         # (say, the cordon just lifted) would start the same work twice.
         await self.coordinator.async_refresh()
+        self._note_gpu_node_stop()
         if kind in ("handoff", "stop"):
             # A request for the VM supersedes its starts by hand recorded
             # before it ends (the user turned it off since; or it was the
@@ -587,10 +600,20 @@ class HandoffController:
         status = self.coordinator.data.tower
         gpu = status.domains.get(status.gpu_node)
         return (
-            self.runner.stopped_gpu_node
+            self.gpu_stopped_by_us
             or vm in self._by_hook
             or (gpu is not None and gpu.state == RUNNING)
         )
+
+    def _note_gpu_node_stop(self) -> None:
+        """After an operation: whether the GPU node is off because one of our
+        tower jobs shut it down (its job records), or runs again."""
+        status = self.coordinator.data.tower
+        gpu = status.domains.get(status.gpu_node)
+        if self.runner.stopped_gpu_node:
+            self.gpu_stopped_by_us = True
+        if gpu is not None and gpu.state == RUNNING:
+            self.gpu_stopped_by_us = False
 
     async def _attempt(self, vm: str, kind: str) -> tuple[bool, bool, bool]:
         """Do the operation's work: whether it succeeded, whether the cards
@@ -719,6 +742,7 @@ class HandoffController:
         async with self._lock:
             pending = self.pending or {}
             vm, kind = str(pending.get("vm")), pending.get("kind")
+            self.runner.stopped_gpu_node = False
             settle = pending.get("settle")
             err: Exception | None = None
             if settle is None:
@@ -731,6 +755,7 @@ class HandoffController:
                     await self._failed(vm, str(kind), err)
             follow_up = False
             await self.coordinator.async_refresh()
+            self._note_gpu_node_stop()
             if kind == "handoff":
                 domain = self.coordinator.data.tower.domains.get(vm)
                 if err is None and domain is not None and domain.state == RUNNING:

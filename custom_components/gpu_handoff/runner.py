@@ -281,8 +281,9 @@ class OperationRunner:
 
     # Set by the last return whose GPU node came back short of its GPUs.
     returned_unhealthy: UnhealthyReturn | None = None
-    # Set by the last handoff: whether its tower job shut the GPU node down
-    # (a stop skipped because someone else had shut it down does not count).
+    # Set when a tower job this runner followed shut the GPU node down (a
+    # stop skipped because someone else had shut it down does not count);
+    # its host clears it before each operation.
     stopped_gpu_node: bool = False
 
     def __init__(
@@ -316,23 +317,21 @@ class OperationRunner:
     async def handoff(self, vm: str, settings: Settings) -> None:
         """Give ``vm`` its cards: drain and stop the GPU node if it holds them,
         then start ``vm``. A failure leaves the rest to ``settle_failed_handoff``."""
-        self.stopped_gpu_node = False
         pending = self._host.pending_job
         if pending is not None:
             # Resume: the stored job, whatever the tower looks like now.
             if pending.kind is JobKind.HANDOFF:
                 self._host.phase(PHASE_STOPPING)
-            done = await self._job(pending.kind, pending.domain)
-        else:
-            status = await self.tower.status()
-            if status.domains[vm].state == RUNNING:
-                return
-            node_holds = node_holds_cards_of(status, vm)
-            if node_holds:
-                await self._drain(f"handoff to {vm}", settings)
-                self._host.phase(PHASE_STOPPING)
-            done = await self._job(JobKind.HANDOFF if node_holds else JobKind.START, vm)
-        self.stopped_gpu_node = done.record.did(StepName.SHUTDOWN, self.gpu_node)
+            await self._job(pending.kind, pending.domain)
+            return
+        status = await self.tower.status()
+        if status.domains[vm].state == RUNNING:
+            return
+        node_holds = node_holds_cards_of(status, vm)
+        if node_holds:
+            await self._drain(f"handoff to {vm}", settings)
+            self._host.phase(PHASE_STOPPING)
+        await self._job(JobKind.HANDOFF if node_holds else JobKind.START, vm)
 
     async def settle_failed_handoff(
         self, stopped_by_us: bool, settings: Settings, hook_job: str | None = None
@@ -504,13 +503,10 @@ class OperationRunner:
             )
 
     async def finish_job(self) -> None:
-        """Follow the stored job to its end (an operation being abandoned);
-        ``stopped_gpu_node`` says whether it shut the GPU node down."""
-        self.stopped_gpu_node = False
+        """Follow the stored job to its end (an operation being abandoned)."""
         pending = self._host.pending_job
         if pending is not None:
-            done = await self._job(pending.kind, pending.domain)
-            self.stopped_gpu_node = done.record.did(StepName.SHUTDOWN, self.gpu_node)
+            await self._job(pending.kind, pending.domain)
 
     async def _node_back(self, done: DoneJob | None) -> None:
         """Wait until the GPU node's Kubernetes node is Ready and advertises
@@ -604,6 +600,8 @@ class OperationRunner:
             await self._host.save_job(replace(pending, job_id=job_id))
         record = await self._follow(job_id)
         await self._host.save_job(None)
+        if record.did(StepName.SHUTDOWN, self.gpu_node):
+            self.stopped_gpu_node = True
         if record.job.state is JobState.FAILED:
             raise JobFailedError(record)
         # What the job did, shown before the next step (a push may lag it).
