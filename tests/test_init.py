@@ -140,6 +140,8 @@ async def test_entities_show_the_tower_and_the_node(
         "functions": ["0000:02:00.0", "0000:02:00.1"],
         "held_by": "gpu-node",
         "claimed_by": ["gaming-1", "gpu-node"],
+        "iommu_group": None,
+        "blocked_by": None,
         "use": "cluster",
     }
     assert len(attributes["cards"]) == 3

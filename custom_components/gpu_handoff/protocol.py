@@ -269,11 +269,13 @@ def _domain(data: Any, what: str, strict: bool) -> DomainState:
 
 @dataclass(frozen=True, kw_only=True)
 class Card:
-    """One PCI function: who holds it now, who claims it."""
+    """One PCI function: who holds it now, who claims it, and its IOMMU group
+    (None: the tower has none for it; the card is then the unit)."""
 
     address: str
     held_by: str | None
     claimed_by: tuple[str, ...]
+    iommu_group: int | None = None
 
 
 def _card(data: Any, what: str, strict: bool) -> Card:
@@ -282,6 +284,7 @@ def _card(data: Any, what: str, strict: bool) -> Card:
         address=r.text("address"),
         held_by=r.opt_text("held_by"),
         claimed_by=r.texts("claimed_by"),
+        iommu_group=r.opt_number("iommu_group"),
     )
     r.done()
     return out
@@ -425,6 +428,23 @@ class TowerStatus:
         return len(
             {card.address.rsplit(".", 1)[0] for card in self.cards_held_by(domain)}
         )
+
+    def blocked_by(self, card: Card) -> str | None:
+        """Who keeps a PCI function nobody holds from being passed through:
+        a running domain that holds a function of its IOMMU group (libvirt
+        passes a group through whole), or of its card. None if it is free
+        (or held: see ``held_by``)."""
+        if card.held_by is not None:
+            return None
+        device = card.address.rsplit(".", 1)[0]
+        for other in self.cards:
+            if other.held_by is None:
+                continue
+            if other.address.rsplit(".", 1)[0] == device or (
+                card.iommu_group is not None and other.iommu_group == card.iommu_group
+            ):
+                return other.held_by
+        return None
 
     def job_for(self, domain: str) -> Job | None:
         """The active job acting on ``domain``: a stop or start of it, or for

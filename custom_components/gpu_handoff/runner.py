@@ -217,14 +217,20 @@ def card_of(address: str) -> str:
 
 def free_cards(status: TowerStatus) -> set[str]:
     """The GPU node's own cards (its persistent definition's) that no other
-    running domain holds: what it can run with now."""
+    running domain holds, nor a function of their IOMMU group (libvirt passes
+    a group through whole; on a board without ACS two cards can share one):
+    what it can run with now."""
     gpu = status.domains.get(status.gpu_node)
     if gpu is None:
         return set()
-    taken = {
-        card_of(card.address)
+    elsewhere = [
+        card
         for card in status.cards
         if card.held_by is not None and card.held_by != status.gpu_node
+    ]
+    groups = {card.iommu_group for card in elsewhere} - {None}
+    taken = {card_of(card.address) for card in elsewhere} | {
+        card_of(card.address) for card in status.cards if card.iommu_group in groups
     }
     return {card_of(address) for address in gpu.defined_cards} - taken
 

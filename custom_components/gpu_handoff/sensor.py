@@ -148,21 +148,35 @@ def cards_by_device(tower: TowerStatus) -> list[dict[str, Any]]:
     """One row per card (PCI device), its functions (the GPU, its HDMI
     audio...) inside: who holds it now, which domains claim it, and what it is
     used for now: ``cluster`` (the GPU node has it), ``player`` (a gaming VM),
-    ``idle`` (nobody), ``other`` (a domain GPU Handoff does not manage)."""
+    ``idle`` (nobody), ``blocked`` (nobody, but ``blocked_by`` holds a card of
+    its IOMMU group, so it cannot be lent), ``other`` (a domain GPU Handoff
+    does not manage)."""
     rows: dict[str, dict[str, Any]] = {}
     for card in tower.cards:
         device = card.address.rsplit(".", 1)[0]
         row = rows.setdefault(
             device,
-            {"card": device, "functions": [], "held_by": None, "claimed_by": []},
+            {
+                "card": device,
+                "functions": [],
+                "held_by": None,
+                "claimed_by": [],
+                "iommu_group": card.iommu_group,
+                "blocked_by": None,
+            },
         )
         row["functions"].append(card.address)
         row["held_by"] = row["held_by"] or card.held_by
         row["claimed_by"] = sorted({*row["claimed_by"], *card.claimed_by})
+        row["blocked_by"] = row["blocked_by"] or tower.blocked_by(card)
     for row in rows.values():
         holder = row["held_by"]
+        if holder is not None:
+            row["blocked_by"] = None
         row["use"] = (
-            "idle"
+            "blocked"
+            if row["blocked_by"] is not None
+            else "idle"
             if holder is None
             else "cluster"
             if holder == tower.gpu_node

@@ -48,6 +48,7 @@ def write_agent_config(
                 },
                 "detach": "systemd",
                 "poll_interval": poll_interval,
+                "sysfs": str(tower.sysfs),
             }
         ),
         encoding="utf-8",

@@ -85,6 +85,9 @@ def write_tower(
                 "gaming": ["gaming-1", "gaming-2"],
                 "state_dir": str(directory / "state"),
                 "detach": "process",
+                # the test driver's PCI functions have no IOMMU groups (this
+                # machine's own are not theirs)
+                "sysfs": str(directory / "sys"),
             }
         ),
         encoding="utf-8",

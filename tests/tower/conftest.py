@@ -130,6 +130,8 @@ class FakeTower:
             "timeouts": {"agent": 20, "shutdown": 20, "start": 20},
             "detach": "process",
             "poll_interval": 0.02,
+            # no IOMMU groups (this machine's own are not the fake tower's)
+            "sysfs": str(self.directory / "sys"),
         }
         data.update(overrides)
         self.config = write_config(self.directory / "config.json", **data)

@@ -11,7 +11,11 @@ file, appends every invocation to a log, and refuses ``destroy``.
 State file (env FAKEVIRSH_STATE): {"domains": {NAME: {"state": "running" |
 "shut off", "reason": str, "xml": str, "agent_after": pings that fail before
 the agent answers, "shutdown_polls": domstate calls after an accepted shutdown
-before it is shut off (-1 = never), "acpi": whether ACPI is honoured}},
+before it is shut off (-1 = never), "acpi": whether ACPI is honoured,
+"agent_shutdown": "timed_out" (libvirt's 60 s passed: refused, the guest
+still going down) or "agent_left" (the guest shuts itself down and its agent
+left: refused, the guest going down), "ping_sleep": seconds a ping waits (an
+agent job held elsewhere)}},
 "event_fails": `event` fails at once as when libvirt is unreachable,
 "screenshot_no_file": `screenshot` says it saved a file but writes none}.
 `event` prints nothing otherwise (and never ends): the tower simulator has
@@ -149,6 +153,10 @@ class Fake:
             self.out.append(f"{state} ({dom['reason']})\n\n")
             return 0
         if verb == "qemu-agent-command":
+            if dom.get("ping_sleep"):
+                import time
+
+                time.sleep(float(dom["ping_sleep"]))
             if dom["state"] != "running":
                 self.err.append(
                     "error: Requested operation is not valid: domain is not running\n"
@@ -166,6 +174,17 @@ class Fake:
                 self.err.append(
                     f"error: Failed to shutdown domain '{name[0]}'\n"
                     "error: Requested operation is not valid: domain is not running\n"
+                )
+                return 1
+            going = {
+                "timed_out": "error: Guest agent is not responding: "
+                "Guest agent not available for now\n",
+                "agent_left": AGENT_NOT_CONNECTED,
+            }.get(dom.get("agent_shutdown", ""))
+            if mode == "agent" and going is not None:
+                dom["pending_shutdown"] = dom.get("shutdown_polls", 0)
+                self.err.append(
+                    f"error: Failed to shutdown domain '{name[0]}'\n" + going
                 )
                 return 1
             if mode == "agent" and dom.get("agent_after", 0) > 0:

@@ -109,6 +109,9 @@ def test_modes_in_order_until_one_is_accepted(fake_tower: FakeTower) -> None:
 
 
 def test_every_mode_refused(fake_tower: FakeTower) -> None:
+    """The agent is gone and the domain stays running for the whole shutdown
+    timeout: refused, left running (never destroyed)."""
+    fake_tower.configure(timeouts={"shutdown": 0.2})
     cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
     job = agent.create_job(cfg, "stop", "gpu-node", "cli")
     runner = agent.JobRunner(cfg, job, agent.Virsh(cfg))
@@ -118,6 +121,85 @@ def test_every_mode_refused(fake_tower: FakeTower) -> None:
         runner.run()
     assert err.value.code == "shutdown_refused"
     assert "QEMU guest agent is not connected" in err.value.message
+    assert "still running 0.2 s later" in err.value.message
+    assert fake_tower.load()["domains"]["gpu-node"]["state"] == "running"
+
+
+def test_a_refusal_that_is_not_an_agent_one_fails_at_once(
+    fake_tower: FakeTower,
+) -> None:
+    """ACPI refused for another reason (here: the stand-in's "domain is not
+    running" of a domain that then reads running): no waiting."""
+    fake_tower.configure(shutdown_modes=["acpi"], timeouts={"shutdown": 30})
+    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
+    job = agent.create_job(cfg, "stop", "gpu-node", "cli")
+    runner = agent.JobRunner(cfg, job, agent.Virsh(cfg))
+    result = agent.VirshResult(
+        1, "", "error: Failed to shutdown domain 'x'\nerror: nope\n"
+    )
+    assert not agent.may_be_going_down(result)
+    runner.virsh.run = lambda args, timeout=agent.VIRSH_TIMEOUT: (  # type: ignore[method-assign]
+        result
+        if args[0] == "shutdown"
+        else agent.Virsh.run(runner.virsh, args, timeout)
+    )
+    began = time.monotonic()
+    with pytest.raises(agent.AgentError) as err:
+        runner.step_shutdown(1, job["steps"][1])
+    assert time.monotonic() - began < 5
+    assert err.value.code == "shutdown_refused"
+    assert "later" not in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("how", "text"),
+    [
+        ("timed_out", "Guest agent not available for now"),
+        ("agent_left", "QEMU guest agent is not connected"),
+    ],
+)
+def test_a_refused_agent_shutdown_of_a_guest_going_down_is_a_stop(
+    fake_tower: FakeTower, how: str, text: str
+) -> None:
+    """libvirt's agent shutdown gave up after 60 s while the guest goes down
+    (qemuAgentShutdown), or the guest shut itself down and its agent left
+    first: the domain is shut off within the shutdown timeout, so it is
+    stopped (the step counts as the job's: its detail says why)."""
+    fake_tower.set_domain("gpu-node", agent_shutdown=how, shutdown_polls=3)
+    job = run_job(fake_tower, queue(fake_tower, "stop", "gpu-node"))
+    assert job["state"] == "succeeded", job
+    steps = {s["name"]: s for s in job["steps"]}  # type: ignore[attr-defined]
+    assert steps["shutdown"]["result"] == "ok"
+    assert steps["shutdown"]["detail"].startswith(
+        "shut off after the shutdown was refused (agent: "
+    )
+    assert text in steps["shutdown"]["detail"]
+    assert steps["wait_shut_off"]["result"] == "ok"
+    assert fake_tower.load()["domains"]["gpu-node"]["state"] == "shut off"
+
+
+def test_a_guest_still_going_down_at_the_timeout_fails_the_step(
+    fake_tower: FakeTower,
+) -> None:
+    fake_tower.configure(timeouts={"shutdown": 0.2})
+    fake_tower.set_domain("gpu-node", agent_shutdown="timed_out", shutdown_polls=-1)
+    job = run_job(fake_tower, queue(fake_tower, "stop", "gpu-node"))
+    assert job["state"] == "failed"
+    assert job["error"]["code"] == "shutdown_refused"  # type: ignore[index]
+    assert "left running (never forced off)" in job["error"]["message"]  # type: ignore[index]
+    assert fake_tower.load()["domains"]["gpu-node"]["state"] == "running"
+
+
+def test_virsh_given_up_on_may_be_going_down() -> None:
+    timed_out = agent.VirshResult(124, "", "error: virsh timed out", timed_out=True)
+    assert agent.may_be_going_down(timed_out)
+    lock = agent.VirshResult(
+        1,
+        "",
+        "error: Failed to shutdown domain 'g'\nerror: Timed out during operation: "
+        "cannot acquire state change lock (held by agent=remoteDispatchDomainShutdownFlags)\n",
+    )
+    assert agent.may_be_going_down(lock)
 
 
 def test_start_waits_until_devices_are_free(fake_tower: FakeTower) -> None:

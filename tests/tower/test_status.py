@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from tests.tower import nodes
 from tests.tower.conftest import FakeTower, require_tool, run_agent, write_config
 
@@ -19,6 +20,7 @@ def status(tmp_path: Path, node: Path) -> dict[str, object]:
         gpu_node="gpu-node",
         gaming=["win-1", "win-2", "win-3"],
         state_dir=str(tmp_path / "state"),
+        sysfs=str(tmp_path / "sys"),  # no IOMMU groups
     )
     run = run_agent(["--config", str(config), "status"])
     assert run.rc == 0, run.lines
@@ -48,6 +50,7 @@ def test_status_domains_cards_findings(tmp_path: Path) -> None:
         "address": "0000:01:00.0",
         "held_by": "gpu-node",
         "claimed_by": ["gpu-node", "win-1"],
+        "iommu_group": None,
     }
     assert cards["0000:02:00.0"]["claimed_by"] == ["gpu-node", "other-vm", "win-2"]
     findings = {(f["code"], f["domain"]) for f in reply["findings"]}  # type: ignore[attr-defined]
@@ -141,3 +144,93 @@ def test_screenshot_limits_and_cleanup(
     run = fake_tower.run("screenshot", "win-2")
     assert run.reply["error"]["code"] == "screenshot_failed"
     assert list(tmp.iterdir()) == []
+
+
+# --- the status never waits on a guest agent that a stop holds ------------------
+
+
+def _running_shutdown_job(tower: FakeTower, domain: str) -> None:
+    """A job record of ours at its `shutdown` step of `domain`, its runner alive
+    (the test holds the job's lock as a runner does)."""
+    cfg = agent.load_config(str(tower.config), {})
+    job = agent.create_job(cfg, "stop", domain, "cli")
+    job.update(state="running", step=1)
+    job["steps"][0].update(result="ok")
+    agent.write_json_atomic(agent.job_path(cfg, job["id"]), job, cfg.state_dir)
+
+
+def test_status_does_not_ping_a_domain_our_job_shuts_down(
+    fake_tower: FakeTower,
+) -> None:
+    """libvirt's `shutdown --mode agent` holds the domain's agent job until
+    the guest is off (up to 60 s); a ping would wait for it (up to 30 s,
+    whatever its --timeout): that domain is not pinged, its agent_ready is
+    None (unknown), the others are pinged as ever."""
+    import fcntl
+    import os
+
+    fake_tower.set_domain("win-1", state="running", reason="booted")
+    _running_shutdown_job(fake_tower, "gpu-node")
+    jobs = fake_tower.state_dir / "jobs"
+    job_id = next(p.stem for p in jobs.glob("*.json"))
+    fd = os.open(jobs / f"{job_id}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        reply = fake_tower.run("status").reply
+    finally:
+        os.close(fd)
+    domains = {d["name"]: d for d in reply["domains"]}
+    assert domains["gpu-node"]["state"] == "running"
+    assert domains["gpu-node"]["agent_ready"] is None
+    assert domains["win-1"]["agent_ready"] is True
+    assert [j["step"] for j in reply["active_jobs"]] == ["shutdown"]
+    pings = [
+        part
+        for a in fake_tower.log()
+        if len(a) == 3
+        for part in a[2].split(" ; ")
+        if part.startswith("qemu-agent-command")
+    ]
+    assert len(pings) == 2
+    assert not [p for p in pings if "'gpu-node'" in p]
+
+
+def test_shutting_down_reads_only_a_running_shutdown_step() -> None:
+    steps = [{"name": n, "domain": "g", "result": None} for n in agent.STOP_STEPS]
+    job = {"state": "running", "step": 1, "steps": steps}
+    assert agent.shutting_down(job) == ["g"]
+    assert agent.shutting_down({**job, "step": 2}) == []
+    assert agent.shutting_down({**job, "state": "queued"}) == []
+    assert agent.shutting_down({**job, "step": 7}) == []
+    assert agent.shutting_down({**job, "step": None}) == []
+    assert agent.shutting_down({**job, "steps": None}) == []
+
+
+def test_a_status_whose_pings_wait_is_read_again_without_them(
+    fake_tower: FakeTower, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ping that waits anyway (someone else's agent shutdown holds the
+    job): past STATUS_BATCH_TIMEOUT the batch is read again without pings;
+    every running domain's agent_ready is then None."""
+    monkeypatch.setattr(agent, "STATUS_BATCH_TIMEOUT", 1.0)
+    fake_tower.set_domain("gpu-node", ping_sleep=5)
+    reply = fake_tower.run("status").reply
+    domains = {d["name"]: d for d in reply["domains"]}
+    assert domains["gpu-node"]["state"] == "running"
+    assert domains["gpu-node"]["agent_ready"] is None
+    assert domains["win-1"]["agent_ready"] is None  # shut off
+    batches = [a[2] for a in fake_tower.log() if len(a) == 3]
+    assert "qemu-agent-command" in batches[0]
+    assert "qemu-agent-command" not in batches[1]
+
+
+def test_a_status_without_pings_that_times_out_fails(
+    fake_tower: FakeTower, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def slow(self: agent.Virsh, args: list[str], timeout: float) -> agent.VirshResult:
+        return agent.VirshResult(124, "", "error: virsh timed out", timed_out=True)
+
+    monkeypatch.setattr(agent.Virsh, "_run", slow)
+    cfg = agent.load_config(str(fake_tower.config), {})
+    with pytest.raises(agent.VirshTimeoutError):
+        agent.observe(cfg, agent.Virsh(cfg), ping=False)

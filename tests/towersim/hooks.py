@@ -428,7 +428,16 @@ def _prepare_host(
     state_dir: str, name: str, spec: JsonObj
 ) -> tuple[str | None, JsonObj | None]:
     """qemuProcessPrepareHost: take the PCI functions; libvirt's error if
-    another domain holds one, and the start failure ``fail_next_start`` set."""
+    another domain holds one, or any function of its IOMMU group, and the
+    start failure ``fail_next_start`` set.
+
+    As ``virHostdevPreparePCIDevicesImpl`` (src/hypervisor/virhostdev.c),
+    step 1, for each of the domain's functions in order: the function itself
+    (``virHostdevIsPCINodeDeviceUsed``), then every function of its VFIO
+    group (``virPCIDeviceAddressIOMMUGroupIterate``, src/util/virpci.c, which
+    lists ``/sys/bus/pci/devices/ADDR/iommu_group/devices``): the first one
+    another domain holds is refused with ITS address, one the starting domain's
+    XML may not name."""
     addresses = [model.pci_name(h["address"]) for h in spec.get("hostdevs", [])]
     while True:
         with model.locked(state_dir):
@@ -443,16 +452,21 @@ def _prepare_host(
         data = model.load(state_dir)
         world = model.world(data)
         others = {n: m for n, m in starting(data).items() if n != name}
-        for address in addresses:
-            holder = world.holder(address, exclude=name) or next(
-                (n for n, m in others.items() if address in (m.get("hostdevs") or [])),
-                None,
-            )
-            if holder is not None:
-                return (
-                    f"Requested operation is not valid: PCI device {address} "
-                    f"is in use by driver {model.DRIVER_NAME}, domain {holder}"
-                ), None
+        for own in addresses:
+            for address in [own, *model.group_mates(data, own)]:
+                holder = world.holder(address, exclude=name) or next(
+                    (
+                        n
+                        for n, m in others.items()
+                        if address in (m.get("hostdevs") or [])
+                    ),
+                    None,
+                )
+                if holder is not None:
+                    return (
+                        f"Requested operation is not valid: PCI device {address} "
+                        f"is in use by driver {model.DRIVER_NAME}, domain {holder}"
+                    ), None
         failures = data.setdefault("start_failures", {})
         failure = failures.get(name)
         if failure is not None and not failure.get("every"):

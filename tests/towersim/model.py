@@ -27,6 +27,16 @@ LOCK_FILE = "lock"
 COMMANDS_FILE = "commands.jsonl"
 AGENT_CHANNEL = "org.qemu.guest_agent.0"
 DRIVER_NAME = "QEMU"
+# libvirt's waits, in simulated seconds (scaled by the tower's time_scale;
+# ``Tower.create`` and ``Tower.set_libvirt_waits`` change them):
+# qemuAgentShutdown waits this long for the guest to power off
+# (VIR_DOMAIN_QEMU_AGENT_COMMAND_SHUTDOWN, src/qemu/qemu_agent.h) ...
+AGENT_SHUTDOWN_TIMEOUT = 60.0
+# ... and virDomainObjBeginJobInternal this long for a domain's job
+# (VIR_JOB_WAIT_TIME, src/conf/virdomainjob.c; QEMU_JOB_WAIT_TIME before 8.x)
+JOB_WAIT_TIME = 30.0
+# the API that holds the agent job of a blocked ``virsh shutdown``
+SHUTDOWN_API = "remoteDispatchDomainShutdownFlags"
 
 JsonObj = dict[str, Any]
 
@@ -101,6 +111,16 @@ def new_state(time_scale: float) -> JsonObj:
     }
 
 
+def libvirt_wait(data: JsonObj, field: str) -> float:
+    """``agent_shutdown_timeout`` or ``job_wait``, in real seconds."""
+    default = (
+        AGENT_SHUTDOWN_TIMEOUT if field == "agent_shutdown_timeout" else JOB_WAIT_TIME
+    )
+    value = data.get(field)
+    seconds = default if value is None else float(value)
+    return seconds * float(data.get("time_scale", 1.0))
+
+
 def record(data: JsonObj, op: str, name: str, t: float, **fields: Any) -> None:
     action: JsonObj = {"op": op, "name": name, "t": t}
     action.update(fields)
@@ -115,6 +135,57 @@ def pci_name(address: str) -> str:
     dom, bus, rest = address.split(":")
     slot, function = rest.split(".")
     return f"{int(dom, 16):04x}:{int(bus, 16):02x}:{int(slot, 16):02x}.{int(function, 16):x}"
+
+
+# --- IOMMU groups ------------------------------------------------------------------
+#
+# The kernel puts every PCI function in one IOMMU (VFIO) group; a group is
+# passed through whole: libvirt refuses a start while another domain holds
+# any function of the group of one of its own (see hooks._prepare_host). On a
+# board with ACS each card (bus:slot) has its own group, which is the default
+# here; ``Tower.set_iommu_group`` puts functions of several cards in one, as
+# on a board without ACS.
+
+
+def default_iommu_group(address: str) -> int:
+    """The group number of a function whose card has a group of its own:
+    10 + bus for slot 0 (as /dev/vfio/N of ``vfio_error``), unique per card."""
+    dom, bus, rest = pci_name(address).split(":")
+    slot = int(rest.split(".")[0], 16)
+    return 10 + int(bus, 16) + 256 * (slot + 32 * int(dom, 16))
+
+
+def iommu_group(data: JsonObj, address: str) -> int:
+    """The IOMMU group of a PCI function."""
+    name = pci_name(address)
+    groups: dict[str, int] = data.get("iommu_groups") or {}
+    return int(groups[name]) if name in groups else default_iommu_group(name)
+
+
+def pci_functions(data: JsonObj) -> list[str]:
+    """Every PCI function the tower has: those its domains are defined with
+    and those put in a group by hand."""
+    found = {
+        pci_name(h["address"])
+        for spec in data["domains"].values()
+        for h in spec.get("hostdevs") or []
+    }
+    found.update(pci_name(a) for a in data.get("iommu_groups") or {})
+    return sorted(found)
+
+
+def iommu_groups(data: JsonObj) -> dict[int, list[str]]:
+    """Every IOMMU group: its number and its functions, sorted."""
+    groups: dict[int, list[str]] = {}
+    for address in pci_functions(data):
+        groups.setdefault(iommu_group(data, address), []).append(address)
+    return groups
+
+
+def group_mates(data: JsonObj, address: str) -> list[str]:
+    """The functions of ``address``'s IOMMU group (itself included), sorted,
+    as ``/sys/bus/pci/devices/ADDR/iommu_group/devices`` lists them."""
+    return iommu_groups(data).get(iommu_group(data, address), [pci_name(address)])
 
 
 class Event:
@@ -202,6 +273,9 @@ class Dom:
         self.agent_at: float | None = None
         self.agent_connected = False
         self.off_at: float | None = None
+        # a ``shutdown --mode agent`` in libvirtd holds the domain's agent job
+        # until the guest is off, its agent gone, or this instant
+        self.agent_job_until: float | None = None
         # the hostdevs of a live-only definition (``virsh create`` of a defined
         # domain), while it runs from one; None: it runs from (or is) its
         # persistent definition
@@ -222,6 +296,14 @@ class Dom:
     def state_text(self, *, reason: bool) -> str:
         state = "running" if self.running else "shut off"
         return f"{state} ({self.reason})" if reason else state
+
+    def agent_job_held(self, t: float) -> bool:
+        """Whether a blocked ``shutdown --mode agent`` holds the agent job at ``t``."""
+        return (
+            self.running
+            and self.agent_job_until is not None
+            and self.agent_job_until > t
+        )
 
     def hostdevs(self) -> list[JsonObj]:
         """The PCI functions of the definition it runs with (or would start with)."""
@@ -329,6 +411,7 @@ class World:
         d.agent_at = None
         d.agent_connected = False
         d.off_at = None
+        d.agent_job_until = None
         # libvirt drops a live-only definition when the domain stops
         d.live_hostdevs = None
 
@@ -368,16 +451,42 @@ class World:
             if d.running:
                 end = t + (d.seconds("shutdown_duration") or 0.0)
                 d.off_at = end if d.off_at is None else min(d.off_at, end)
+                if action.get("mode") == "agent" and action.get("job_until"):
+                    # qemuDomainShutdownFlagsAgent: the agent job is held
+                    # while qemuAgentShutdown waits for the power-off
+                    d.agent_job_until = float(action["job_until"])
+                elif action.get("mode") == "guest":
+                    self._agent_leaves(d, t)
         elif op == "set":
             field, value = action["field"], action["value"]
             d.spec[field] = value
-            if field == "agent_delay" and d.running and not d.agent_connected:
+            if (
+                field == "agent_delay"
+                and d.running
+                and not d.agent_connected
+                and d.off_at is None
+            ):
                 delay = d.seconds("agent_delay")
                 d.agent_at = (
                     None
                     if delay is None or not d.has_channel or d.boot_t is None
                     else max(t, d.boot_t + delay)
                 )
+
+    def _agent_leaves(self, d: Dom, t: float) -> None:
+        """The guest began to shut itself down: its guest agent (stopped by
+        the guest's shutdown) closes the channel at once, seconds before the
+        power-off, and does not come back; QEMU reports the port closed
+        (VSERPORT_CHANGE) and libvirt closes its agent (processSerialChangedEvent,
+        qemuAgentClose), which also ends a ``shutdown --mode agent`` waiting
+        in qemuAgentSend (qemuAgentNotifyCloseLocked) and frees its agent job."""
+        if d.agent_connected:
+            self._emit(
+                t, d.name, *agent_lifecycle(d.name, "disconnected", "channel event")
+            )
+        d.agent_connected = False
+        d.agent_at = None
+        d.agent_job_until = None
 
     def _boot(
         self,

@@ -38,7 +38,8 @@ def test_start_refused_while_a_running_domain_holds_a_function(tower: Tower) -> 
 
 def test_cards_move_when_the_holder_is_off(tower: Tower) -> None:
     tower.set_shutdown_duration("gpu-node", 100_000.0)  # 1000 s at this scale
-    assert sim(tower, "shutdown", "--mode", "agent", "gpu-node").rc == 0
+    # libvirt's agent shutdown gives up after its 60 s (test_agent_shutdown.py)
+    assert sim(tower, "shutdown", "--mode", "agent", "gpu-node").rc == 1
     # still running (and holding the cards) until the guest has powered off
     assert sim(tower, "start", "gaming-2").rc == 1
     assert tower.domstate("gpu-node") == "running (booted)"

@@ -20,7 +20,7 @@ import uuid
 
 from tests.support.waiting import wait_until
 
-from . import domxml, hooks, model
+from . import domxml, hooks, model, sysfs
 
 PathLike = Union[str, "os.PathLike[str]"]
 T = TypeVar("T")
@@ -136,6 +136,9 @@ class Tower:
         self.bin = self.root / "bin"
         self.virsh = self.bin / "virsh"
         self.systemd_run = self.bin / "systemd-run"
+        # the part of sysfs that tells IOMMU groups (see sysfs.py): give it to
+        # the agent as its ``sysfs`` root
+        self.sysfs = self.root / "sys"
 
     # --- creation ------------------------------------------------------------
 
@@ -149,12 +152,16 @@ class Tower:
         python: str | None = None,
         python_env: dict[str, str] | None = None,
         first_id: int = 1,
+        agent_shutdown_timeout: float = model.AGENT_SHUTDOWN_TIMEOUT,
+        job_wait: float = model.JOB_WAIT_TIME,
     ) -> Tower:
         """A new tower; ``time_scale`` multiplies every simulated duration.
 
         ``first_id`` is the id the first started domain gets (libvirt counts
         on from there). ``python`` runs the simulator (default: this one), with
         ``python_env`` set (e.g. ``LD_LIBRARY_PATH`` for a relocated Python).
+        ``agent_shutdown_timeout`` and ``job_wait`` are libvirt's waits (see
+        ``set_libvirt_waits``).
         """
         tower = cls(root)
         state = Path(tower.state_dir)
@@ -162,10 +169,13 @@ class Tower:
         state.chmod(0o777)
         data = model.new_state(time_scale)
         data["first_id"] = first_id
+        data["agent_shutdown_timeout"] = agent_shutdown_timeout
+        data["job_wait"] = job_wait
         model.save(tower.state_dir, data)
         tower._write_wrappers(python or sys.executable, python_env or {})
         for spec in domains:
             tower.define(spec)
+        tower._write_sysfs()
         return tower
 
     def _write_wrappers(self, python: str, env: dict[str, str]) -> None:
@@ -206,6 +216,33 @@ class Tower:
             model.save(self.state_dir, data)
         return result
 
+    def _write_sysfs(self) -> None:
+        with model.locked(self.state_dir, exclusive=False):
+            data = model.load(self.state_dir)
+        sysfs.write_tree(str(self.sysfs), data)
+
+    def set_iommu_group(self, number: int, addresses: Iterable[str]) -> None:
+        """Put these PCI functions in IOMMU group ``number`` (by default each
+        card, bus:slot, has a group of its own, as on a board with ACS): on a
+        board without ACS two cards can share one, and libvirt then refuses
+        to start a domain while another holds any function of the group
+        (``PCI device ADDR is in use by driver QEMU, domain X``, ADDR maybe
+        one the starting domain does not have). ``sysfs`` shows the groups."""
+        names = [model.pci_name(a) for a in addresses]
+
+        def change(data: dict[str, Any], t: float) -> None:
+            groups = data.setdefault("iommu_groups", {})
+            for name in names:
+                groups[name] = int(number)
+
+        self._change(change)
+        self._write_sysfs()
+
+    def iommu_groups(self) -> dict[int, list[str]]:
+        """Every IOMMU group of the tower's PCI functions."""
+        with model.locked(self.state_dir, exclusive=False):
+            return model.iommu_groups(model.load(self.state_dir))
+
     def define(self, spec: DomainSpec) -> None:
         """Define (or redefine) a domain; running specs start out booted long ago."""
         spec_json = spec.as_json()
@@ -217,6 +254,8 @@ class Tower:
             )
 
         self._change(change)
+        if self.sysfs.exists():
+            self._write_sysfs()
 
     def _set(self, name: str, key: str, value: Any) -> None:
         def change(data: dict[str, Any], t: float) -> None:
@@ -259,7 +298,10 @@ class Tower:
         self._set(name, "screen", screen)
 
     def guest_shutdown(self, name: str) -> None:
-        """The guest powers itself off (the player shut the game VM down)."""
+        """The guest powers itself off (the player shut the game VM down): its
+        guest agent disconnects at once (``agent-lifecycle`` ``disconnected``
+        / ``channel event``) and does not come back; the domain runs on for
+        its ``shutdown_duration``, then is ``shut off (shutdown)``."""
 
         def change(data: dict[str, Any], t: float) -> None:
             if not model.world(data, t).doms[name].running:
@@ -267,6 +309,49 @@ class Tower:
             model.record(data, "shutdown", name, t, mode="guest")
 
         self._change(change)
+
+    def guest_shutdown_on_next_stop(self, name: str) -> None:
+        """The player shuts ``name`` down from inside at the instant the next
+        ``virsh shutdown`` of it arrives, just before it (as ``guest_shutdown``):
+        that shutdown finds the guest agent gone while the domain runs."""
+
+        def change(data: dict[str, Any], t: float) -> None:
+            if name not in data["domains"]:
+                raise KeyError(name)
+            races = data.setdefault("guest_shutdown_races", [])
+            if name not in races:
+                races.append(name)
+
+        self._change(change)
+
+    def set_libvirt_waits(
+        self,
+        *,
+        agent_shutdown_timeout: float | None = None,
+        job_wait: float | None = None,
+    ) -> None:
+        """libvirt's waits, in simulated seconds (scaled by ``time_scale``):
+        ``shutdown --mode agent`` blocks until the guest is off, its agent
+        gone, or ``agent_shutdown_timeout`` (60 s:
+        VIR_DOMAIN_QEMU_AGENT_COMMAND_SHUTDOWN) passed, and meanwhile holds
+        the domain's agent job; another agent call on that domain (a
+        ``qemu-agent-command``, a second agent shutdown) waits for that job up
+        to ``job_wait`` (30 s: VIR_JOB_WAIT_TIME) and then fails."""
+
+        def change(data: dict[str, Any], t: float) -> None:
+            if agent_shutdown_timeout is not None:
+                data["agent_shutdown_timeout"] = agent_shutdown_timeout
+            if job_wait is not None:
+                data["job_wait"] = job_wait
+
+        self._change(change)
+
+    def agent_job_held(self, name: str) -> bool:
+        """Whether a blocked ``shutdown --mode agent`` holds ``name``'s agent job."""
+        with model.locked(self.state_dir, exclusive=False):
+            data = model.load(self.state_dir)
+            t = model.now(data)
+            return model.world(data, t).doms[name].agent_job_held(t)
 
     def start_live(self, name: str, addresses: Iterable[str]) -> None:
         """Start a defined domain with only these PCI functions, as ``virsh

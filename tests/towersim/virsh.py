@@ -337,6 +337,14 @@ class CommandFailedError(Exception):
 NOT_RUNNING = "Requested operation is not valid: domain is not running"
 AGENT_NOT_CONNECTED = "Guest agent is not responding: QEMU guest agent is not connected"
 AGENT_NOT_CONFIGURED = "argument unsupported: QEMU guest agent is not configured"
+# qemuAgentSend: no reply (nor the awaited SHUTDOWN event) within its wait
+AGENT_NOT_AVAILABLE = "Guest agent is not responding: Guest agent not available for now"
+# virDomainObjBeginJobInternal, after VIR_JOB_WAIT_TIME, the agent job held
+JOB_TIMED_OUT = (
+    "Timed out during operation: cannot acquire state change lock "
+    f"(held by agent={model.SHUTDOWN_API})"
+)
+POLL = 0.01  # how often a blocked call looks at the tower again (real seconds)
 SHUTDOWN_MODES = ("acpi", "agent", "initctl", "signal", "paravirt")
 
 
@@ -401,6 +409,51 @@ class Session:
                     yield data
                     return
             time.sleep(0.005)
+
+    @contextlib.contextmanager
+    def agent_job(
+        self, word: str, *failed: str
+    ) -> Iterator[tuple[JsonObj, float, model.World, model.Dom]]:
+        """The domain's agent job, as virDomainObjBeginAgentJob takes it (the
+        lock held; the data, the time, the world and the domain): while a
+        blocked ``shutdown --mode agent`` holds it, wait for it up to the job
+        wait time (VIR_JOB_WAIT_TIME: 30 s, scaled), then fail with libvirt's
+        text after the lines ``failed``. ``qemu-agent-command --timeout``
+        bounds only the agent's reply, not this wait."""
+        deadline: float | None = None
+        while True:
+            with self.transaction(word) as data:
+                t = model.now(data)
+                world = model.world(data, t)
+                dom = self.lookup(data, world, word)
+                if not dom.agent_job_held(t):
+                    yield data, t, world, dom
+                    return
+                if deadline is None:
+                    deadline = t + model.libvirt_wait(data, "job_wait")
+                elif t >= deadline:
+                    raise CommandFailedError(*failed, JOB_TIMED_OUT)
+            time.sleep(POLL)
+
+    def _agent_shutdown_wait(
+        self, name: str, boot_t: float | None, until: float
+    ) -> bool:
+        """qemuAgentShutdown's wait: True when the guest powered off (QEMU's
+        SHUTDOWN event, qemuAgentNotifyEvent) or its agent went away
+        (qemuAgentNotifyClose) before ``until``; False at ``until``."""
+        while True:
+            with model.locked(self.state_dir, exclusive=False):
+                data = model.load(self.state_dir)
+            t = model.now(data)
+            dom = model.world(data, t).doms.get(name)
+            if dom is None or not dom.running or dom.boot_t != boot_t:
+                hooks.dispatch_stops(self.state_dir)
+                return True
+            if not dom.agent_connected:
+                return True
+            if t >= until:
+                return False
+            time.sleep(POLL)
 
     def cmd_echo(self, cmd: Cmd) -> None:
         words = list(cmd.get("string") or [])
@@ -603,12 +656,11 @@ class Session:
                         "'acpi', 'agent', 'initctl', 'signal', or 'paravirt'"
                     )
                 modes.append(mode)
-        with self.transaction(cmd.get("domain")) as data:
-            t = model.now(data)
-            world = model.world(data, t)
-            dom = self.lookup(data, world, cmd.get("domain"))
-            # cmdShutdown names the domain as it was given (an id, a UUID)
-            failed = f"Failed to shutdown domain '{cmd.get('domain')}'"
+        # cmdShutdown names the domain as it was given (an id, a UUID)
+        failed = f"Failed to shutdown domain '{cmd.get('domain')}'"
+        blocked: tuple[str, float | None, float] | None = None
+        with self.agent_job(cmd.get("domain"), failed) as (data, t, _world, found):
+            dom = found
             if not dom.running:
                 raise CommandFailedError(failed, NOT_RUNNING)
             unsupported = [m for m in modes if m not in ("acpi", "agent")]
@@ -617,6 +669,12 @@ class Session:
                     failed,
                     f"Operation not supported: the tower simulator has no '{unsupported[0]}' shutdown",
                 )
+            if dom.name in data.get("guest_shutdown_races", []):
+                # the player shut the guest down from inside just now
+                data["guest_shutdown_races"].remove(dom.name)
+                model.record(data, "shutdown", dom.name, t, mode="guest")
+                model.save(self.state_dir, data)
+                dom = model.world(data, t).doms[dom.name]
             use_agent = "agent" in modes or (
                 not modes and dom.has_channel and dom.agent_connected
             )
@@ -625,14 +683,38 @@ class Session:
                     raise CommandFailedError(failed, AGENT_NOT_CONFIGURED)
                 if not dom.agent_connected:
                     raise CommandFailedError(failed, AGENT_NOT_CONNECTED)
-                model.record(data, "shutdown", dom.name, t, mode="agent")
-            elif not dom.spec.get("ignore_acpi"):
-                model.record(data, "shutdown", dom.name, t, mode="acpi")
+                # qemuDomainShutdownFlagsAgent: guest-shutdown, then wait
+                until = t + model.libvirt_wait(data, "agent_shutdown_timeout")
+                model.record(
+                    data, "shutdown", dom.name, t, mode="agent", job_until=until
+                )
+                blocked = (dom.name, dom.boot_t, until)
             else:
-                # the guest ignores the ACPI power button: accepted, no effect
-                model.record(data, "acpi-ignored", dom.name, t)
+                self._acpi(data, dom, t)
             model.save(self.state_dir, data)
+        if blocked is not None and not self._agent_shutdown_wait(*blocked):
+            if not modes or "acpi" in modes:
+                # qemuDomainShutdownFlags: the agent failed, not forced: ACPI
+                # (unless the guest went away meanwhile)
+                with self.transaction(cmd.get("domain")) as data:
+                    t = model.now(data)
+                    dom = model.world(data, t).doms[blocked[0]]
+                    if dom.running:
+                        self._acpi(data, dom, t)
+                        model.save(self.state_dir, data)
+            else:
+                raise CommandFailedError(failed, AGENT_NOT_AVAILABLE)
         self.out.print_extra(f"Domain '{cmd.get('domain')}' is being shutdown\n")
+
+    @staticmethod
+    def _acpi(data: JsonObj, dom: model.Dom, t: float) -> None:
+        """qemuDomainShutdownFlagsMonitor: QEMU's system_powerdown (the ACPI
+        power button), and return at once."""
+        if not dom.spec.get("ignore_acpi"):
+            model.record(data, "shutdown", dom.name, t, mode="acpi")
+        else:
+            # the guest ignores the ACPI power button: accepted, no effect
+            model.record(data, "acpi-ignored", dom.name, t)
 
     def cmd_destroy(self, cmd: Cmd) -> None:
         with self.transaction(cmd.get("domain")) as data:
@@ -657,9 +739,9 @@ class Session:
             if seconds < 1:
                 raise CommandFailedError("timeout must be positive")
         text = " ".join(cmd.get("cmd") or [])
-        with self.transaction(cmd.get("domain")) as data:
-            world = model.world(data)
-            dom = self.lookup(data, world, cmd.get("domain"))
+        # qemuDomainQemuAgentCommand: virDomainObjBeginAgentJob first
+        with self.agent_job(cmd.get("domain")) as (_data, _t, _world, dom):
+            pass
         if not dom.running:
             raise CommandFailedError(NOT_RUNNING)
         if not dom.has_channel:

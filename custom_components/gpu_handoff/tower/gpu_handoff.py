@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 import xml.etree.ElementTree as ET
 import zlib
 
@@ -187,6 +187,7 @@ FINDING_ROM_BAR = "rom_bar_not_off"
 FINDING_NO_AGENT_CHANNEL = "no_agent_channel"
 FINDING_CLAIMED_BY_UNMANAGED = "claimed_by_unmanaged"
 FINDING_DOMAIN_MISSING = "domain_missing"
+FINDING_SHARED_IOMMU_GROUP = "shared_iommu_group"
 
 # What virsh prints for each virDomainState (tools/virsh-domain-monitor.c,
 # virshDomainState; in the C locale, which the agent always runs virsh in) and
@@ -210,11 +211,17 @@ UNKNOWN_STATE = "no_state"
 DEFAULT_CONFIG_PATH = "/etc/gpu-handoff/config.json"
 DEFAULT_PREFIX = "/usr/local"
 DEFAULT_INSTALL_STATE_DIR = "/var/lib/gpu-handoff"
+DEFAULT_SYSFS = "/sys"
 HOOK_PATH = "/etc/libvirt/hooks/qemu.d/gpu-handoff"
 SYSTEMD_RUNTIME_DIR = "/run/systemd/system"
 AGENT_CHANNEL = "org.qemu.guest_agent.0"
 GUEST_PING = '{"execute":"guest-ping"}'
 STATUS_PING_TIMEOUT = 2
+# The status batch with pings: libvirt makes a ping wait for the domain's
+# agent job (virDomainObjBeginAgentJob, up to 30 s whatever its --timeout)
+# while another call holds it (a `shutdown --mode agent` waits up to 60 s for
+# the power-off); past this the status is read again without pings.
+STATUS_BATCH_TIMEOUT = 10.0
 VIRSH_TIMEOUT = 120.0
 SHUTDOWN_MODES = ("agent", "acpi")
 DETACH_MODES = ("auto", "systemd", "process")
@@ -320,6 +327,9 @@ class Config:
         # What Home Assistant calls the tower (its entry and device) unless
         # the user renames them there: the machine's host name by default.
         self.name: str = data.get("name") or socket.gethostname()
+        # Where sysfs is mounted: the IOMMU groups are read there (another
+        # root only for tests and simulators).
+        self.sysfs: str = data.get("sysfs", DEFAULT_SYSFS)
         self.env = env
 
     @property
@@ -348,6 +358,7 @@ class Config:
             "max_streams": self.max_streams,
             "write_timeout": self.write_timeout,
             "name": self.name,
+            "sysfs": self.sysfs,
         }
 
 
@@ -436,6 +447,7 @@ def validate_config(data: Any) -> List[str]:
         "max_streams",
         "write_timeout",
         "name",
+        "sysfs",
     }
     problems.extend(f"{key}: unknown key" for key in sorted(data) if key not in known)
     uri = data.get("libvirt_uri", "qemu:///system")
@@ -535,6 +547,10 @@ def validate_config(data: Any) -> List[str]:
         timeout = data["write_timeout"]
         if not _is_number(timeout) or not 0 < timeout <= 3600:
             problems.append("write_timeout: must be a number in (0, 3600]")
+    if "sysfs" in data:
+        sysfs = data["sysfs"]
+        if not isinstance(sysfs, str) or not os.path.isabs(sysfs):
+            problems.append("sysfs: must be an absolute path")
     if "name" in data:
         name = data["name"]
         if (
@@ -581,10 +597,11 @@ def resolve_program(name: str, override: Optional[str], cfg: Config) -> Optional
 
 
 class VirshResult:
-    def __init__(self, rc: int, out: str, err: str) -> None:
+    def __init__(self, rc: int, out: str, err: str, timed_out: bool = False) -> None:
         self.rc = rc
         self.out = out
         self.err = err
+        self.timed_out = timed_out
 
     def error_text(self) -> str:
         lines = [ln.strip() for ln in self.err.splitlines() if ln.strip()]
@@ -706,7 +723,9 @@ class Virsh:
                 check=False,
             )
         except subprocess.TimeoutExpired:
-            return VirshResult(124, "", f"error: virsh timed out after {timeout:g} s")
+            return VirshResult(
+                124, "", f"error: virsh timed out after {timeout:g} s", timed_out=True
+            )
         except OSError as err:
             raise AgentError(
                 ERR_VIRSH_MISSING, f"cannot run {self.path}: {err}"
@@ -735,9 +754,15 @@ class Virsh:
                 " ".join(virsh_quote(tok) if j else tok for j, tok in enumerate(cmd))
             )
         result = self._run([" ; ".join(parts)], timeout)
+        if result.timed_out:
+            raise VirshTimeoutError(ERR_VIRSH_FAILED, result.error_text())
         if result.rc != 0 and f"@@gpu-handoff-{nonce}-0" not in result.out:
             raise AgentError(ERR_VIRSH_FAILED, result.error_text())
         return split_batch_output(result.out, nonce, len(commands))
+
+
+class VirshTimeoutError(AgentError):
+    """A virsh call that did not end within its time (and was killed)."""
 
 
 def split_batch_output(text: str, nonce: str, count: int) -> List[str]:
@@ -860,6 +885,9 @@ class Snapshot:
         self.existing: List[str] = []
         self.domains: Dict[str, JsonObj] = {}
         self.others: Dict[str, JsonObj] = {}
+        # The IOMMU group of each PCI function any domain claims (none: the
+        # tower has no IOMMU groups, or not for that function).
+        self.groups: Dict[str, int] = {}
         self.virsh_calls = 0
 
     def all_domains(self) -> Dict[str, JsonObj]:
@@ -870,6 +898,25 @@ class Snapshot:
     @staticmethod
     def holds(dom: JsonObj) -> bool:
         return bool(dom.get("exists")) and dom.get("state") not in ("shut_off", None)
+
+    def addresses(self) -> List[str]:
+        """Every PCI function a domain claims (the GPU node's whole definition
+        included, while it runs with a live one)."""
+        found = {
+            dev["address"]
+            for dom in self.all_domains().values()
+            for dev in [*dom["hostdevs"], *dom.get("defined_hostdevs", [])]
+        }
+        return sorted(found)
+
+    def units(self, address: str) -> List[str]:
+        """What a PCI function moves with: its card (one card's functions go
+        to one domain), and its IOMMU group (libvirt passes a group through
+        whole: see busy_cards)."""
+        units = ["card " + card_of(address)]
+        if address in self.groups:
+            units.append(f"group {self.groups[address]}")
+        return units
 
 
 def _domain_record(name: str, xml_text: str, state_text: str, exists: bool) -> JsonObj:
@@ -895,21 +942,42 @@ def _domain_record(name: str, xml_text: str, state_text: str, exists: bool) -> J
     return record
 
 
-def observe(cfg: Config, virsh: Virsh, ping: bool) -> Snapshot:
-    """One virsh call for the managed domains (+ pings), one more for others."""
-    snap = Snapshot()
-    managed = cfg.managed
+def _observe_commands(cfg: Config, pinged: List[str]) -> List[List[str]]:
     cmds: List[List[str]] = [["list", "--all", "--name"]]
-    for name in managed:
+    for name in cfg.managed:
         cmds.append(cmd_dumpxml(name))
         cmds.append(cmd_domstate(name))
-    if ping:
-        cmds.extend(cmd_ping(name) for name in managed)
+    cmds.extend(cmd_ping(name) for name in pinged)
     # The GPU node's persistent definition: while it runs with a live-only
     # one (some cards lent to players), its own cards are still these.
     cmds.append(cmd_inactive_xml(cfg.gpu_node))
+    return cmds
+
+
+def observe(
+    cfg: Config, virsh: Virsh, ping: bool, busy: Optional[Set[str]] = None
+) -> Snapshot:
+    """One virsh call for the managed domains (+ pings), one more for others.
+
+    No domain in `busy` is pinged (a job of ours stops it through its guest
+    agent: libvirt would make the ping wait for that), and a batch whose
+    pings wait anyway is read again without pings: the status never waits
+    on a guest agent; an unpinged running domain's agent_ready is None.
+    """
+    snap = Snapshot()
+    managed = cfg.managed
+    pinged = [name for name in managed if name not in (busy or set())] if ping else []
     before = virsh.calls
-    outs = virsh.batch(cmds)
+    try:
+        outs = virsh.batch(
+            _observe_commands(cfg, pinged),
+            STATUS_BATCH_TIMEOUT if pinged else VIRSH_TIMEOUT,
+        )
+    except VirshTimeoutError:
+        if not pinged:
+            raise
+        pinged = []
+        outs = virsh.batch(_observe_commands(cfg, pinged))
     if not outs[0] and not any(outs[1:]):
         # Not even `list` answered: ask again alone for its error.
         listing = virsh.run(["list", "--all", "--name"])
@@ -922,9 +990,15 @@ def observe(cfg: Config, virsh: Virsh, ping: bool) -> Snapshot:
             name, outs[1 + 2 * i], outs[2 + 2 * i], name in snap.existing
         )
         if ping:
-            answer = outs[1 + 2 * len(managed) + i]
+            answer = (
+                outs[1 + 2 * len(managed) + pinged.index(name)]
+                if name in pinged
+                else None
+            )
             record["agent_ready"] = (
-                ('"return"' in answer) if record["state"] == "running" else None
+                ('"return"' in answer)
+                if record["state"] == "running" and answer is not None
+                else None
             )
         snap.domains[name] = record
     gpu = snap.domains[cfg.gpu_node]
@@ -942,7 +1016,31 @@ def observe(cfg: Config, virsh: Virsh, ping: bool) -> Snapshot:
         for i, name in enumerate(others):
             snap.others[name] = _domain_record(name, outs[2 * i], outs[2 * i + 1], True)
     snap.virsh_calls = virsh.calls - before
+    for address in snap.addresses():
+        group = iommu_group(cfg.sysfs, address)
+        if group is not None:
+            snap.groups[address] = group
     return snap
+
+
+PCI_NAME_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+
+
+def iommu_group(sysfs: str, address: str) -> Optional[int]:
+    """The IOMMU (VFIO) group of a PCI function, read as libvirt reads it
+    (src/util/virpci.c, virPCIDeviceAddressGetIOMMUGroupNum): the last
+    component of the `iommu_group` link in the device's sysfs directory.
+    Readable by anyone, so the agent needs no root for it. None when there
+    is none: no IOMMU, or no such function on this machine."""
+    if not PCI_NAME_RE.match(address):
+        return None
+    link = os.path.join(sysfs, "bus", "pci", "devices", address, "iommu_group")
+    try:
+        target = os.readlink(link)
+    except OSError:
+        return None
+    number = os.path.basename(target.rstrip("/"))
+    return int(number) if number.isdigit() else None
 
 
 def card_table(cfg: Config, snap: Snapshot) -> List[JsonObj]:
@@ -969,9 +1067,55 @@ def card_table(cfg: Config, snap: Snapshot) -> List[JsonObj]:
                 "address": address,
                 "held_by": held[0] if held else None,
                 "claimed_by": claimed,
+                "iommu_group": snap.groups.get(address),
             }
         )
     return cards
+
+
+def card_owner(cfg: Config, card: JsonObj, own: List[str]) -> str:
+    """Whose card a PCI function is: the gaming VMs that claim it (the GPU
+    node only borrows theirs), else the GPU node if its persistent definition
+    (`own`) has it, even while it runs without it."""
+    gaming = [name for name in card["claimed_by"] if name in cfg.gaming]
+    if gaming:
+        return ", ".join(gaming)
+    return cfg.gpu_node if card["address"] in own else ""
+
+
+def shared_group_findings(
+    cfg: Config, snap: Snapshot, cards: List[JsonObj]
+) -> List[JsonObj]:
+    """IOMMU groups that hold the cards of different VMs (a board without
+    ACS): libvirt passes a group through whole, so those cards can only move
+    together; the group is lent and handed off as one."""
+    gpu = snap.domains[cfg.gpu_node]
+    defined: List[JsonObj] = gpu.get("defined_hostdevs") or gpu["hostdevs"]
+    own = [dev["address"] for dev in defined]
+    groups: Dict[int, Dict[str, List[str]]] = {}
+    for card in cards:
+        owner = card_owner(cfg, card, own)
+        if card.get("iommu_group") is None or not owner:
+            continue
+        by_owner = groups.setdefault(card["iommu_group"], {})
+        by_owner.setdefault(owner, []).append(card["address"])
+    found = []
+    for number, by_owner in sorted(groups.items()):
+        if len(by_owner) < 2:
+            continue
+        owners = sorted(by_owner, key=lambda owner: (owner == cfg.gpu_node, owner))
+        held = " and ".join(
+            f"{', '.join(by_owner[owner])} ({owner})" for owner in owners
+        )
+        found.append(
+            {
+                "code": FINDING_SHARED_IOMMU_GROUP,
+                "domain": owners[0].split(", ")[0],
+                "detail": f"IOMMU group {number} holds {held}: these cards can "
+                "only be passed through together",
+            }
+        )
+    return found
 
 
 def findings_for(cfg: Config, snap: Snapshot, cards: List[JsonObj]) -> List[JsonObj]:
@@ -1014,6 +1158,7 @@ def findings_for(cfg: Config, snap: Snapshot, cards: List[JsonObj]) -> List[Json
         for name in card["claimed_by"]
         if name not in cfg.managed
     )
+    found.extend(shared_group_findings(cfg, snap, cards))
     return found
 
 
@@ -1912,21 +2057,52 @@ class JobRunner:
             time.sleep(self.cfg.poll_interval)
 
     def step_shutdown(self, index: int, step: JsonObj) -> None:
+        """Ask each shutdown mode in turn until one is accepted.
+
+        `shutdown --mode agent` waits until the guest is off, or fails after
+        libvirt's 60 s (`Guest agent is not responding: Guest agent not
+        available for now`) although the guest may still be going down; and
+        a guest shutting itself down has let its guest agent go seconds
+        before the power-off (`QEMU guest agent is not connected`). After
+        such a refusal the domain is given the shutdown timeout to be shut
+        off: then it is stopped; else the step fails. Never destroyed.
+        """
         domain = step["domain"]
         self.begin(index)
         refusals = []
+        going_down = False
         for mode in self.cfg.shutdown_modes:
             result = self.virsh.run(cmd_shutdown(domain, mode))
             if result.rc == 0:
                 self.end(step, "ok", f"shutdown --mode {mode} accepted")
                 return
-            if self.state_of(domain) == "shut_off":
+            going_down = going_down or may_be_going_down(result)
+            if not going_down and self.state_of(domain) == "shut_off":
                 self.skip_rest(index, domain, "already shut off")
                 return
             refusals.append(f"{mode}: {result.error_text()}")
-        message = f"{domain!r} refused every shutdown mode: " + "; ".join(refusals)
+        refused = "; ".join(refusals)
+        if going_down and self.shut_off_within(domain, self.cfg.timeout_shutdown):
+            self.end(step, "ok", f"shut off after the shutdown was refused ({refused})")
+            return
+        message = f"{domain!r} refused every shutdown mode: {refused}"
+        if going_down:
+            message += (
+                f"; still running {self.cfg.timeout_shutdown:g} s later, "
+                "left running (never forced off)"
+            )
         self.end(step, "failed", message)
         raise AgentError(ERR_SHUTDOWN_REFUSED, message)
+
+    def shut_off_within(self, domain: str, seconds: float) -> bool:
+        """Whether the domain is shut off within `seconds` (polled)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            if self.state_of(domain) == "shut_off":
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(self.cfg.poll_interval)
 
     def step_wait_shut_off(self, index: int, step: JsonObj) -> None:
         domain = step["domain"]
@@ -1966,13 +2142,16 @@ class JobRunner:
             if Snapshot.holds(mine):
                 self.skip_rest(index, domain, "already running")
                 return
+            # libvirt refuses a function another domain holds, or any
+            # function of its IOMMU group (see busy_cards).
             wanted = {d["address"] for d in mine["hostdevs"]}
+            groups = {snap.groups.get(address) for address in wanted} - {None}
             busy = sorted(
                 f"{d['address']} held by {name}"
                 for name, other in snap.all_domains().items()
                 if name != domain and Snapshot.holds(other)
                 for d in other["hostdevs"]
-                if d["address"] in wanted
+                if d["address"] in wanted or snap.groups.get(d["address"]) in groups
             )
             if not busy:
                 self.end(step, "ok", "no running domain holds its PCI functions")
@@ -2066,6 +2245,23 @@ class JobRunner:
             shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+# A refused shutdown after which the guest may still be going down: the
+# guest agent did not answer in time or is gone (VIR_ERR_AGENT_UNRESPONSIVE:
+# qemuAgentSend's 60 s wait for the power-off, an agent that left with the
+# guest's own shutdown), the agent job was held by another call
+# (VIR_ERR_OPERATION_TIMEOUT), or virsh itself was given up on.
+GOING_DOWN_ERRORS = (
+    "error: Guest agent is not responding:",
+    "error: Timed out during operation:",
+)
+
+
+def may_be_going_down(result: VirshResult) -> bool:
+    return result.timed_out or any(
+        line.startswith(GOING_DOWN_ERRORS) for line in result.err.splitlines()
+    )
+
+
 def card_of(address: str) -> str:
     """The card a PCI function belongs to (`0000:03:00.1` -> `0000:03:00`):
     the functions of one card go to one domain together."""
@@ -2073,13 +2269,30 @@ def card_of(address: str) -> str:
 
 
 def busy_cards(snap: Snapshot, domain: str) -> List[str]:
-    """The cards a running domain other than `domain` holds a function of."""
+    """The cards `domain` cannot start with now: those a running domain other
+    than `domain` holds a function of, and every card of an IOMMU group it
+    holds a function of.
+
+    libvirt passes a VFIO group through whole: before a start it checks every
+    function of the group of each of the domain's functions, and refuses the
+    start when another domain holds one ("PCI device ADDR is in use by driver
+    QEMU, domain X", src/hypervisor/virhostdev.c,
+    virHostdevPreparePCIDevicesImpl), even one the domain does not have. On a
+    board without ACS two cards can share a group: the group, not the card,
+    is then what can be lent.
+    """
+    blocked = {
+        unit
+        for name, other in snap.all_domains().items()
+        if name != domain and Snapshot.holds(other)
+        for dev in other["hostdevs"]
+        for unit in snap.units(dev["address"])
+    }
     return sorted(
         {
-            card_of(dev["address"])
-            for name, other in snap.all_domains().items()
-            if name != domain and Snapshot.holds(other)
-            for dev in other["hostdevs"]
+            card_of(address)
+            for address in snap.addresses()
+            if blocked.intersection(snap.units(address))
         }
     )
 
@@ -2219,15 +2432,17 @@ def status_body(cfg: Config, virsh: Optional[Virsh] = None) -> JsonObj:
     # Jobs before libvirt: a job that is over when read has done all it does
     # to libvirt by then, so no status shows a job gone but not its effect.
     active = []
+    stopping: Set[str] = set()
     for job_id in list_job_ids(cfg):
         try:
             job = load_job(cfg, job_id)
             if job.get("state") in ("queued", "running"):
                 active.append(job_summary(job))
+                stopping.update(shutting_down(job))
         except _JOB_ERRORS:
             continue
     requests = hook_requests(cfg)
-    snap = observe(cfg, virsh, ping=True)
+    snap = observe(cfg, virsh, ping=True, busy=stopping)
     cards = card_table(cfg, snap)
     found = findings_for(cfg, snap, cards)
     gpu = snap.domains[cfg.gpu_node]
@@ -2257,6 +2472,27 @@ def status_body(cfg: Config, virsh: Optional[Virsh] = None) -> JsonObj:
         "active_jobs": active,
         "virsh_calls": snap.virsh_calls,
     }
+
+
+def shutting_down(job: JsonObj) -> List[str]:
+    """The domain a running job is shutting down (its `shutdown` step runs):
+    libvirt's `shutdown --mode agent` holds that domain's guest agent until
+    the guest is off (or 60 s), and a ping would wait for it."""
+    step = job.get("step")
+    steps = job.get("steps")
+    if job.get("state") != "running" or not isinstance(steps, list):
+        return []
+    if not isinstance(step, int) or not 0 <= step < len(steps):
+        return []
+    current = steps[step]
+    if (
+        isinstance(current, dict)
+        and current.get("name") == "shutdown"
+        and current.get("result") is None
+        and isinstance(current.get("domain"), str)
+    ):
+        return [current["domain"]]
+    return []
 
 
 def verb_status(cfg: Config) -> JsonObj:
