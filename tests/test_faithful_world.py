@@ -40,7 +40,6 @@ from pytest_homeassistant_custom_component.common import (
 
 from custom_components.gpu_handoff.const import (
     CONF_DRAIN_TIMEOUT,
-    CONF_LEND_FREE_CARDS,
     DOMAIN,
     EVENT_CARDS_RETURNED,
     EVENT_HANDOFF_FAILED,
@@ -55,6 +54,7 @@ from tests.support.stories import (
     SWITCH_2,
     cordoned,
     idle,
+    lend_free_cards,
     lent_cards,
     play,
     remove_gaming_vm,
@@ -82,13 +82,6 @@ async def _settled(hass: HomeAssistant, entry: MockConfigEntry) -> None:
         await until(lambda: idle(entry) and not controller.requests, BOUND)
         await entry.runtime_data.coordinator.async_refresh()
         await hass.async_block_till_done()
-
-
-async def _lend(hass: HomeAssistant, entry: MockConfigEntry) -> None:
-    hass.config_entries.async_update_entry(
-        entry, options=entry.options | {CONF_LEND_FREE_CARDS: True}
-    )
-    await setup_entry(hass, entry)
 
 
 # --- 1. the agent's own start is never a request --------------------------------
@@ -135,7 +128,7 @@ async def test_a_vm_turned_off_during_a_lending_restart_stays_off(
 ) -> None:
     """Lending: Gaming station 1 plays, the GPU node restarts with the free
     cards, and the player turns the VM off meanwhile. It stays off."""
-    await _lend(hass, entry)
+    await lend_free_cards(hass, entry)
     controller = entry.runtime_data.controller
     started = async_capture_events(hass, EVENT_HANDOFF_STARTED)
 
@@ -173,7 +166,7 @@ async def test_lending_a_failed_second_handoff_gives_the_free_cards_back(
     GPU node comes back with the free cards (the shut-off GPU node's
     definition still lists Gaming station 1's card; that card is in play,
     the other two are free)."""
-    await _lend(hass, entry)
+    await lend_free_cards(hass, entry)
     await play(hass, entry, sim, 1)
     await until(lambda: lent_cards(sim) == {GTX_960, RTX_2}, BOUND)
     await _settled(hass, entry)
@@ -201,7 +194,7 @@ async def test_lending_a_player_quitting_from_inside_frees_their_card(
     """Both play; the GPU node serves the GTX 960. Gaming station 2's player
     shuts the game down from inside: the GPU node takes the freed RTX too,
     while Gaming station 1 plays on."""
-    await _lend(hass, entry)
+    await lend_free_cards(hass, entry)
     await play(hass, entry, sim, 1)
     await play(hass, entry, sim, 2)
     await until(lambda: lent_cards(sim) == {GTX_960}, BOUND)
@@ -324,7 +317,7 @@ async def test_a_lend_job_shows_on_the_gpu_node(
     says so, and the leftover-cordon net (which must not lift the cordon
     while a job may stop the GPU node) sees it."""
     sim.set_shutdown_duration("gpu-node", 200.0)
-    await _lend(hass, entry)
+    await lend_free_cards(hass, entry)
     coordinator = entry.runtime_data.coordinator
     jobs: list[str] = []
 
@@ -366,7 +359,7 @@ async def test_a_refused_lend_is_reported_and_tried_again_when_its_pod_is_gone(
     node; Gaming station 1 stops and the lend of its card is refused
     (reported). Turning on Gaming station 2, which plays, changes nothing and
     hides nothing. Once the pod is deleted the lend is tried again."""
-    await _lend(hass, entry)
+    await lend_free_cards(hass, entry)
     await play(hass, entry, sim, 1)
     await play(hass, entry, sim, 2)
     await until(lambda: lent_cards(sim) == {GTX_960}, BOUND)
@@ -430,7 +423,7 @@ async def test_cards_are_back_only_when_the_new_boot_is_ready(
     kubelet.boot_delay = 1.0
     kubelet.plugin_delay = 0.5
     if lend:
-        await _lend(hass, entry)
+        await lend_free_cards(hass, entry)
     else:
         await setup_entry(hass, entry)
     seen: list[tuple[tuple[str, str, int], bool]] = []

@@ -26,19 +26,16 @@ from pytest_homeassistant_custom_component.common import (
 )
 
 from custom_components.gpu_handoff.const import (
-    CONF_LEND_FREE_CARDS,
     DOMAIN,
     EVENT_HANDOFF_FAILED,
     EVENT_HANDOFF_SUCCEEDED,
 )
-from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.k8semu import K8sEmulator
 from tests.support.stories import (
     HANDOFF,
     SWITCH_1,
-    cordoned,
-    idle,
-    lent_cards,
-    setup_entry,
+    lend_free_cards,
+    serving_with,
     switch,
     until,
 )
@@ -49,11 +46,6 @@ RTX_1 = "0000:03:00"  # Gaming station 1's
 RTX_2 = "0000:04:00"  # Gaming station 2's
 SHARED = 11  # the IOMMU group of the GTX 960 and Gaming station 1's card
 BOUND = 60.0
-
-
-def _gpus(cluster: K8sEmulator) -> int:
-    node = cluster.get("Node", GPU_NODE, "")
-    return int(node["status"]["allocatable"].get("nvidia.com/gpu", 0))
 
 
 def _rows(hass: HomeAssistant) -> dict[str, dict[str, object]]:
@@ -72,26 +64,7 @@ def no_acs(sim: Tower) -> None:
 async def lending(
     hass: HomeAssistant, no_acs: None, entry: MockConfigEntry, no_pdb: None
 ) -> None:
-    hass.config_entries.async_update_entry(
-        entry, options=entry.options | {CONF_LEND_FREE_CARDS: True}
-    )
-    await setup_entry(hass, entry)
-
-
-async def _serving_with(
-    hass: HomeAssistant,
-    entry: MockConfigEntry,
-    sim: Tower,
-    cluster: K8sEmulator,
-    cards: set[str],
-) -> None:
-    await until(lambda: lent_cards(sim) == cards, BOUND)
-    await until(lambda: idle(entry) and not entry.runtime_data.controller.requests)
-    await until(lambda: not cordoned(cluster))
-    await until(lambda: _gpus(cluster) == len(cards))
-    await entry.runtime_data.coordinator.async_refresh()
-    await hass.async_block_till_done()
-    await until(lambda: hass.states.get(HANDOFF).state == "serving")
+    await lend_free_cards(hass, entry)
 
 
 async def test_the_group_of_a_players_card_is_not_lent(
@@ -111,7 +84,7 @@ async def test_the_group_of_a_players_card_is_not_lent(
     await switch(hass, "turn_on", SWITCH_1)
     await until(lambda: bool(handed) or bool(failed), BOUND)
     assert sim.is_running("gaming-1")
-    await _serving_with(hass, entry, sim, cluster, {RTX_2})
+    await serving_with(hass, entry, sim, cluster, {RTX_2})
 
     assert not failed
     assert sim.runs_live_definition("gpu-node")
@@ -143,7 +116,7 @@ async def test_the_group_of_a_players_card_is_not_lent(
 
     await switch(hass, "turn_off", SWITCH_1)
     await until(lambda: not sim.is_running("gaming-1"), BOUND)
-    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
+    await serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
     assert not sim.runs_live_definition("gpu-node")
     assert {row["use"] for row in _rows(hass).values()} == {"cluster"}
     # the board did not change: the repair stays

@@ -31,7 +31,6 @@ from pytest_homeassistant_custom_component.common import (
 )
 
 from custom_components.gpu_handoff.const import (
-    CONF_LEND_FREE_CARDS,
     EVENT_CARDS_RETURNED,
     EVENT_HANDOFF_FAILED,
     EVENT_HANDOFF_STEP,
@@ -47,9 +46,9 @@ from tests.support.stories import (
     HANDOFF,
     SWITCH_1,
     SWITCH_2,
-    cordoned,
     idle,
-    lent_cards,
+    lend_free_cards,
+    serving_with,
     setup_entry,
     switch,
     until,
@@ -63,38 +62,13 @@ RTX_2 = "0000:04:00"  # Gaming station 2's
 BOUND = 60.0
 
 
-def _gpus(cluster: K8sEmulator) -> int:
-    node = cluster.get("Node", GPU_NODE, "")
-    return int(node["status"]["allocatable"].get("nvidia.com/gpu", 0))
-
-
 @pytest.fixture
 async def lending(
     hass: HomeAssistant, entry: MockConfigEntry, sim: Tower, no_pdb: None
 ) -> str:
     """The option on; the GPU node's persistent definition before anything."""
-    hass.config_entries.async_update_entry(
-        entry, options=entry.options | {CONF_LEND_FREE_CARDS: True}
-    )
-    await setup_entry(hass, entry)
+    await lend_free_cards(hass, entry)
     return sim.defined_xml("gpu-node")
-
-
-async def _serving_with(
-    hass: HomeAssistant,
-    entry: MockConfigEntry,
-    sim: Tower,
-    cluster: K8sEmulator,
-    cards: set[str],
-) -> None:
-    """Everything settles with the GPU node serving these cards."""
-    await until(lambda: lent_cards(sim) == cards, BOUND)
-    await until(lambda: idle(entry) and not entry.runtime_data.controller.requests)
-    await until(lambda: not cordoned(cluster))
-    await until(lambda: _gpus(cluster) == len(cards))
-    await entry.runtime_data.coordinator.async_refresh()
-    await hass.async_block_till_done()
-    await until(lambda: hass.states.get(HANDOFF).state == "serving")
 
 
 def _uses(hass: HomeAssistant) -> dict[str, str]:
@@ -121,7 +95,7 @@ async def test_one_player_leaves_the_cluster_two_cards(
     await until(lambda: bool(handed), BOUND)
     assert sim.is_running("gaming-1")
     assert not returned  # the player did not wait for the GPU node
-    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_2})
+    await serving_with(hass, entry, sim, cluster, {GTX_960, RTX_2})
 
     assert len(returned) == len(cards_back) == 1
     assert handed[0].time_fired < returned[0].time_fired
@@ -151,7 +125,7 @@ async def test_two_players_leave_the_gtx_960_and_cost_one_restart(
         "switch", "turn_on", {"entity_id": [SWITCH_1, SWITCH_2]}, blocking=True
     )
     await until(lambda: sim.is_running("gaming-1") and sim.is_running("gaming-2"))
-    await _serving_with(hass, entry, sim, cluster, {GTX_960})
+    await serving_with(hass, entry, sim, cluster, {GTX_960})
     assert len(sim.calls("shutdown", "gpu-node")) == 1
     assert len(sim.calls("create")) == 1
     assert sim.defined_xml("gpu-node") == lending
@@ -171,16 +145,16 @@ async def test_players_stopping_one_then_the_other(
     await hass.services.async_call(
         "switch", "turn_on", {"entity_id": [SWITCH_1, SWITCH_2]}, blocking=True
     )
-    await _serving_with(hass, entry, sim, cluster, {GTX_960})
+    await serving_with(hass, entry, sim, cluster, {GTX_960})
 
     await switch(hass, "turn_off", SWITCH_1)
     await until(lambda: not sim.is_running("gaming-1"), BOUND)
-    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1})
+    await serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1})
     assert sim.runs_live_definition("gpu-node")
 
     await switch(hass, "turn_off", SWITCH_2)
     await until(lambda: not sim.is_running("gaming-2"), BOUND)
-    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
+    await serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
     assert not sim.runs_live_definition("gpu-node")  # a plain start
     assert sim.defined_xml("gpu-node") == lending
     assert [e.data["vm"] for e in stopped] == ["gaming-1", "gaming-2"]
@@ -207,7 +181,7 @@ async def test_a_stop_while_the_gpu_node_restarts(
     await switch(hass, "turn_off", SWITCH_1)
     assert controller.requests.get("gaming-1") == "stop"
     await until(lambda: not sim.is_running("gaming-1"), BOUND)
-    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
+    await serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
     assert sim.defined_xml("gpu-node") == lending
 
 
@@ -234,7 +208,7 @@ async def test_a_restart_while_the_gpu_node_restarts_with_fewer_cards(
     assert await hass.config_entries.async_unload(entry.entry_id)
     await hass.async_block_till_done()
     await setup_entry(hass, entry)
-    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_2})
+    await serving_with(hass, entry, sim, cluster, {GTX_960, RTX_2})
     assert len(sim.calls("create")) == 1
     assert sim.defined_xml("gpu-node") == lending
 
@@ -259,7 +233,7 @@ async def test_an_ssh_cut_while_the_gpu_node_restarts(
         BOUND,
     )
     sim_sshd.cut_connections()
-    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_2})
+    await serving_with(hass, entry, sim, cluster, {GTX_960, RTX_2})
     assert len(sim.calls("create")) == 1
 
 
@@ -368,7 +342,7 @@ async def test_workloads_that_need_more_gpus_than_are_lent_wait(
     await hass.services.async_call(
         "switch", "turn_on", {"entity_id": [SWITCH_1, SWITCH_2]}, blocking=True
     )
-    await _serving_with(hass, entry, sim, cluster, {GTX_960})
+    await serving_with(hass, entry, sim, cluster, {GTX_960})
 
     def workloads() -> list[tuple[str, str]]:
         return sorted(
@@ -390,7 +364,7 @@ async def test_workloads_that_need_more_gpus_than_are_lent_wait(
     await hass.services.async_call(
         "switch", "turn_off", {"entity_id": [SWITCH_1, SWITCH_2]}, blocking=True
     )
-    await _serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
+    await serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
     await until(lambda: workloads() == [(GPU_NODE, "Running"), (GPU_NODE, "Running")])
 
 

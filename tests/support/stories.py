@@ -16,7 +16,7 @@ from homeassistant.config_entries import ConfigEntryState
 from homeassistant.core import HomeAssistant
 from pytest_homeassistant_custom_component.common import MockConfigEntry
 
-from custom_components.gpu_handoff.const import CONF_DOMAIN_NAME
+from custom_components.gpu_handoff.const import CONF_DOMAIN_NAME, CONF_LEND_FREE_CARDS
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.testdriver import AGENT
 from tests.towersim import Tower
@@ -118,3 +118,34 @@ async def remove_gaming_vm(
     assert hass.config_entries.async_remove_subentry(entry, subentry.subentry_id)
     await hass.async_block_till_done()
     await until(lambda: entry.state is ConfigEntryState.LOADED)
+
+
+async def lend_free_cards(hass: HomeAssistant, entry: MockConfigEntry) -> None:
+    """Turn "Keep lending the free cards" on, and set the entry up."""
+    hass.config_entries.async_update_entry(
+        entry, options=entry.options | {CONF_LEND_FREE_CARDS: True}
+    )
+    await setup_entry(hass, entry)
+
+
+def allocatable_gpus(cluster: K8sEmulator) -> int:
+    """The GPU node's allocatable ``nvidia.com/gpu``."""
+    node = cluster.get("Node", GPU_NODE, "")
+    return int(node["status"]["allocatable"].get("nvidia.com/gpu", 0))
+
+
+async def serving_with(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    cards: set[str],
+) -> None:
+    """Everything settles with the GPU node serving these cards."""
+    await until(lambda: lent_cards(sim) == cards, 60.0)
+    await until(lambda: idle(entry) and not entry.runtime_data.controller.requests)
+    await until(lambda: not cordoned(cluster))
+    await until(lambda: allocatable_gpus(cluster) == len(cards))
+    await entry.runtime_data.coordinator.async_refresh()
+    await hass.async_block_till_done()
+    await until(lambda: hass.states.get(HANDOFF).state == "serving")
