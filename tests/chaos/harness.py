@@ -1509,7 +1509,21 @@ class ChaosRig:
             or controller.requests
         ):
             return False
-        return not await asyncio.to_thread(self._active_job_files)
+        if await asyncio.to_thread(self._active_job_files):
+            return False
+        # Home Assistant has taken up every start by hand the tower recorded
+        # (after an SSH cut it learns of them when its session is back).
+        recorded = await asyncio.to_thread(self._hook_request_keys)
+        return recorded <= controller._seen_hook_requests
+
+    def _hook_request_keys(self) -> set[str]:
+        """The keys (HookRequest.key) of the hook's request records."""
+        keys = set()
+        for path in (self.state_dir / "requests").glob("*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                request = json.loads(path.read_text(encoding="utf-8"))
+                keys.add(f"{request.get('time')}|{request.get('domain')}")
+        return keys
 
     def _active_job_files(self) -> list[str]:
         active = []

@@ -462,7 +462,7 @@ async def test_a_tower_that_stops_lending_is_caught(
     card, reported as exactly that."""
     monkeypatch.setattr(
         "custom_components.gpu_handoff.controller.HandoffController._lends_after",
-        lambda self, kind: False,
+        lambda self, vm, kind: False,
     )
     plans = [Plan(0, 1, "on", "gaming-1")]
     summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)

@@ -354,7 +354,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 CONTROLLER,
-                '(succeeded or kind == "stop") and self._lends_after(kind)',
+                '(succeeded or kind == "stop") and self._lends_after(vm, kind)',
                 "False",
             ),
         ),
