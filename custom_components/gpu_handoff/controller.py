@@ -56,7 +56,7 @@ from .const import (
 )
 from .coordinator import GpuHandoffCoordinator
 from .models import domain_identifier
-from .protocol import RUNNING, SHUT_OFF, JobRecord, StepName, TowerStatus
+from .protocol import RUNNING, SHUT_OFF, JobRecord, TowerStatus
 from .runner import (
     JobFailedError,
     OperationRunner,
@@ -640,15 +640,13 @@ class HandoffController:
         return True, returned, False
 
     def _job_stopped_gpu_node(self, err: Exception | None) -> bool:
-        """Whether the failed handoff's own tower job shut the GPU node down,
-        from what the job did: its record when it ended (a shutdown step
-        skipped because the GPU node was off already did nothing), else
-        whether a job was asked for at all (one not followed to its end may
-        have: the return that follows reads the tower again)."""
-        if isinstance(err, JobFailedError):
-            return err.record.did(
-                StepName.SHUTDOWN, self.coordinator.data.tower.gpu_node
-            )
+        """Whether the failed handoff's own tower job shut the GPU node down:
+        the runner read it from the records of the jobs it followed to their
+        end (a shutdown step skipped because the GPU node was off already did
+        nothing); a job not followed to its end may have (the return that
+        follows reads the tower again)."""
+        if self.runner.stopped_gpu_node or isinstance(err, JobFailedError):
+            return self.runner.stopped_gpu_node
         return self.pending_job is not None
 
     async def _settle(
