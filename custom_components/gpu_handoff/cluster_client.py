@@ -380,6 +380,12 @@ class NodeView:
     unmanaged: tuple[str, ...] = ()
 
 
+def boot_id_of(node: Any) -> str | None:
+    """A Node's ``status.nodeInfo.bootID`` (None when it reports none)."""
+    info = node.status.node_info if node.status else None
+    return (info.boot_id or None) if info else None
+
+
 def new_boot(view: NodeView, not_boot: str | None) -> bool:
     """Whether what ``view`` shows was posted after the boot ``not_boot``
     (always, when there is no boot to leave out)."""
@@ -820,6 +826,10 @@ class ClusterClient:
         """The node's readiness, cordon, lease, GPUs and pods."""
         return (await self._node_view(name))[0]
 
+    async def boot_id(self, name: str) -> str | None:
+        """The node's ``status.nodeInfo.bootID`` (one read of the Node)."""
+        return boot_id_of(await self._call(self._core.read_node, name))
+
     async def node_reading(self, name: str) -> NodeReading:
         """The node view plus what tells whether the node works: how far each
         of its pods got towards running, and the sandbox failures recorded
@@ -1003,9 +1013,7 @@ class ClusterClient:
             unmanaged=tuple(
                 sorted(_ref(pod).label for pod in running if is_unmanaged(pod))
             ),
-            boot_id=(status.node_info.boot_id or None)
-            if status and status.node_info
-            else None,
+            boot_id=boot_id_of(node),
         )
         return node, pods.items, view
 

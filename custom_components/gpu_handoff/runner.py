@@ -619,7 +619,7 @@ class OperationRunner:
         """The GPU node's bootID now (None when the cluster cannot say: then
         any Ready counts, as before bootIDs were read)."""
         try:
-            return (await self.cluster.node_view(self.k8s_node)).boot_id
+            return await self.cluster.boot_id(self.k8s_node)
         except ClusterError as err:
             _LOGGER.warning("Could not read %s's bootID: %s", self.k8s_node, err)
             return None
