@@ -296,6 +296,59 @@ def run_stop_hooks(
     call(state_dir, hooks, name, "release", "end", reason, xml)
 
 
+def dispatch_reconnects(state_dir: str) -> None:
+    """Once libvirtd is back from a restart: ``DOMAIN reconnect begin -`` for
+    every domain that ran when it came back, each restart once.
+
+    qemuProcessReconnect (src/qemu/qemu_process.c) runs the hook
+    (VIR_HOOK_QEMU_OP_RECONNECT) for each running domain it takes back; a
+    hook that fails makes it kill the domain (its error path: qemuProcessStop
+    with VIR_DOMAIN_SHUTOFF_DAEMON, ``shut off (daemon)``), as docs/hooks.rst
+    warns: "If the script fails, the existing QEMU process will be killed off".
+    """
+    with model.locked(state_dir, exclusive=False):
+        data = model.load(state_dir)
+        if not _reconnects_due(data):
+            return
+    # Under the hook lock, and marked done only once every hook ran: a call
+    # that arrives meanwhile waits for them, as libvirtd makes a call wait
+    # for the job qemuProcessReconnect holds on the domain.
+    with hook_lock(state_dir):
+        with model.locked(state_dir, exclusive=False):
+            data = model.load(state_dir)
+            due = _reconnects_due(data)
+            if not due:
+                return
+            restarts = data["libvirtd_restarts"]
+            back = {i: model.world(data, float(restarts[i]["until"])) for i in due}
+            hooks = installed(data)
+        killed: list[str] = []
+        for i in due:
+            for dom in back[i].listing():
+                if not dom.running:
+                    continue
+                xml = domxml.dump_xml(dom.live_spec(), dom.id)
+                if call(state_dir, hooks, dom.name, "reconnect", "begin", "-", xml):
+                    killed.append(dom.name)
+        with model.locked(state_dir):
+            data = model.load(state_dir)
+            data["reconnects_hooked"] = list(data.get("reconnects_hooked") or []) + due
+            for name in killed:
+                model.record(data, "daemon_stop", name, model.now(data))
+            model.save(state_dir, data)
+
+
+def _reconnects_due(data: JsonObj) -> list[int]:
+    """Restarts that ended, whose reconnect hooks have not run."""
+    t = model.now(data)
+    done = set(data.get("reconnects_hooked") or [])
+    return [
+        i
+        for i, restart in enumerate(data.get("libvirtd_restarts") or [])
+        if float(restart["until"]) <= t and i not in done
+    ]
+
+
 # --- starts -----------------------------------------------------------------------
 
 

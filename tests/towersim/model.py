@@ -37,6 +37,12 @@ AGENT_SHUTDOWN_TIMEOUT = 60.0
 JOB_WAIT_TIME = 30.0
 # the API that holds the agent job of a blocked ``virsh shutdown``
 SHUTDOWN_API = "remoteDispatchDomainShutdownFlags"
+# How long a domain is ``in shutdown`` (simulated seconds, scaled): QEMU's
+# SHUTDOWN event (the guest powered off) makes qemuProcessHandleShutdown set
+# VIR_DOMAIN_SHUTDOWN / VIR_DOMAIN_SHUTDOWN_UNKNOWN; libvirt then ends the
+# QEMU process that ``-no-shutdown`` kept (qemuProcessShutdownOrReboot) and
+# the domain is shut off: a short moment on a real tower.
+IN_SHUTDOWN = 0.5
 
 JsonObj = dict[str, Any]
 
@@ -119,6 +125,37 @@ def libvirt_wait(data: JsonObj, field: str) -> float:
     value = data.get(field)
     seconds = default if value is None else float(value)
     return seconds * float(data.get("time_scale", 1.0))
+
+
+# What virsh says when libvirtd does not answer (the socket gone while the
+# daemon is stopped): virshConnect's error, then the remote driver's
+# (src/rpc/virnetsocket.c, virNetSocketNewConnectUNIX).
+CONNECT_FAILED = (
+    "failed to connect to the hypervisor",
+    (
+        "Failed to connect socket to '/var/run/libvirt/libvirt-sock': "
+        "No such file or directory"
+    ),
+)
+
+
+def libvirtd_down(data: JsonObj, t: float) -> JsonObj | None:
+    """The restart of libvirtd under way at ``t``, if any."""
+    for restart in data.get("libvirtd_restarts") or []:
+        if float(restart["t"]) <= t < float(restart["until"]):
+            return dict(restart)
+    return None
+
+
+def libvirtd_restart_after(data: JsonObj, since: float) -> float | None:
+    """When libvirtd first went down at or after ``since`` (None: not yet
+    recorded): a connection made at ``since`` ends then."""
+    times = [
+        float(r["t"])
+        for r in data.get("libvirtd_restarts") or []
+        if float(r["t"]) >= since
+    ]
+    return min(times) if times else None
 
 
 def record(data: JsonObj, op: str, name: str, t: float, **fields: Any) -> None:
@@ -280,6 +317,23 @@ class Dom:
         # domain), while it runs from one; None: it runs from (or is) its
         # persistent definition
         self.live_hostdevs: list[JsonObj] | None = None
+        # a running domain that is not RUNNING: ``paused`` (user) after
+        # ``suspend``, ``crashed`` (panicked) after a guest panic with
+        # <on_crash>preserve</on_crash>; None: running
+        self.held: str | None = None
+        # when the shutdown that sets ``off_at`` began, and whether QEMU's
+        # SHUTDOWN event (``Shutdown Finished``) was sent
+        self.down_from: float | None = None
+        self.finished = False
+        # what was left of a shutdown when the domain was paused
+        self.paused_left: float | None = None
+
+    def shutdown_finished_at(self) -> float | None:
+        """When the guest powers off and the domain is ``in shutdown``."""
+        if self.off_at is None:
+            return None
+        start = self.off_at - IN_SHUTDOWN * self.scale
+        return start if self.down_from is None else max(self.down_from, start)
 
     @property
     def name(self) -> str:
@@ -293,9 +347,37 @@ class Dom:
         value = self.spec.get(field)
         return None if value is None else float(value) * self.scale
 
-    def state_text(self, *, reason: bool) -> str:
-        state = "running" if self.running else "shut off"
-        return f"{state} ({self.reason})" if reason else state
+    def in_shutdown(self, t: float) -> bool:
+        """Whether the guest has powered off and libvirt is ending its QEMU
+        process (``in shutdown``) at ``t``."""
+        finished = self.shutdown_finished_at()
+        return self.running and finished is not None and finished <= t
+
+    def state_at(self, t: float) -> tuple[str, str]:
+        """virsh's words for the state and its reason at ``t``
+        (tools/virsh-domain-monitor.c, virshDomainStateToString and
+        virshDomainStateReasonToString)."""
+        if not self.running:
+            return "shut off", self.reason
+        if self.held == "paused":
+            return "paused", "user"
+        if self.held == "crashed":
+            return "crashed", "panicked"
+        if self.in_shutdown(t):
+            # qemuProcessHandleShutdown: VIR_DOMAIN_SHUTDOWN_UNKNOWN (the
+            # real rig shows "in shutdown (unknown)")
+            return "in shutdown", "unknown"
+        return "running", self.reason
+
+    def active_state(self, t: float) -> bool:
+        """Whether the domain is RUNNING (not paused, crashed or in
+        shutdown): what qemuDomainAgentAvailable and the ACPI shutdown
+        require ("domain is not running" otherwise)."""
+        return self.state_at(t)[0] == "running"
+
+    def state_text(self, *, reason: bool, t: float) -> str:
+        state, why = self.state_at(t)
+        return f"{state} ({why})" if reason else state
 
     def agent_job_held(self, t: float) -> bool:
         """Whether a blocked ``shutdown --mode agent`` holds the agent job at ``t``."""
@@ -382,8 +464,12 @@ class World:
                     and (d.off_at is None or d.agent_at < d.off_at)
                 ):
                     due.append((d.agent_at, 0, d))
-                if d.off_at is not None and d.off_at <= until:
-                    due.append((d.off_at, 1, d))
+                if d.off_at is not None:
+                    finished = d.shutdown_finished_at()
+                    if not d.finished and finished is not None and finished <= until:
+                        due.append((finished, 1, d))
+                    if d.off_at <= until:
+                        due.append((d.off_at, 2, d))
             if not due:
                 return
             t, kind, d = min(due, key=lambda item: (item[0], item[1], item[2].name))
@@ -392,13 +478,31 @@ class World:
                 self._emit(
                     t, d.name, *agent_lifecycle(d.name, "connected", "channel event")
                 )
-            else:
+            elif kind == 1:
+                # the guest powers off: QEMU's SHUTDOWN event, QEMU not
+                # ended yet. Its guest agent is gone, which ends a ``shutdown
+                # --mode agent`` waiting for it (qemuAgentNotifyEvent): the
+                # call returns while the domain is ``in shutdown``, as the
+                # real rig shows. The real guests' event lines show no agent
+                # disconnect here on a quick power-off (recorded/virsh.json)
+                # and one only sometimes on a slow one: none is sent.
+                d.finished = True
+                d.agent_connected = False
+                d.agent_at = None
+                d.agent_job_until = None
                 self._emit(
                     t,
                     d.name,
                     lifecycle(d.name, "Shutdown Finished after guest request"),
-                    lifecycle(d.name, "Stopped Shutdown"),
                 )
+            else:
+                if not d.finished:
+                    self._emit(
+                        t,
+                        d.name,
+                        lifecycle(d.name, "Shutdown Finished after guest request"),
+                    )
+                self._emit(t, d.name, lifecycle(d.name, "Stopped Shutdown"))
                 self.stops.append(Stop(t, d.name, d.id, "shutdown", d.live_spec()))
                 self._power_off(d, "shutdown")
 
@@ -412,6 +516,10 @@ class World:
         d.agent_connected = False
         d.off_at = None
         d.agent_job_until = None
+        d.held = None
+        d.down_from = None
+        d.finished = False
+        d.paused_left = None
         # libvirt drops a live-only definition when the domain stops
         d.live_hostdevs = None
 
@@ -448,8 +556,10 @@ class World:
             self._power_off(d, "failed")
         elif op == "shutdown":
             # accepted with effect: the guest powers off after its duration
-            if d.running:
+            if d.running and d.held is None:
                 end = t + (d.seconds("shutdown_duration") or 0.0)
+                if d.off_at is None:
+                    d.down_from = t
                 d.off_at = end if d.off_at is None else min(d.off_at, end)
                 if action.get("mode") == "agent" and action.get("job_until"):
                     # qemuDomainShutdownFlagsAgent: the agent job is held
@@ -457,6 +567,43 @@ class World:
                     d.agent_job_until = float(action["job_until"])
                 elif action.get("mode") == "guest":
                     self._agent_leaves(d, t)
+        elif op == "pause" and d.running and d.held is None:
+            # qemuDomainSuspend: the vCPUs stop, a guest shutdown under way
+            # with them (it goes on after the resume)
+            d.held = "paused"
+            if d.off_at is not None:
+                d.paused_left = d.off_at - t
+                d.off_at = None
+                d.down_from = None
+            self._emit(t, name, lifecycle(name, "Suspended Paused"))
+        elif op == "resume" and d.running and d.held == "paused":
+            d.held = None
+            left, d.paused_left = d.paused_left, None
+            if left is not None:
+                d.off_at = t + float(left)
+                d.down_from = t
+            self._emit(t, name, lifecycle(name, "Resumed Unpaused"))
+        elif op == "crash" and d.running:
+            # a guest panic (pvpanic): qemuProcessHandleGuestPanic; with
+            # <on_crash>preserve</on_crash> the domain stays ``crashed
+            # (panicked)``, holding its devices; with destroy (the default)
+            # it is stopped: ``shut off (crashed)``
+            self._emit(t, name, lifecycle(name, "Crashed Panicked"))
+            if action.get("preserve"):
+                d.held = "crashed"
+                d.off_at = None
+                d.down_from = None
+            else:
+                self._emit(t, name, lifecycle(name, "Stopped Crashed"))
+                self.stops.append(Stop(t, name, d.id, "crashed", d.live_spec()))
+                self._power_off(d, "crashed")
+        elif op == "daemon_stop" and d.running:
+            # qemuProcessReconnect could not take the domain back (its
+            # ``reconnect`` hook failed): libvirtd kills it
+            # (VIR_DOMAIN_SHUTOFF_DAEMON)
+            self._emit(t, name, lifecycle(name, "Stopped Daemon"))
+            self.stops.append(Stop(t, name, d.id, "daemon", d.live_spec()))
+            self._power_off(d, "daemon")
         elif op == "set":
             field, value = action["field"], action["value"]
             d.spec[field] = value
@@ -503,6 +650,9 @@ class World:
         self.next_id = max(self.next_id, d.id) + 1
         d.boot_t = t
         d.off_at = None
+        d.down_from = None
+        d.finished = False
+        d.held = None
         delay = d.seconds("agent_delay")
         d.agent_connected = connected and delay is not None and d.has_channel
         d.agent_at = t + delay if (delay is not None and d.has_channel) else None

@@ -324,6 +324,61 @@ class Tower:
 
         self._change(change)
 
+    def pause(self, name: str) -> None:
+        """``virsh suspend``: the domain's vCPUs stop; it is ``paused (user)``,
+        keeps its devices, and neither its guest agent nor a shutdown
+        answers ("domain is not running") until ``resume``; a guest shutdown
+        under way goes on after the resume."""
+        self._record_running(name, "pause")
+
+    def resume(self, name: str) -> None:
+        """``virsh resume`` of a paused domain: ``running`` again."""
+        self._record_running(name, "resume")
+
+    def crash(self, name: str, *, preserve: bool = False) -> None:
+        """The guest panics (pvpanic). With ``preserve`` (``<on_crash>preserve
+        </on_crash>``) the domain stays ``crashed (panicked)``, holding its
+        devices, and answers nothing; else (libvirt's default, destroy) it is
+        ``shut off (crashed)`` and its stop hooks run."""
+        self._record_running(name, "crash", preserve=preserve)
+
+    def _record_running(self, name: str, op: str, **fields: Any) -> None:
+        def change(data: dict[str, Any], t: float) -> None:
+            if not model.world(data, t).doms[name].running:
+                raise RuntimeError(f"{name} is not running")
+            model.record(data, op, name, t, **fields)
+
+        self._change(change)
+
+    def restart_libvirtd(
+        self, seconds: float, *, socket_activated: bool = False
+    ) -> None:
+        """libvirtd restarts and is away for ``seconds`` (simulated, scaled
+        by the time scale). Domains keep running (their QEMU processes are
+        not libvirtd's children). Every ``virsh event`` connection ends
+        ("Disconnected from URI due to end of file"); while it is away a new
+        virsh call fails ("failed to connect to the hypervisor"), or, with
+        ``socket_activated`` (systemd holds libvirtd's socket), waits until
+        it is back. Back, libvirtd runs ``reconnect begin -`` of the qemu hook
+        for each running domain, and kills a domain whose hook fails."""
+
+        def change(data: dict[str, Any], t: float) -> None:
+            scale = float(data.get("time_scale", 1.0))
+            data.setdefault("libvirtd_restarts", []).append(
+                {
+                    "t": t,
+                    "until": t + float(seconds) * scale,
+                    "socket_activated": bool(socket_activated),
+                }
+            )
+
+        self._change(change)
+
+    def libvirtd_back(self) -> None:
+        """Run what libvirtd does when it is back (the ``reconnect`` hooks),
+        as the first virsh call after it would."""
+        hooks.dispatch_reconnects(self.state_dir)
+
     def set_libvirt_waits(
         self,
         *,
@@ -488,7 +543,8 @@ class Tower:
 
     def domstate(self, name: str) -> str:
         """``running (booted)``, ``shut off (shutdown)``... as ``domstate --reason``."""
-        return self.world().doms[name].state_text(reason=True)
+        world = self.world()
+        return world.doms[name].state_text(reason=True, t=world.t)
 
     def is_running(self, name: str) -> bool:
         return self.world().doms[name].running

@@ -349,9 +349,10 @@ SHUTDOWN_MODES = ("acpi", "agent", "initctl", "signal", "paravirt")
 
 
 class Session:
-    def __init__(self, state_dir: str, out: Out) -> None:
+    def __init__(self, state_dir: str, out: Out, uri: str = "qemu:///system") -> None:
         self.state_dir = state_dir
         self.out = out
+        self.uri = uri
 
     def lookup(
         self, data: JsonObj, world: model.World, word: str, *, by_id: bool = True
@@ -482,8 +483,7 @@ class Session:
                 or (d.running and not cmd.get("inactive"))
                 or (cmd.get("inactive") and not d.running)
             )
-            and not (cmd.get("state-running") and not d.running)
-            and not (cmd.get("state-shutoff") and d.running)
+            and _state_filter(cmd, d.state_at(world.t)[0])
         ]
         if cmd.get("name") or cmd.get("uuid") or cmd.get("id"):
             for d in doms:
@@ -499,7 +499,11 @@ class Session:
                 self.out.print(" ".join(fields) + "\n")
             return
         rows = [
-            [str(d.id) if d.id is not None else "-", d.name, d.state_text(reason=False)]
+            [
+                str(d.id) if d.id is not None else "-",
+                d.name,
+                d.state_text(reason=False, t=world.t),
+            ]
             for d in doms
         ]
         header = ["Id", "Name", "State"]
@@ -535,7 +539,7 @@ class Session:
         with self.transaction(cmd.get("domain")) as data:
             world = model.world(data)
             dom = self.lookup(data, world, cmd.get("domain"))
-        self.out.print(dom.state_text(reason=bool(cmd.get("reason"))) + "\n")
+        self.out.print(dom.state_text(reason=bool(cmd.get("reason")), t=world.t) + "\n")
 
     def cmd_start(self, cmd: Cmd) -> None:
         """Start a defined domain, running libvirt's qemu hook (``hooks.launch``):
@@ -675,6 +679,10 @@ class Session:
                 model.record(data, "shutdown", dom.name, t, mode="guest")
                 model.save(self.state_dir, data)
                 dom = model.world(data, t).doms[dom.name]
+            if not dom.active_state(t):
+                # paused, crashed or in shutdown: qemuDomainShutdownFlagsAgent
+                # and qemuDomainShutdownFlagsMonitor both require RUNNING
+                raise CommandFailedError(failed, NOT_RUNNING)
             use_agent = "agent" in modes or (
                 not modes and dom.has_channel and dom.agent_connected
             )
@@ -740,9 +748,11 @@ class Session:
                 raise CommandFailedError("timeout must be positive")
         text = " ".join(cmd.get("cmd") or [])
         # qemuDomainQemuAgentCommand: virDomainObjBeginAgentJob first
-        with self.agent_job(cmd.get("domain")) as (_data, _t, _world, dom):
+        with self.agent_job(cmd.get("domain")) as (_data, t, _world, dom):
             pass
-        if not dom.running:
+        if not dom.active_state(t):
+            # virDomainObjCheckActive, then qemuDomainAgentAvailable: a
+            # paused, crashed or shutting-down domain is "not running"
             raise CommandFailedError(NOT_RUNNING)
         if not dom.has_channel:
             raise CommandFailedError(AGENT_NOT_CONFIGURED)
@@ -851,6 +861,14 @@ class Session:
                         break
                 if count and not loop:
                     break
+                if stream.disconnected:
+                    # virshCatchDisconnect (tools/virsh.c), then cmdEvent:
+                    # "events received", and the failed deregistration
+                    # (virConnectDomainEventDeregisterAny on the closed
+                    # connection) makes the command fail
+                    self.out.error(f"Disconnected from {self.uri} due to end of file")
+                    self.out.print(f"events received: {count}\n")
+                    raise CommandFailedError("internal error: client socket is closed")
                 if limit is not None and time.monotonic() - started >= limit:
                     self.out.print(f"event loop timed out\nevents received: {count}\n")
                     if count == 0:
@@ -877,6 +895,7 @@ class EventStream:
         self.stamp: tuple[int, int] | None = None
         self.pending: list[float] = []
         self.clock_offset = 0.0
+        self.disconnected = False
         with model.locked(state_dir, exclusive=False):
             data = model.load(state_dir)
             world = model.world(data)
@@ -911,6 +930,11 @@ class EventStream:
         fresh = [
             e for e in world.events if e.key not in self.seen and e.t >= self.since
         ]
+        ends = model.libvirtd_restart_after(data, self.since)
+        if ends is not None and ends <= world.t:
+            # the connection ended: events after that never reach it
+            fresh = [e for e in fresh if e.t < ends]
+            self.disconnected = True
         self._remember(world)
         fresh.sort(key=lambda e: e.t)
         return [e for e in fresh if self._wanted(e)]
@@ -1010,6 +1034,22 @@ def _read_file(path: str) -> str:
     finally:
         os.close(fd)
     return b"".join(chunks).decode("utf-8", "replace")
+
+
+def _state_filter(cmd: Cmd, state: str) -> bool:
+    """``list --state-*``: the states asked for (none: every state), as
+    virConnectListAllDomains filters them (VIR_CONNECT_LIST_DOMAINS_RUNNING,
+    _PAUSED, _SHUTOFF and _OTHER, which is every other state)."""
+    asked = {
+        "running": bool(cmd.get("state-running")),
+        "paused": bool(cmd.get("state-paused")),
+        "shut off": bool(cmd.get("state-shutoff")),
+    }
+    if not any(asked.values()) and not cmd.get("state-other"):
+        return True
+    if state in asked:
+        return asked[state]
+    return bool(cmd.get("state-other"))
 
 
 def _pairs(cells: list[str], widths: list[int]) -> list[tuple[str, int]]:
@@ -1123,6 +1163,7 @@ def main(
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
     quiet = False
+    uri: str | None = None
     args = list(argv)
     while args and args[0].startswith("-") and args[0] != "-":
         opt = args.pop(0)
@@ -1130,6 +1171,12 @@ def main(
             break
         if opt in ("-q", "--quiet"):
             quiet = True
+        elif opt in ("-c", "--connect") and args:
+            uri = args.pop(0)
+        elif opt.startswith("--connect="):
+            uri = opt.split("=", 1)[1]
+        elif opt.startswith("-c") and len(opt) > 2:
+            uri = opt[2:]
         elif opt in ("-r", "-t", "--readonly", "--timing", "--no-pkttyagent"):
             pass
         elif opt in ("-v", "--version", "-V"):
@@ -1179,15 +1226,51 @@ def main(
     if args == [""]:
         _record_end(state_dir, record, 1)
         return 1
-    session = Session(state_dir, out)
+    session = Session(state_dir, out, uri or DEFAULT_URI)
+    if uri is not None and not _libvirtd_answers(state_dir):
+        # virshInit: a URI given with -c is connected to before any command
+        for line in model.CONNECT_FAILED:
+            out.error(line)
+        _record_end(state_dir, record, 1)
+        return 1
     ok = True
     for cmd in cmds:
-        ok = session.run(cmd)
+        if cmd.name not in NO_CONNECT and not _libvirtd_answers(state_dir):
+            # vshCommandRun: the default URI is connected to at the first
+            # command that needs it
+            for line in model.CONNECT_FAILED:
+                out.error(line)
+            ok = False
+        else:
+            ok = session.run(cmd)
         out.print_extra("\n")
     stdout.flush()
     rc = 0 if ok else 1
     _record_end(state_dir, record, rc)
     return rc
+
+
+DEFAULT_URI = "qemu:///system"
+NO_CONNECT = frozenset({"echo"})  # VSH_CMD_FLAG_NOCONNECT
+
+
+def _libvirtd_answers(state_dir: str) -> bool:
+    """Whether libvirtd answers a new connection now. While it restarts, a
+    socket-activated daemon (systemd holds its socket: the connection waits in
+    the socket's backlog) makes the caller wait until it is back; else the
+    socket is gone and the connection fails at once. Once it is back, its
+    ``reconnect`` hooks have run (hooks.dispatch_reconnects)."""
+    while True:
+        with model.locked(state_dir, exclusive=False):
+            data = model.load(state_dir)
+        down = model.libvirtd_down(data, model.now(data))
+        if down is None:
+            if data.get("libvirtd_restarts"):
+                hooks.dispatch_reconnects(state_dir)
+            return True
+        if not down.get("socket_activated"):
+            return False
+        time.sleep(POLL)
 
 
 def _record_end(state_dir: str, record: JsonObj, rc: int) -> None:
