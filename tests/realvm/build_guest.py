@@ -11,9 +11,18 @@ these knobs from the kernel command line:
 - ``gh.acpi=on``: honour the ACPI power button (loads ``button`` and ``evdev``
   and powers off on a press). The default ignores it, like a desktop guest
   whose session swallows the button.
+- ``gh.shutdown_delay=SECONDS``: qemu-ga's ``guest-shutdown`` goes down only
+  this long after it ran ``/sbin/shutdown`` (a guest that takes its time to
+  shut down). qemu-ga waits for the shim meanwhile, its channel open: the
+  agent stays connected (and answers nothing) until the power-off.
+- ``gh.agent_lead=SECONDS``: every way down (``guest-shutdown``, and the ACPI
+  power button with ``gh.acpi=on``) first stops qemu-ga, then powers off this
+  long after: Windows stops its services, the guest agent among them, seconds
+  before it powers off, whether the player or the agent shut it down.
 
 ``/sbin/shutdown`` is a shim for qemu-ga's ``guest-shutdown`` (``-r`` reboots,
-anything else powers off). There is no udev: ``/init`` creates
+anything else powers off); it and the power button go down through
+``/sbin/gh-poweroff``. There is no udev: ``/init`` creates
 ``/dev/virtio-ports/NAME`` itself.
 
 The kernel comes from Debian's ``linux-image-amd64`` (``apt-get download``, no
@@ -109,8 +118,7 @@ if [ "$acpi" = on ]; then
       exit 0
     fi
     log "ACPI power button pressed: powering off"
-    sync
-    poweroff -f
+    exec /sbin/gh-poweroff
   ) &
 else
   log "ignoring the ACPI power button"
@@ -155,12 +163,58 @@ while :; do sleep 3600; done
 SHUTDOWN_SHIM = r"""#!/bin/sh
 # Stand-in for /sbin/shutdown, run by qemu-ga's guest-shutdown:
 # shutdown -h -P +0 "hypervisor initiated shutdown" (or -r to reboot).
-echo "gh-guest: shutdown $*" >/dev/console 2>/dev/null
-echo "gh-guest: shutdown $*" >/dev/kmsg 2>/dev/null
-sync
-for arg in "$@"; do
-  if [ "$arg" = -r ]; then exec reboot -f; fi
+log() { echo "gh-guest: $*" >/dev/console 2>/dev/null; echo "gh-guest: $*" >/dev/kmsg 2>/dev/null; }
+log "shutdown $*"
+delay=0
+lead=0
+for word in $(cat /proc/cmdline); do
+  case "$word" in
+    gh.shutdown_delay=*) delay=${word#gh.shutdown_delay=} ;;
+    gh.agent_lead=*) lead=${word#gh.agent_lead=} ;;
+  esac
 done
+how=poweroff
+for arg in "$@"; do
+  if [ "$arg" = -r ]; then how=reboot; fi
+done
+if [ "$delay" != 0 ]; then
+  # qemu-ga waits for this shim (waitpid): its channel stays open, it
+  # answers nothing meanwhile.
+  log "going down in $delay s"
+  sleep "$delay"
+fi
+if [ "$lead" != 0 ]; then
+  # gh-poweroff stops qemu-ga, which waits for this shim: it must go on
+  # without it.
+  setsid /sbin/gh-poweroff "$how" </dev/null >/dev/null 2>&1 &
+  exit 0
+fi
+exec /sbin/gh-poweroff "$how"
+"""
+
+# The guest's way down (poweroff, or reboot with "reboot"), after qemu-ga's
+# guest-shutdown as after a press of the power button.
+POWEROFF = r"""#!/bin/sh
+log() { echo "gh-guest: $*" >/dev/console 2>/dev/null; echo "gh-guest: $*" >/dev/kmsg 2>/dev/null; }
+lead=0
+for word in $(cat /proc/cmdline); do
+  case "$word" in
+    gh.agent_lead=*) lead=${word#gh.agent_lead=} ;;
+  esac
+done
+if [ "$lead" != 0 ]; then
+  log "stopping qemu-ga, going down in $lead s"
+  killall qemu-ga 2>/dev/null
+  while pidof qemu-ga >/dev/null; do sleep 0.05; done
+  log "qemu-ga stopped"
+  sleep "$lead"
+fi
+sync
+if [ "$1" = reboot ]; then
+  log "rebooting"
+  exec reboot -f
+fi
+log "powering off"
 exec poweroff -f
 """
 
@@ -509,6 +563,7 @@ def build_guest(*, log: bool = False) -> Guest:
         cpio.file("bin/busybox", Path(BUSYBOX).read_bytes(), 0o755)
         cpio.file("init", INIT_SCRIPT.encode(), 0o755)
         cpio.file("sbin/shutdown", SHUTDOWN_SHIM.encode(), 0o755)
+        cpio.file("sbin/gh-poweroff", POWEROFF.encode(), 0o755)
         cpio.file("usr/sbin/qemu-ga", Path(QEMU_GA).read_bytes(), 0o755)
         for lib in libs:
             cpio.file(lib, Path(lib).read_bytes(), 0o755)

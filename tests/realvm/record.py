@@ -82,6 +82,24 @@ class Recording:
         }
 
 
+def command_entry(
+    case: str,
+    before: str | None,
+    argv: list[str],
+    result: subprocess.CompletedProcess[str],
+) -> dict[str, Any]:
+    """One recorded virsh call: its case, the domain's state before, its
+    arguments and what it answered."""
+    return {
+        "case": case,
+        "domain_state": before,
+        "argv": argv,
+        "rc": result.returncode,
+        "stdout": result.stdout,
+        "stderr": result.stderr,
+    }
+
+
 class _Recorder:
     def __init__(self, daemon: QemuLibvirtd, recording: Recording) -> None:
         self.d = daemon
@@ -93,15 +111,7 @@ class _Recorder:
 
     def run(self, case: str, argv: list[str], domain: str) -> dict[str, Any]:
         before = self.state(domain)
-        result = self.d.virsh(*argv)
-        entry = {
-            "case": case,
-            "domain_state": before,
-            "argv": argv,
-            "rc": result.returncode,
-            "stdout": result.stdout,
-            "stderr": result.stderr,
-        }
+        entry = command_entry(case, before, argv, self.d.virsh(*argv))
         self.rec.commands.append(entry)
         return entry
 

@@ -1,4 +1,5 @@
-"""The tower simulator against the real recording (recorded/virsh.json).
+"""The tower simulator against the real recordings (recorded/virsh.json and
+recorded/shutdowns.json).
 
 The recording holds what real virsh said to real QEMU guests (see
 tests.realvm.record). Here the simulator replays the same command sequence, its
@@ -6,6 +7,9 @@ simulated clock moved past the agent's start and the shutdown where the real
 run waited for them, and must print the same bytes and exit codes: guest-ping
 answers and errors, `shutdown --mode agent|acpi` answers and errors, domstate
 reasons, and the event lines (agent-lifecycle above all) without timestamps.
+The shutdowns (tests.realvm.record_shutdowns) are replayed by hand: an agent
+shutdown that blocks, calls made while it does, guests whose agent leaves
+before the power-off.
 
 Needs no libvirt or QEMU: it runs everywhere.
 """
@@ -27,6 +31,17 @@ from tests.realvm.record import (
     MISSING,
     RECORDED,
     TIMESTAMP_RE,
+    command_entry,
+)
+from tests.realvm.record_shutdowns import (
+    AGENT_LEAD,
+    LEAVES,
+    RECORDED as SHUTDOWNS_RECORDED,
+    SELF,
+    SHUTDOWN_DELAY,
+    SLOW,
+    Call,
+    comparable,
 )
 
 towersim = pytest.importorskip("tests.towersim")
@@ -182,3 +197,173 @@ def test_event_lines_match_real_virsh(
     assert _bare(sim) == _bare(real)
     agent_lines = [line for line in _bare(real) if "'agent-lifecycle'" in line]
     assert len(agent_lines) == 2  # disconnected at start, connected when up
+
+
+# --- slow graceful stops and guest agents that leave first -------------------
+# (recorded/shutdowns.json, tests.realvm.record_shutdowns)
+
+SHUTDOWNS_SCALE = 0.25  # the guests' 4 s take 1 s here
+AGENT_UP = 1.0  # simulated seconds after the start
+
+
+@pytest.fixture(scope="module")
+def shutdowns() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(SHUTDOWNS_RECORDED.read_text())
+    return data
+
+
+def _real(recording: dict[str, Any], domain: str) -> list[dict[str, Any]]:
+    return [c for c in recording["commands"] if domain in c["argv"]]
+
+
+def _case(recording: dict[str, Any], case: str) -> dict[str, Any]:
+    return next(c for c in recording["commands"] if c["case"] == case)
+
+
+def _state(tower: Any, domain: str) -> str | None:
+    state = _sim_virsh(tower, ["domstate", "--reason", domain])
+    return state.stdout.strip() if state.returncode == 0 else None
+
+
+def _run_case(tower: Any, real: dict[str, Any], domain: str) -> dict[str, Any]:
+    """A recorded command on the simulator, as the recorder ran it."""
+    before = _state(tower, domain)
+    return command_entry(
+        real["case"], before, real["argv"], _sim_virsh(tower, real["argv"])
+    )
+
+
+def _booted(tmp_path: Path, domain: str, duration: float) -> tuple[Any, dict[str, Any]]:
+    """A tower with ``domain`` started (its recorded start replayed) and its
+    agent up; the start's entry."""
+    tower = towersim.Tower.create(
+        tmp_path / "tower",
+        [
+            towersim.DomainSpec(
+                name=domain, agent_delay=AGENT_UP, shutdown_duration=duration
+            )
+        ],
+        time_scale=SHUTDOWNS_SCALE,
+    )
+    start = _run_case(tower, {"case": "start", "argv": ["start", domain]}, domain)
+    tower.wait_until(
+        lambda: tower.agent_connected(domain), timeout=10, what="the agent"
+    )
+    return tower, start
+
+
+def _sim_events(tower: Any, domain: str) -> list[str]:
+    return [line for line in tower.events() if f"for domain '{domain}'" in line]
+
+
+def _unstamped(lines: list[str]) -> list[str]:
+    """The lines without their timestamps; none left out (the agent's
+    disconnect is no race when it leaves seconds before the power-off)."""
+    return [TIMESTAMP_RE.sub("", line) for line in lines]
+
+
+def test_a_slow_agent_shutdown_matches_real_virsh(
+    shutdowns: dict[str, Any], tmp_path: Path
+) -> None:
+    """A guest that powers off SHUTDOWN_DELAY s after qemu-ga's
+    guest-shutdown: the agent shutdown blocks that long and returns the same
+    bytes; a ping issued meanwhile waits for it and gets one of the answers
+    real libvirt gives (which one is a race in libvirtd, RACY_CASES); so
+    does domstate right after the return; the events are the same but for
+    the agent's disconnect, whose place is a race too."""
+    tower, start = _booted(tmp_path, SLOW, SHUTDOWN_DELAY)
+    real = _real(shutdowns, SLOW)
+    stop_real = _case(shutdowns, "shutdown --mode agent of a guest that takes its time")
+    ping_real = _case(shutdowns, "guest-ping while the agent shutdown waits")
+
+    def virsh(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        return _sim_virsh(tower, argv)
+
+    before = _state(tower, SLOW)
+    stop = Call(virsh, stop_real["argv"])
+    tower.wait_until(lambda: tower.agent_job_held(SLOW), timeout=10, what="the job")
+    during = _state(tower, SLOW)
+    ping = Call(virsh, ping_real["argv"])
+    state_during = _sim_virsh(tower, ["domstate", "--reason", SLOW])
+    stopped, stop_ended = stop.wait()
+    right_after = _sim_virsh(tower, ["domstate", "--reason", SLOW])
+    pinged, ping_ended = ping.wait()
+    tower.wait_until(lambda: not tower.is_running(SLOW), timeout=10, what="off")
+    after = _run_case(
+        tower, _case(shutdowns, "domstate after the slow guest powered off"), SLOW
+    )
+    sim = [
+        start,
+        command_entry(stop_real["case"], before, stop_real["argv"], stopped),
+        command_entry(ping_real["case"], during, ping_real["argv"], pinged),
+        command_entry(
+            "domstate while the agent shutdown waits",
+            during,
+            ["domstate", "--reason", SLOW],
+            state_during,
+        ),
+        command_entry(
+            "domstate right after the agent shutdown returned",
+            during,
+            ["domstate", "--reason", SLOW],
+            right_after,
+        ),
+        after,
+    ]
+    assert comparable(sim) == comparable(real)
+    assert stop_ended - stop.began >= SHUTDOWN_DELAY * SHUTDOWNS_SCALE * 0.9
+    assert ping_ended >= stop_ended - 0.1
+    sim_lines = _bare(_sim_events(tower, SLOW))
+    assert sim_lines == _bare(shutdowns["events"][SLOW])
+
+
+def test_a_guest_shutting_itself_down_matches_real_virsh(
+    shutdowns: dict[str, Any], tmp_path: Path
+) -> None:
+    """The guest shuts itself down, its agent gone AGENT_LEAD s before the
+    power-off: ``Tower.guest_shutdown`` stands for what the rig's guest did
+    on the ACPI press (the press itself is not replayed: the simulator's
+    guests that honour ACPI keep their agent until the power-off). The same
+    domstate, the same failed agent shutdown and ping while it runs on, the
+    same events in the same order, the agent's disconnect included."""
+    tower, start = _booted(tmp_path, SELF, AGENT_LEAD)
+    real = _real(shutdowns, SELF)
+    assert real[0]["case"] == "start"
+    assert real[1]["argv"][:3] == ["shutdown", "--mode", "acpi"]
+    tower.guest_shutdown(SELF)
+    sim = [start, real[1]]
+    sim += [_run_case(tower, case, SELF) for case in real[2:-1]]
+    tower.wait_until(lambda: not tower.is_running(SELF), timeout=10, what="off")
+    sim.append(_run_case(tower, real[-1], SELF))
+    assert sim == real
+    real_lines = _unstamped(shutdowns["events"][SELF])
+    assert _unstamped(_sim_events(tower, SELF)) == real_lines
+
+
+def test_an_agent_shutdown_whose_agent_leaves_matches_real_virsh(
+    shutdowns: dict[str, Any], tmp_path: Path
+) -> None:
+    """An agent shutdown whose guest stops its agent on the way down:
+    ``Tower.guest_shutdown`` while the call waits stands for it. The call
+    returns 0 at once; the domain runs on, agent gone; same events."""
+    tower, start = _booted(tmp_path, LEAVES, AGENT_LEAD)
+    real = _real(shutdowns, LEAVES)
+    stop_real = real[1]
+    assert stop_real["argv"][:3] == ["shutdown", "--mode", "agent"]
+
+    def virsh(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        return _sim_virsh(tower, argv)
+
+    before = _state(tower, LEAVES)
+    stop = Call(virsh, stop_real["argv"])
+    tower.wait_until(lambda: tower.agent_job_held(LEAVES), timeout=10, what="job")
+    tower.guest_shutdown(LEAVES)
+    stopped, stop_ended = stop.wait()
+    sim = [start, command_entry(stop_real["case"], before, stop_real["argv"], stopped)]
+    sim += [_run_case(tower, case, LEAVES) for case in real[2:-1]]
+    assert stop_ended - stop.began < AGENT_LEAD * SHUTDOWNS_SCALE
+    tower.wait_until(lambda: not tower.is_running(LEAVES), timeout=10, what="off")
+    sim.append(_run_case(tower, real[-1], LEAVES))
+    assert sim == real
+    real_lines = _unstamped(shutdowns["events"][LEAVES])
+    assert _unstamped(_sim_events(tower, LEAVES)) == real_lines
