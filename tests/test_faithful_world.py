@@ -94,15 +94,15 @@ async def test_a_start_that_fails_after_the_hook_is_not_asked_for_again(
     cluster: K8sEmulator,
     no_pdb: None,
 ) -> None:
-    """Gaming station 1's start fails after libvirtd ran the hook (a VFIO
-    error). The cards go back once; nothing hands off again by itself (the
+    """Gaming station 1's start fails after libvirtd ran the hook (its disk
+    image is missing). The cards go back once; nothing hands off again by itself (the
     hook's record of the agent's own start once looked like a start by hand:
     drain, stop, failed start, return, forever)."""
     await setup_entry(hass, entry)
     started = async_capture_events(hass, EVENT_HANDOFF_STARTED)
     failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
     returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
-    sim.fail_next_start("gaming-1", "vfio")
+    sim.fail_next_start("gaming-1", "disk")
 
     await switch(hass, "turn_on", SWITCH_1)
     await until(lambda: bool(returned), BOUND)
@@ -230,7 +230,7 @@ async def test_a_gpu_node_the_operator_stopped_mid_drain_stays_off(
     await setup_entry(hass, entry)
     controller = entry.runtime_data.controller
     failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
-    sim.fail_next_start("gaming-1", "vfio")
+    sim.fail_next_start("gaming-1", "disk")
 
     await switch(hass, "turn_on", SWITCH_1)
     await until(lambda: controller.drain is not None, BOUND)  # the PDB holds it
@@ -265,7 +265,7 @@ async def test_a_vm_removed_while_its_job_stops_the_gpu_node_gives_the_cards_bac
     sim.set_shutdown_duration("gpu-node", 300.0)  # 3 s at the tests' scale
     await setup_entry(hass, entry)
     controller = entry.runtime_data.controller
-    sim.fail_next_start("gaming-1", "vfio")
+    sim.fail_next_start("gaming-1", "disk")
 
     await switch(hass, "turn_on", SWITCH_1)
     await until(lambda: bool(sim.calls("shutdown", "gpu-node")), BOUND)

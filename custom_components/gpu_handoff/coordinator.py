@@ -57,6 +57,7 @@ from .protocol import (
 )
 from .tower import gpu_handoff as agent
 from .tower_client import (
+    AgentCommandError,
     AgentVersionError,
     TowerAuthError,
     TowerClient,
@@ -429,6 +430,18 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
             case JobPush(record=record):
                 if self.job_listener is not None:
                     self.job_listener(record)
+            case ErrorPush(error=error, source="status"):
+                # The tower's state cannot be read now (libvirt away): its
+                # entities are unavailable until the next status, which the
+                # agent pushes as soon as it can read it again.
+                command_error = AgentCommandError(error.code, error.message)
+                self.async_set_update_error(
+                    UpdateFailed(
+                        translation_domain=DOMAIN,
+                        translation_key=tower_error_key(command_error),
+                        translation_placeholders={"error": str(command_error)},
+                    )
+                )
             case ErrorPush(error=error):
                 _LOGGER.warning("The tower agent reports: %s", error.message)
             case _:

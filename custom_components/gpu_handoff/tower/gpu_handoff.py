@@ -52,7 +52,7 @@ import zlib
 # --- protocol: the Home Assistant side imports these ---------------------------
 
 PROTOCOL = 2
-VERSION = "0.3.1"
+VERSION = "0.3.2"
 
 ERR_BAD_REQUEST = "bad_request"
 ERR_NOT_ALLOWED = "not_allowed"
@@ -157,6 +157,9 @@ SESSION_KEYS = ("id", "verb", "args", "request_id")
 # A burst of libvirt events (a start is four of them) is one recompute.
 SESSION_COALESCE_SECONDS = 0.1
 EVENT_RESTART_SECONDS = 5.0
+# While libvirt does not answer (libvirtd restarting), its event stream is
+# tried again this often, so that its return is seen at once.
+EVENT_RETRY_UNREACHABLE = 0.5
 # Status fields left out when deciding whether the status changed.
 VOLATILE_STATUS_KEYS = ("virsh_calls",)
 
@@ -2044,6 +2047,10 @@ class JobRunner:
             if state == "shut_off":
                 self.skip_rest(index, domain, "already shut off")
                 return
+            if state == "in_shutdown":
+                self.end(step, "ok", "already shutting down")
+                return
+            self.refuse_held(step, domain, state)
             if self.agent_ready(domain):
                 self.end(step, "ok", "guest agent answered guest-ping")
                 return
@@ -2055,6 +2062,22 @@ class JobRunner:
                 self.end(step, "failed", message)
                 raise AgentError(ERR_AGENT_TIMEOUT, message)
             time.sleep(self.cfg.poll_interval)
+
+    def refuse_held(self, step: JsonObj, domain: str, state: str) -> None:
+        """Fail the step at once for a domain that is running but cannot shut
+        down: libvirt refuses a guest agent command and every shutdown of a
+        domain that is not RUNNING ("domain is not running",
+        qemuDomainAgentAvailable, qemuDomainShutdownFlagsAgent/Monitor), so
+        waiting would only reach a timeout without saying why."""
+        why = HELD_STATES.get(state)
+        if why is None:
+            return
+        message = (
+            f"{domain!r} is {state.replace('_', ' ')}: {why}; "
+            "it was left as it is (never forced off)"
+        )
+        self.end(step, "failed", message)
+        raise AgentError(ERR_SHUTDOWN_REFUSED, message)
 
     def step_shutdown(self, index: int, step: JsonObj) -> None:
         """Ask each shutdown mode in turn until one is accepted.
@@ -2077,9 +2100,15 @@ class JobRunner:
                 self.end(step, "ok", f"shutdown --mode {mode} accepted")
                 return
             going_down = going_down or may_be_going_down(result)
-            if not going_down and self.state_of(domain) == "shut_off":
-                self.skip_rest(index, domain, "already shut off")
-                return
+            if not going_down:
+                state = self.state_of(domain)
+                if state == "shut_off":
+                    self.skip_rest(index, domain, "already shut off")
+                    return
+                # the guest powered off itself meanwhile: libvirt ends it
+                going_down = state == "in_shutdown"
+                if not going_down:
+                    self.refuse_held(step, domain, state)
             refusals.append(f"{mode}: {result.error_text()}")
         refused = "; ".join(refusals)
         if going_down and self.shut_off_within(domain, self.cfg.timeout_shutdown):
@@ -2167,10 +2196,31 @@ class JobRunner:
             self.save()
             time.sleep(self.cfg.poll_interval)
 
+    def start_retrying(
+        self, domain: str, attempt: Callable[[], VirshResult]
+    ) -> VirshResult:
+        """A start, tried again while it fails on a VFIO device still busy.
+
+        Just after a domain stopped, its QEMU process may not be gone yet and
+        the VFIO group it held still open: the next start's QEMU fails to open
+        it ("failed to open /dev/vfio/N: Device or resource busy") although
+        libvirt released the device. A few seconds later the same start works;
+        so such a failure of a domain that stayed shut off is tried again, a
+        bounded number of times (START_BUSY_RETRIES)."""
+        result = attempt()
+        for delay in START_BUSY_RETRIES:
+            if result.rc == 0 or not vfio_busy(result):
+                return result
+            if self.state_of(domain) != "shut_off":
+                return result
+            time.sleep(delay)
+            result = attempt()
+        return result
+
     def step_start(self, index: int, step: JsonObj) -> None:
         domain = step["domain"]
         self.begin(index)
-        result = self.virsh.run(cmd_start(domain))
+        result = self.start_retrying(domain, lambda: self.virsh.run(cmd_start(domain)))
         if result.rc == 0:
             self.end(step, "ok", "started")
             return
@@ -2217,10 +2267,12 @@ class JobRunner:
             self.end(step, "skipped", "every card is in use: the GPU node stays off")
             return
         if not left:
-            result = self.virsh.run(cmd_start(domain))
+            result = self.start_retrying(
+                domain, lambda: self.virsh.run(cmd_start(domain))
+            )
             detail = "started with every card"
         else:
-            result = self._create(live)
+            result = self.start_retrying(domain, lambda: self._create(live))
             detail = "started without " + ", ".join(left) + " (live definition only)"
         if result.rc == 0:
             self.end(step, "ok", detail)
@@ -2254,6 +2306,29 @@ GOING_DOWN_ERRORS = (
     "error: Guest agent is not responding:",
     "error: Timed out during operation:",
 )
+
+
+# Running domains that cannot be shut down: libvirt needs VIR_DOMAIN_RUNNING
+# for the guest agent and for every shutdown mode; why, for the user.
+HELD_STATES = {
+    "paused": "a paused domain answers neither its guest agent nor a shutdown "
+    "until it is resumed (virsh resume)",
+    "crashed": "the guest crashed (it panicked) and is kept for inspection; "
+    "it cannot shut down",
+    "pmsuspended": "the guest is suspended (sleeping); wake it first",
+    "blocked": "the domain is blocked on a resource",
+}
+
+# After a stop the next start may find the VFIO group still open by the old
+# QEMU for a moment: it is tried again after these pauses (seconds).
+START_BUSY_RETRIES = (1.0, 2.0, 4.0)
+VFIO_BUSY_RE = re.compile(r"vfio .*Device or resource busy")
+
+
+def vfio_busy(result: VirshResult) -> bool:
+    """Whether a failed start failed on a VFIO device still busy (QEMU's
+    EBUSY opening /dev/vfio/N)."""
+    return bool(VFIO_BUSY_RE.search(result.err))
 
 
 def may_be_going_down(result: VirshResult) -> bool:
@@ -3134,6 +3209,9 @@ class Session:
         self.managed = set(cfg.managed)
         self.sel = selectors.DefaultSelector()
         self.events: Optional[EventChild] = None
+        # the failure of the event stream pushed last; None once libvirt
+        # answers again with the stream running
+        self.events_failure: Optional[JsonObj] = None
         self.restart_at = 0.0
         self.jobs = JobScanner(cfg)
         self.scanned_at = 0.0
@@ -3223,7 +3301,7 @@ class Session:
             if failure is None:
                 self.mark_dirty()  # events were missed while it was down
             else:
-                self.send(message("error", source="events", error=failure))
+                self.events_lost(failure)
         if self.due(time.monotonic()):
             self.recompute()
 
@@ -3277,10 +3355,34 @@ class Session:
             # Unmanaged domains too: they may hold the managed domains' cards.
             self.mark_dirty()
         if failure is not None:
+            self.events_lost(failure)
+
+    def events_lost(self, failure: JsonObj) -> None:
+        """libvirt's event stream ended (libvirtd restarted or went away).
+
+        The error is pushed once per outage (its code), not at every retry
+        (the first says "Disconnected ...", the next ones "failed to
+        connect"). The first
+        retry is at once: a restarted libvirtd (socket-activated) takes the
+        new connection as soon as it is back. While libvirt does not answer,
+        it is tried every EVENT_RETRY_UNREACHABLE seconds, each retry followed
+        by a status (which fails, unchanged and unpushed, until libvirt is
+        back: then it is pushed at once); other failures wait longer.
+        """
+        before = self.events_failure
+        first = before is None
+        if before is None or failure["code"] != before["code"]:
             self.send(message("error", source="events", error=failure))
-            self.stop_events()
-            self.restart_at = time.monotonic() + EVENT_RESTART_SECONDS
-            self.mark_dirty()
+        self.events_failure = failure
+        self.stop_events()
+        if first:
+            delay = 0.0
+        elif failure["code"] == ERR_LIBVIRT_UNREACHABLE:
+            delay = EVENT_RETRY_UNREACHABLE
+        else:
+            delay = EVENT_RESTART_SECONDS
+        self.restart_at = time.monotonic() + delay
+        self.mark_dirty()
 
     def start_events(self) -> Optional[JsonObj]:
         try:
@@ -3395,6 +3497,9 @@ class Session:
             self.pushed = None  # the next good status is pushed, changed or not
             return
         self.failure = None
+        if self.events is not None and self.events.proc.poll() is None:
+            # libvirt answered and the stream runs: a later loss is news
+            self.events_failure = None
         self.body = body
         comparable = {k: v for k, v in body.items() if k not in VOLATILE_STATUS_KEYS}
         if force or comparable != self.pushed:
