@@ -233,14 +233,19 @@ def _run_case(tower: Any, real: dict[str, Any], domain: str) -> dict[str, Any]:
     )
 
 
-def _booted(tmp_path: Path, domain: str, duration: float) -> tuple[Any, dict[str, Any]]:
+def _booted(
+    tmp_path: Path, domain: str, duration: float, *, agent_leaves_first: bool = False
+) -> tuple[Any, dict[str, Any]]:
     """A tower with ``domain`` started (its recorded start replayed) and its
     agent up; the start's entry."""
     tower = towersim.Tower.create(
         tmp_path / "tower",
         [
             towersim.DomainSpec(
-                name=domain, agent_delay=AGENT_UP, shutdown_duration=duration
+                name=domain,
+                agent_delay=AGENT_UP,
+                shutdown_duration=duration,
+                agent_leaves_first=agent_leaves_first,
             )
         ],
         time_scale=SHUTDOWNS_SCALE,
@@ -343,10 +348,10 @@ def test_a_guest_shutting_itself_down_matches_real_virsh(
 def test_an_agent_shutdown_whose_agent_leaves_matches_real_virsh(
     shutdowns: dict[str, Any], tmp_path: Path
 ) -> None:
-    """An agent shutdown whose guest stops its agent on the way down:
-    ``Tower.guest_shutdown`` while the call waits stands for it. The call
-    returns 0 at once; the domain runs on, agent gone; same events."""
-    tower, start = _booted(tmp_path, LEAVES, AGENT_LEAD)
+    """An agent shutdown whose guest stops its agent on the way down
+    (``DomainSpec.agent_leaves_first``). The call returns 0 at once; the
+    domain runs on, agent gone; same events."""
+    tower, start = _booted(tmp_path, LEAVES, AGENT_LEAD, agent_leaves_first=True)
     real = _real(shutdowns, LEAVES)
     stop_real = real[1]
     assert stop_real["argv"][:3] == ["shutdown", "--mode", "agent"]
@@ -356,8 +361,6 @@ def test_an_agent_shutdown_whose_agent_leaves_matches_real_virsh(
 
     before = _state(tower, LEAVES)
     stop = Call(virsh, stop_real["argv"])
-    tower.wait_until(lambda: tower.agent_job_held(LEAVES), timeout=10, what="job")
-    tower.guest_shutdown(LEAVES)
     stopped, stop_ended = stop.wait()
     sim = [start, command_entry(stop_real["case"], before, stop_real["argv"], stopped)]
     sim += [_run_case(tower, case, LEAVES) for case in real[2:-1]]

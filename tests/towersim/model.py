@@ -565,7 +565,9 @@ class World:
                     # qemuDomainShutdownFlagsAgent: the agent job is held
                     # while qemuAgentShutdown waits for the power-off
                     d.agent_job_until = float(action["job_until"])
-                elif action.get("mode") == "guest":
+                if action.get("mode") == "guest" or d.spec.get("agent_leaves_first"):
+                    # the guest stops its agent on the way down: that also
+                    # ends an agent shutdown's wait (qemuAgentNotifyCloseLocked)
                     self._agent_leaves(d, t)
         elif op == "pause" and d.running and d.held is None:
             # qemuDomainSuspend: the vCPUs stop, a guest shutdown under way

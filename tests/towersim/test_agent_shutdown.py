@@ -286,3 +286,35 @@ def test_a_guest_shutdown_racing_the_next_stop(tower: Tower) -> None:
     tower.wait_until(lambda: not tower.is_running("quick"), timeout=10, what="off")
     _boot(tower, "quick")
     assert sim(tower, "shutdown", "--mode", "agent", "--domain", "quick").rc == 0
+
+
+def test_a_guest_whose_agent_leaves_first_ends_the_wait_at_once(
+    tmp_path: Path,
+) -> None:
+    """Windows stops its services, the guest agent among them, before it
+    powers off, whoever asked (``agent_leaves_first``): the agent shutdown's
+    wait ends as the channel closes (qemuAgentNotifyCloseLocked), rc 0 at once,
+    while the domain runs on without its agent (the real rig's gh.agent_lead,
+    tests/realvm/test_shutdowns.py)."""
+    tower = Tower.create(
+        tmp_path / "t",
+        [
+            DomainSpec(
+                "win",
+                agent_delay=1.0,
+                shutdown_duration=100.0,
+                agent_leaves_first=True,
+            )
+        ],
+        time_scale=SCALE,
+    )
+    tower.set_libvirt_waits(agent_shutdown_timeout=1000.0)  # 10 s here
+    _boot(tower, "win")
+    result, took = _timed(tower, "shutdown", "--mode", "agent", "--domain", "win")
+    assert result == Result(0, "Domain 'win' is being shutdown\n\n", "")
+    assert took < 5.0  # not libvirt's wait
+    assert tower.domstate("win") == "running (booted)"
+    assert sim(tower, "qemu-agent-command", "--domain", "win", PING) == Result(
+        1, "\n", NOT_CONNECTED
+    )
+    tower.wait_until(lambda: not tower.is_running("win"), timeout=10, what="off")

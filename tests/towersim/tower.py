@@ -60,6 +60,11 @@ class DomainSpec:
     agent_delay: float | None = 30.0  # guest agent up this long after boot; None: never
     ignore_acpi: bool = False
     shutdown_duration: float = 10.0  # from an accepted shutdown to shut off
+    # Windows' way: any shutdown (the agent's guest-shutdown, the ACPI
+    # button) stops the guest agent first, then powers off after
+    # shutdown_duration; a ``shutdown --mode agent`` returns 0 as the agent
+    # leaves, while the domain still runs (the real rig's gh.agent_lead)
+    agent_leaves_first: bool = False
     running: bool = False  # at creation: running for a while, agent up
     memory_mib: int = 4096
     vcpus: int = 4
