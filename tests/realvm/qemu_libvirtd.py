@@ -26,6 +26,11 @@ script runs the agent's ``hook`` verb with the configuration a test names
 (``set_hook_config``; with none it only logs), and logs every call with its
 exit status (``hook_calls``). The domain XML on its stdin goes through
 ``cards.py filter`` first (the stand-in GPUs of real guests, see there).
+
+libvirtd restarts under running domains as on a tower (``restart_daemon``,
+or ``stop_daemon`` and ``start_daemon``): the namespace's init, a shell that
+QEMU's processes are children of, stops and starts libvirtd on a signal and
+stays, so they run on (INIT_LOOP).
 """
 
 from __future__ import annotations
@@ -82,6 +87,41 @@ log_outputs = "3:file:{log_dir}/libvirtd.log"
 """
 
 START_TIMEOUT = 120.0
+
+# The rest of the namespace's init (a shell, see QemuLibvirtd.start): it runs
+# libvirtd and reaps every process of the namespace, QEMU's included (they
+# daemonize, so they are the init's children). SIGUSR1 stops libvirtd alone
+# (SIGTERM, as a restart of its service does, and waits until it is gone);
+# SIGUSR2 starts it again, its pid file removed first. QEMU lives on
+# meanwhile. SIGTERM ends it all, and so does libvirtd ending on its own.
+# "$3" says "up" or "down" once a start or a stop is done.
+INIT_LOOP = """\
+conf=$1 pidfile=$2 state=$3
+run() {
+  rm -f "$pidfile"
+  libvirtd -f "$conf" -p "$pidfile" &
+  pid=$!
+  mode=up
+  echo up >"$state"
+}
+halt() {
+  kill -TERM $pid 2>/dev/null
+  while kill -0 $pid 2>/dev/null; do wait $pid; done
+}
+run
+trap 'if [ $mode = up ]; then halt; mode=down; echo down >"$state"; fi' USR1
+trap 'if [ $mode = down ]; then run; fi' USR2
+trap 'halt; mode=quit' TERM INT
+while [ $mode != quit ]; do
+  if [ $mode = up ]; then
+    kill -0 $pid 2>/dev/null || break
+    wait $pid
+  else
+    sleep 0.1 &
+    wait $!
+  fi
+done
+"""
 
 AGENT = (
     Path(__file__).resolve().parents[2]
@@ -161,7 +201,16 @@ class QemuLibvirtd:
 
     @property
     def uri(self) -> str:
-        return f"qemu+unix:///system?socket={self.sock_dir}/libvirt-sock"
+        return f"qemu+unix:///system?socket={self.socket}"
+
+    @property
+    def socket(self) -> Path:
+        return self.sock_dir / "libvirt-sock"
+
+    @property
+    def daemon_state(self) -> Path:
+        """Written by the namespace's init: "up" or "down" (INIT_LOOP)."""
+        return self.tmp / "libvirtd.state"
 
     @property
     def log_file(self) -> Path:
@@ -269,7 +318,8 @@ class QemuLibvirtd:
         # namespace's init: QEMU daemonizes, and its processes must be reaped
         # by an init that waits for any child (the test runner may be PID 1 of
         # its own namespace and reaps nobody; libvirtd waits for a killed QEMU
-        # to vanish). When the shell ends, the kernel kills whatever is left.
+        # to vanish). When the shell ends, the kernel kills whatever is left;
+        # so the shell outlives a restart of libvirtd (INIT_LOOP).
         # In a chroot "/" is no mount point and cannot be made private; there
         # the enclosing namespace is private already.
         script = "\n".join(
@@ -279,10 +329,7 @@ class QemuLibvirtd:
                 "mount -t proc proc /proc",
                 *mounts,
                 "set +e",
-                'libvirtd -f "$1" -p "$2" &',
-                "pid=$!",
-                "trap 'kill -TERM $pid' TERM INT",
-                "while kill -0 $pid 2>/dev/null; do wait; done",
+                INIT_LOOP,
             ]
         )
         stderr = (self.tmp / "libvirtd.stderr").open("wb")
@@ -302,28 +349,72 @@ class QemuLibvirtd:
                     "gh-libvirtd",
                     str(conf),
                     str(self.tmp / "libvirtd.pid"),
+                    str(self.daemon_state),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=stderr,
                 stderr=stderr,
                 start_new_session=True,
             )
+        self._wait_answering()
+        init = self._init_pid()
+        if init is not None:
+            self.pid_ns = str(Path(f"/proc/{init}/ns/pid").readlink())
+
+    def _wait_answering(self) -> None:
+        """Return once the daemon answers on its socket."""
+        assert self.proc is not None
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             if self.proc.poll() is not None:
                 raise LibvirtdError(
                     f"libvirtd exited with {self.proc.returncode}: {self.stderr_text()}"
                 )
-            if (self.sock_dir / "libvirt-sock").exists():
+            if self.socket.exists():
                 probe = self.virsh("uri", timeout=START_TIMEOUT)
                 if probe.returncode == 0:
-                    init = self._init_pid()
-                    if init is not None:
-                        self.pid_ns = str(Path(f"/proc/{init}/ns/pid").readlink())
                     return
             if time.monotonic() > deadline:
                 raise LibvirtdError(f"libvirtd did not answer: {self.stderr_text()}")
             time.sleep(0.05)
+
+    def _signal_init(self, sig: signal.Signals) -> None:
+        init = self._init_pid()
+        if self.proc is None or self.proc.poll() is not None or init is None:
+            raise LibvirtdError("the daemon's namespace is not running")
+        os.kill(init, sig)
+
+    def daemon_is_up(self) -> bool:
+        """Whether libvirtd runs (False between stop_daemon and start_daemon)."""
+        path = self.daemon_state
+        return path.exists() and path.read_text().strip() == "up"
+
+    def stop_daemon(self, timeout: float = 60) -> None:
+        """Stop libvirtd alone (SIGTERM, as a restart of its service does)
+        and return once it is gone; the domains' QEMU processes run on."""
+        if not self.daemon_is_up():
+            raise LibvirtdError("libvirtd is stopped already")
+        self._signal_init(signal.SIGUSR1)
+        wait_until(
+            lambda: not self.daemon_is_up(), timeout=timeout, what="libvirtd to stop"
+        )
+
+    def start_daemon(self) -> None:
+        """Start libvirtd again after stop_daemon; return once it answers (it
+        reconnects to the running domains, running the qemu hook's
+        ``reconnect begin`` for each, in threads of its own: maybe later)."""
+        if self.daemon_is_up():
+            raise LibvirtdError("libvirtd runs already")
+        self._signal_init(signal.SIGUSR2)
+        wait_until(self.daemon_is_up, timeout=30, what="libvirtd to be started")
+        self._wait_answering()
+
+    def restart_daemon(self, down: float = 0.0) -> None:
+        """Stop libvirtd, wait ``down`` seconds, start it again; return once it
+        answers. Domains keep running."""
+        self.stop_daemon()
+        time.sleep(down)
+        self.start_daemon()
 
     def stderr_text(self) -> str:
         path = self.tmp / "libvirtd.stderr"
@@ -449,11 +540,15 @@ PROBE_XML = """<domain type='qemu'>
 
 
 class EventLog:
-    """``virsh event --loop --all --timestamp`` running into a file."""
+    """``virsh event --loop --all --timestamp`` running into a file (its
+    stderr too, or with ``split_stderr`` into ``stderr_path``)."""
 
-    def __init__(self, daemon: QemuLibvirtd, name: str = "events") -> None:
+    def __init__(
+        self, daemon: QemuLibvirtd, name: str = "events", *, split_stderr: bool = False
+    ) -> None:
         self.path = daemon.data_dir / f"{name}.txt"
-        with self.path.open("wb") as out:
+        self.stderr_path = daemon.data_dir / f"{name}.stderr.txt"
+        with self.path.open("wb") as out, self.stderr_path.open("wb") as err:
             self.proc = subprocess.Popen(
                 [
                     "virsh",
@@ -466,7 +561,7 @@ class EventLog:
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
-                stderr=subprocess.STDOUT,
+                stderr=err if split_stderr else subprocess.STDOUT,
             )
         self._wait_subscribed(daemon)
 

@@ -43,6 +43,7 @@ from tests.realvm.record_shutdowns import (
     Call,
     comparable,
 )
+from tests.realvm.test_libvirtd_restart import AWAY, DISCONNECTED, EVENTS_RECEIVED
 
 towersim = pytest.importorskip("tests.towersim")
 
@@ -370,3 +371,65 @@ def test_an_agent_shutdown_whose_agent_leaves_matches_real_virsh(
     assert sim == real
     real_lines = _unstamped(shutdowns["events"][LEAVES])
     assert _unstamped(_sim_events(tower, LEAVES)) == real_lines
+
+
+# --- libvirtd restarting under a running domain -------------------------------
+# (tests.realvm.test_libvirtd_restart pins real virsh's texts, URI and socket
+# path aside; the simulator's URI is its own, its socket libvirt's default)
+
+SIM_SOCKET = "/var/run/libvirt/libvirt-sock"
+RESTART_SCALE = 0.01  # simulated seconds to real ones
+RESTART_AWAY = 500.0  # simulated: 5 s here, for the calls made meanwhile
+
+
+def test_a_libvirtd_restart_prints_what_real_virsh_prints(tmp_path: Path) -> None:
+    """``Tower.restart_libvirtd`` under a running ``virsh event --loop --all
+    --timestamp`` and a call while libvirtd is away: the same rc and bytes as
+    real virsh (test_libvirtd_restart: DISCONNECTED, EVENTS_RECEIVED, AWAY)."""
+    tower = towersim.Tower.create(
+        tmp_path / "tower",
+        [towersim.DomainSpec(name="vm", running=True)],
+        time_scale=RESTART_SCALE,
+    )
+    out_path = tmp_path / "events.out"
+    listen = ["event", "--loop", "--all", "--timestamp"]
+    with out_path.open("wb") as out:
+        events = subprocess.Popen(
+            [str(tower.virsh), "-c", tower.uri, *listen],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def subscribed() -> bool:
+        """Whether an event reached the listener; if not, pause or resume the
+        domain (events before the listener subscribed are lost)."""
+        if "event '" in out_path.read_text():
+            return True
+        if tower.domstate("vm").startswith("paused"):
+            tower.resume("vm")
+        else:
+            tower.pause("vm")
+        return False
+
+    try:
+        tower.wait_until(subscribed, timeout=30, interval=0.2, what="the listener")
+        tower.restart_libvirtd(RESTART_AWAY)
+        _, event_stderr = events.communicate(timeout=30)
+    finally:
+        if events.poll() is None:
+            events.kill()
+            events.wait()
+    away = _sim_virsh(tower, ["list"])
+    assert events.returncode == 1
+    assert event_stderr == DISCONNECTED.format(uri=tower.uri)
+    event_stdout = out_path.read_text()
+    received = EVENTS_RECEIVED.search(event_stdout)
+    assert received is not None, event_stdout
+    printed = [line for line in event_stdout.splitlines() if "event '" in line]
+    assert int(received.group(1)) == len(printed) > 0
+    assert (away.returncode, away.stdout, away.stderr) == (
+        1,
+        "",
+        AWAY.format(path=SIM_SOCKET),
+    )
