@@ -736,6 +736,8 @@ def realistic_domains(
                 ],
                 agent_delay=agent_delay,
                 shutdown_duration=shutdown_duration,
+                # Windows: its guest agent stops before it powers off
+                agent_leaves_first=True,
                 memory_mib=16384,
                 vcpus=6,
             )
