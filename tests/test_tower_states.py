@@ -140,3 +140,31 @@ async def test_a_start_finding_the_vfio_group_still_busy_is_tried_again(
     assert [c.rc for c in starts] == [1, 0]
     assert sim.is_running("gaming-1")
     assert hass.states.get(SWITCH_1).state == "on"
+
+
+async def test_a_paused_gaming_vm_stays_on_and_its_stop_says_why(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Gaming station 1 plays and its player pauses it: the switch stays on
+    (the VM holds its card), its state sensor says paused, and turning it off
+    fails at once saying it is paused; nothing is forced and the cards stay."""
+    await setup_entry(hass, entry)
+    await play(hass, entry, sim, 1)
+    sim.pause("gaming-1")
+    await entry.runtime_data.coordinator.async_refresh()
+    await until(
+        lambda: hass.states.get("sensor.gaming_station_1_vm_state").state == "paused"
+    )
+    assert hass.states.get(SWITCH_1).state == "on"
+
+    await switch(hass, "turn_off", SWITCH_1)
+    await until(lambda: idle(entry), BOUND)
+    assert sim.domstate("gaming-1") == "paused (user)"
+    assert sim.calls("shutdown", "gaming-1") == []
+    assert hass.states.get(SWITCH_1).state == "on"
+    assert "paused" in str(hass.states.get(SWITCH_1).attributes.get("last_error"))
+    assert not sim.is_running("gpu-node")

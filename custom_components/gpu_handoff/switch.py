@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from homeassistant.components.switch import SwitchEntity, SwitchEntityDescription
 from homeassistant.core import HomeAssistant
@@ -18,7 +18,7 @@ from .entity import (
     is_english,
     spoken_forms,
 )
-from .protocol import RUNNING
+from .protocol import SHUT_OFF
 
 # Requests go to the controller, which serialises them per tower.
 PARALLEL_UPDATES = 0
@@ -40,6 +40,10 @@ async def async_setup_entry(
             [GamingVmSwitch(entry.runtime_data, GAMING_VM, domain)],
             config_subentry_id=subentry_id,
         )
+
+
+# Domain states in which a VM is off (no_state: libvirt could not tell).
+OFF_STATES: Final = frozenset({SHUT_OFF, "no_state"})
 
 
 class GamingVmSwitch(GpuHandoffEntity, SwitchEntity):
@@ -68,7 +72,9 @@ class GamingVmSwitch(GpuHandoffEntity, SwitchEntity):
         if requested is not None:
             return requested == "handoff"
         vm = self.vm
-        return vm is not None and vm.state == RUNNING
+        # A paused, crashed (kept) or suspended VM is still on: it holds its
+        # card, and turning it off says why it cannot be shut down.
+        return vm is not None and vm.state not in OFF_STATES
 
     @property
     def extra_state_attributes(self) -> Mapping[str, Any]:
