@@ -204,3 +204,28 @@ def test_session_says_once_and_sees_libvirt_back_at_once(
     assert session.events is not None
     assert session.events_failure is None
     session.stop_events()
+
+
+def test_a_job_waits_for_libvirt_to_come_back(sim: Tower, cfg: agent.Config) -> None:
+    """libvirtd restarts (no socket activation: its socket is gone) as a stop
+    job begins: the job's calls are tried again until it answers, and the
+    stop succeeds; a call that may not wait fails at once."""
+    sim.restart_libvirtd(100.0)  # 1 s here
+    with pytest.raises(agent.AgentError) as err:
+        agent.Virsh(cfg).run(agent.cmd_domstate("gpu-node"))
+    assert err.value.code == agent.ERR_LIBVIRT_UNREACHABLE
+    job = agent.create_job(cfg, "stop", "gpu-node", "cli")
+    agent.JobRunner(cfg, job, agent.Virsh(cfg, unreachable_wait=10.0)).run()
+    assert [s["result"] for s in job["steps"]] == ["ok", "ok", "ok"]
+    assert not sim.is_running("gpu-node")
+
+
+def test_the_runner_waits_for_libvirt(
+    sim: Tower, cfg: agent.Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run_job gives its runner's virsh the wait (JOB_LIBVIRT_WAIT)."""
+    monkeypatch.setattr(agent, "JOB_LIBVIRT_WAIT", 10.0)
+    job = agent.create_job(cfg, "stop", "gpu-node", "cli")
+    sim.restart_libvirtd(100.0)  # 1 s here
+    assert agent.run_job(cfg, job["id"]) == 0
+    assert agent.load_job(cfg, job["id"])["state"] == "succeeded"

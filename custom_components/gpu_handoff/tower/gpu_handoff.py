@@ -157,6 +157,9 @@ SESSION_KEYS = ("id", "verb", "args", "request_id")
 # A burst of libvirt events (a start is four of them) is one recompute.
 SESSION_COALESCE_SECONDS = 0.1
 EVENT_RESTART_SECONDS = 5.0
+# A job's virsh call that finds libvirt away (libvirtd restarting) is tried
+# again for this long: a restart takes seconds, a handoff must not fail on it.
+JOB_LIBVIRT_WAIT = 60.0
 # While libvirt does not answer (libvirtd restarting), its event stream is
 # tried again this often, so that its return is seen at once.
 EVENT_RETRY_UNREACHABLE = 0.5
@@ -689,7 +692,11 @@ def virsh_environment(env: Dict[str, str]) -> Dict[str, str]:
 class Virsh:
     """Runs virsh with argv lists; never through a shell; only allowed commands."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, unreachable_wait: float = 0.0) -> None:
+        """`unreachable_wait`: for this long, a call that cannot connect to
+        libvirt (libvirtd restarting without socket activation: its socket is
+        gone) is tried again instead of failing. virsh connects to the URI
+        given with -c before it runs anything, so such a call did nothing."""
         path = resolve_program("virsh", cfg.cmd_virsh, cfg)
         if path is None:
             where = cfg.cmd_virsh or "PATH" + (
@@ -700,6 +707,8 @@ class Virsh:
         self.uri = cfg.libvirt_uri
         self.env = virsh_environment(cfg.env)
         self.calls = 0
+        self.unreachable_wait = unreachable_wait
+        self.retry_pause = max(0.05, min(cfg.poll_interval, 0.5))
 
     def argv(self, args: List[str]) -> List[str]:
         return [self.path, "-c", self.uri, *args]
@@ -714,6 +723,16 @@ class Virsh:
         return args
 
     def _run(self, args: List[str], timeout: float) -> VirshResult:
+        deadline = time.monotonic() + self.unreachable_wait
+        while True:
+            try:
+                return self._run_once(args, timeout)
+            except AgentError as err:
+                if err.code != ERR_LIBVIRT_UNREACHABLE or time.monotonic() >= deadline:
+                    raise
+            time.sleep(self.retry_pause)
+
+    def _run_once(self, args: List[str], timeout: float) -> VirshResult:
         self.calls += 1
         try:
             proc = subprocess.run(
@@ -2458,7 +2477,9 @@ def run_job(cfg: Config, job_id: str) -> int:
                 job["started"] = now_iso()
                 write_json_at(jfd, name, job)
                 try:
-                    JobRunner(cfg, job, Virsh(cfg)).run()
+                    JobRunner(
+                        cfg, job, Virsh(cfg, unreachable_wait=JOB_LIBVIRT_WAIT)
+                    ).run()
                     job["state"] = "succeeded"
                 except AgentError as err:
                     job["state"] = "failed"
