@@ -27,6 +27,24 @@ the summary), and a fault whose precondition does not hold at its moment
 (nobody else plays, the GPU node is off already) does nothing
 ("inapplicable").
 
+Three faults change how libvirt and the guests answer a stop. A slow
+graceful stop (``slow_graceful_stop``) makes the target's (the GPU node's or
+the cycle's gaming VM's) next graceful shutdowns take longer than libvirt's
+60 s agent-shutdown wait (scaled: ``virsh shutdown --mode agent`` then fails
+with "Guest agent is not responding" while the guest goes on powering off;
+a guest whose agent stops first, as Windows does, has libvirt accept at
+once instead) and less than the agent's shutdown timeout; the usual
+duration is back before the cycle after next. A player racing the stop
+(``guest_quits_racing_stop``) shuts their gaming VM down from inside at the
+instant GPU Handoff's ``virsh shutdown`` of it arrives (only a request of the
+cycle that turns it off); a race no stop came for is undone at the end of
+the cycle. A libvirtd restart (``libvirtd_restart``) ends every ``virsh
+event --loop`` ("Disconnected from qemu:///system due to end of file"),
+fails (or, socket-activated, holds) every virsh call while it is away, keeps
+the domains running, and runs the qemu hook's ``reconnect begin -`` for each
+when it is back. These three strike before the stop they change is sent
+(``EARLY_MOMENTS``) or, the restart, at any moment.
+
 A start by hand is ``virsh start`` on the tower: the simulator runs libvirt's
 qemu hook (the agent) as libvirtd does, and refuses the start while the GPU
 node holds the VM's cards. A gaming VM removed from GPU Handoff is added back
@@ -100,8 +118,36 @@ Invariants and how they are observed:
   someone plays it stays off, and a cycle that ends with it off and nobody
   playing is no ``half_state``.
 
+- ``slow_stop_refused``: while a guest's graceful stop takes longer than
+  libvirt's agent-shutdown wait and less than the agent's shutdown timeout
+  (``slow_graceful_stop``, or a ``guest_shutdown`` that slow), no
+  ``shutdown`` or ``wait_shut_off`` step of it fails (no
+  ``shutdown_refused``, no ``shutdown_timeout``) unless libvirt was away in
+  that cycle. Counted: ``slow_stop_outlasted_libvirt`` (libvirt gave up, the
+  agent waited for the power-off), ``slow_stop_accepted`` (libvirt accepted:
+  the guest's agent left first), ``slow_stop_failed``.
+- ``race_stop_failed``: a stop that raced the player's own shutdown ends
+  as a plain stop does: the VM off, no failed step of it and no
+  ``shutdown_refused``/``shutdown_timeout`` reported for it, and when nobody
+  plays at the end, the GPU node running with its cards returned
+  (``cards_returned`` or ``return_unhealthy`` after the race). Excused:
+  libvirt away, a shutdown that outlasts the agent's timeout anyway, the VM
+  removed; the return part also by another failure reported, a restart of
+  Home Assistant, the operator's shutdown of the GPU node.
+- ``slow_recovery_after_libvirtd``: once libvirtd is back from a restart,
+  every entity of the tower (but the screens and those that need the
+  cluster) is available within ``RECOVERY_BOUND`` seconds. The harness
+  samples the states while libvirtd is away and after, and keeps what it
+  measured in the cycle's record and the summary (``libvirtd_restarts``); a
+  cycle whose faults take the agent session away by themselves
+  (``SESSION_FAULTS``) is measured and not judged.
+- ``killed_on_reconnect``: libvirtd back from a restart kills no domain (a
+  ``reconnect`` hook that fails makes it: qemuProcessReconnect).
+
 Each violation carries the command that replays it with every option of the
-run (``--lend``; ``GPU_HANDOFF_CHAOS_LAG_LIMIT`` if not the default).
+run (``--lend``; ``GPU_HANDOFF_CHAOS_LAG_LIMIT`` if not the default), and the
+request and faults of its cycle as planned; the progress line of a violation
+ends with that command.
 """
 
 from __future__ import annotations
@@ -131,7 +177,7 @@ from typing import Any, Final
 from homeassistant.config_entries import ConfigEntryState, ConfigSubentry
 from homeassistant.core import Event, HomeAssistant, callback
 from homeassistant.exceptions import HomeAssistantError
-from homeassistant.helpers import issue_registry as ir
+from homeassistant.helpers import entity_platform, issue_registry as ir
 from pytest_homeassistant_custom_component.common import MockConfigEntry
 import yaml
 
@@ -149,11 +195,12 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_STARTED,
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
+    EVENT_RETURN_UNHEALTHY,
 )
 from tests.conftest import gaming_subentries, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.kubelet import Kubelet
-from tests.support.simtower import write_agent_config
+from tests.support.simtower import HOOK_PATH, write_agent_config
 from tests.support.sshd import Sshd
 from tests.support.testdriver import AGENT
 from tests.towersim import Tower, model as sim_model, realistic_tower
@@ -225,15 +272,57 @@ FAULTS: Final = (
     "api_down",  # the API server unreachable for a while
     "operator_cordon",  # an operator places or removes a cordon
     "unmanaged_pod",  # a pod nothing recreates appears on the GPU node
-    "start_fails",  # a gaming VM's next start fails after the hook (disk, VFIO)
+    "start_fails",  # a gaming VM's starts fail after the hook (disk, VFIO)
     "player_quits",  # a player shuts their VM down from inside while another plays
     "operator_stop",  # the operator shuts the GPU node down mid-drain
     "vm_removed",  # a gaming VM's subentry removed while the tower job runs
+    "slow_graceful_stop",  # a graceful stop outlasts libvirt's agent-shutdown wait
+    "guest_quits_racing_stop",  # the player shuts down as GPU Handoff's stop arrives
+    "libvirtd_restart",  # libvirtd restarts: event streams end, virsh fails or waits
 )
 # Faults bound to one moment whatever the request: the operator's shutdown
 # strikes while GPU Handoff drains, a removal while the tower job runs.
 FIXED_MOMENTS: Final = {"operator_stop": "draining", "vm_removed": "mid_job"}
+# Faults that only mean something before the stop they change is sent: drawn
+# among these moments (those the request's operation has).
+EARLY_MOMENTS: Final = {
+    "slow_graceful_stop": ("before", "draining", "job"),
+    "guest_quits_racing_stop": ("before", "job"),
+}
+# Faults never drawn (empty: every fault of FAULTS is). A fault whose rig
+# support is missing can be left out here for a while; empty, the plans are
+# those of rng.sample(FAULTS, ...), so a replay line stays valid.
+DISABLED_FAULTS: Final[frozenset[str]] = frozenset()
 FAULT_COUNT_WEIGHTS: Final = (2, 4, 3, 2)  # 0, 1, 2 or 3 faults
+
+# slow_graceful_stop: libvirt's wait in ``virsh shutdown --mode agent`` for
+# the power-off (VIR_DOMAIN_QEMU_AGENT_COMMAND_SHUTDOWN, 60 s: then "Guest
+# agent is not responding" although the guest goes on powering off), in real
+# seconds at the rig's pace; the guest takes between 1.5 times that and 0.8
+# times the agent's shutdown timeout (real seconds) to power off: libvirt
+# refuses, the agent must wait for the power-off and succeed.
+LIBVIRT_AGENT_WAIT: Final = sim_model.AGENT_SHUTDOWN_TIMEOUT * TIME_SCALE
+SLOW_STOP: Final = (
+    round(LIBVIRT_AGENT_WAIT * 1.5, 1),
+    round(AGENT_TIMEOUTS["shutdown"] * 0.8, 1),
+)
+# libvirtd_restart: libvirtd is away this long (real seconds); once it is
+# back, Home Assistant's entities of the tower must be available again within
+# RECOVERY_BOUND (measured every RECOVERY_SAMPLE for up to RECOVERY_WINDOW).
+LIBVIRTD_DOWN: Final = (0.3, 3.0)
+RECOVERY_BOUND: Final = 2.0
+RECOVERY_WINDOW: Final = 15.0
+RECOVERY_SAMPLE: Final = 0.05
+# The job failures of a graceful stop that a guest going down must not cause.
+SHUTDOWN_FAILURES: Final = frozenset({"shutdown_refused", "shutdown_timeout"})
+# libvirt away: any virsh call may fail, so may any stop.
+LIBVIRT_OUTAGES: Final = frozenset({"libvirt_down", "libvirtd_restart"})
+# Faults that take Home Assistant's agent session (or the entry) away by
+# themselves: the entities' recovery after a libvirtd restart is measured in
+# a cycle with one of these, and not held against the product.
+SESSION_FAULTS: Final = frozenset(
+    {"ssh_cut", "agent_killed", "ha_reload", "ha_restart", "libvirt_down", "vm_removed"}
+)
 
 # Failures the user must act on get a repair issue (controller._failed).
 USER_ACTS: Final = frozenset(
@@ -336,7 +425,26 @@ def _fault(rng: random.Random, kind: str, moment: str, vm: str | None) -> Fault:
         )
     elif kind == "vm_removed":
         params["target"] = vm or rng.choice(GAMING)
+    elif kind == "slow_graceful_stop":
+        # The GPU node (a handoff stops it) or the cycle's gaming VM (a stop
+        # of it, this cycle or the next).
+        params["target"] = rng.choice((GPU, vm or rng.choice(GAMING)))
+        params["seconds"] = round(rng.uniform(*SLOW_STOP), 1)
+    elif kind == "guest_quits_racing_stop":
+        # Only a stop of a gaming VM races: "off" (its VM), "both_off" (one
+        # of the two); with any other request it does nothing.
+        params["target"] = vm or rng.choice(GAMING)
+    elif kind == "libvirtd_restart":
+        params["seconds"] = round(rng.uniform(*LIBVIRTD_DOWN), 1)
+        params["socket_activated"] = rng.random() < 0.5
     return Fault(kind, FIXED_MOMENTS.get(kind, moment), tuple(sorted(params.items())))
+
+
+def _draw_moment(rng: random.Random, kind: str, moments: tuple[str, ...]) -> str:
+    early = EARLY_MOMENTS.get(kind)
+    if early is None:
+        return rng.choice(moments)
+    return rng.choice([moment for moment in moments if moment in early])
 
 
 def plan_cycle(seed: int, cycle: int) -> Plan:
@@ -346,8 +454,10 @@ def plan_cycle(seed: int, cycle: int) -> Plan:
     vm = rng.choice(GAMING) if request in WITH_VM else None
     moments = HANDOFF_MOMENTS if request in HANDOFF_REQUESTS else RETURN_MOMENTS
     count = rng.choices(range(len(FAULT_COUNT_WEIGHTS)), FAULT_COUNT_WEIGHTS)[0]
-    kinds = rng.sample(FAULTS, count)
-    faults = tuple(_fault(rng, kind, rng.choice(moments), vm) for kind in kinds)
+    kinds = rng.sample([kind for kind in FAULTS if kind not in DISABLED_FAULTS], count)
+    faults = tuple(
+        _fault(rng, kind, _draw_moment(rng, kind, moments), vm) for kind in kinds
+    )
     return Plan(seed, cycle, request, vm, faults)
 
 
@@ -376,6 +486,13 @@ class Violation:
     invariant: str
     detail: str
     lend: bool = False
+    # The cycle's request and faults as planned (what the replay replays).
+    request: str = ""
+    faults: tuple[Fault, ...] = ()
+
+    @property
+    def replay(self) -> str:
+        return replay_command(self.seed, self.cycle, lend=self.lend)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -383,7 +500,9 @@ class Violation:
             "cycle": self.cycle,
             "invariant": self.invariant,
             "detail": self.detail,
-            "replay": replay_command(self.seed, self.cycle, lend=self.lend),
+            "request": self.request,
+            "faults": [fault.as_json() for fault in self.faults],
+            "replay": self.replay,
         }
 
 
@@ -435,6 +554,59 @@ class OperatorStop:
     excused: bool = False
     ended: float | None = None  # epoch: the cards asked for back, or started by hand
     why_ended: str = ""
+
+
+@dataclass
+class SlowStop:
+    """A graceful stop of ``target`` slower than libvirt's agent-shutdown
+    wait and within the agent's shutdown timeout (``slow_graceful_stop``, or
+    ``guest_shutdown`` slow within that timeout): a stop of it must not fail."""
+
+    target: str
+    seconds: float  # real seconds from the shutdown to the power-off
+    since: float  # epoch: the duration is in effect from here
+    cycle: int
+
+
+@dataclass
+class RaceStop:
+    """The player of ``target`` shuts it down from inside at the instant the
+    next ``virsh shutdown`` of it arrives (``guest_quits_racing_stop``)."""
+
+    target: str
+    cycle: int
+    armed: float  # epoch
+    consumed: bool = False  # a shutdown came: the race happened
+
+
+@dataclass
+class LibvirtdRestart:
+    """A restart of libvirtd (``libvirtd_restart``) and what Home Assistant's
+    entities of the tower did around it."""
+
+    cycle: int
+    seconds: float  # away this long (real seconds)
+    socket_activated: bool
+    began: float = 0.0  # monotonic
+    back: float = 0.0  # monotonic: libvirtd answers again
+    went_unavailable: list[str] = field(default_factory=list)  # while it was away
+    # Seconds after ``back`` until every entity was available (None: not
+    # within RECOVERY_WINDOW), and those still unavailable then.
+    available_after: float | None = None
+    still_unavailable: list[str] = field(default_factory=list)
+    excused: str = ""  # a fault of the cycle that takes the session away
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "seconds": self.seconds,
+            "socket_activated": self.socket_activated,
+            "went_unavailable": self.went_unavailable,
+            "available_after_s": None
+            if self.available_after is None
+            else round(self.available_after, 2),
+            "still_unavailable": self.still_unavailable,
+            "excused": self.excused,
+        }
 
 
 class InapplicableError(Exception):
@@ -692,6 +864,10 @@ class CycleRecord:
     unreached: list[str] = field(default_factory=list)
     inapplicable: list[str] = field(default_factory=list)
     asks: list[Ask] = field(default_factory=list)
+    # What the faults did, counted (a slow stop libvirt gave up on and the
+    # agent saw through, a race that happened, a reconnect hook run...).
+    observed: Counter[str] = field(default_factory=Counter)
+    restarts: list[LibvirtdRestart] = field(default_factory=list)
 
 
 class ChaosRig:
@@ -769,6 +945,10 @@ class ChaosRig:
         self._armed: set[str] = set()  # gaming VMs whose next start fails
         self._removed: dict[str, dict[str, Any]] = {}  # vm -> its subentry's fields
         self._failure_on_report = False
+        self._slow_stops: dict[str, SlowStop] = {}  # target -> its slow stop
+        self._slow_checked: set[tuple[str, int]] = set()  # (job id, step index)
+        self._races: list[RaceStop] = []
+        self._hook_runs_seen = 0  # the simulator's hook runs read so far
 
     # --- life cycle ---------------------------------------------------------------
 
@@ -795,6 +975,9 @@ class ChaosRig:
         self.config.write_text(json.dumps(data), encoding="utf-8")
         self.state_dir = Path(data["state_dir"])
         command = [sys.executable, str(self.agent), "--config", str(self.config)]
+        # libvirt's qemu hook is the rig's agent too (a broken copy under test
+        # is broken there as well).
+        await asyncio.to_thread(self.sim.set_hook, [*command, "hook"], path=HOOK_PATH)
         self.sshd = await asyncio.to_thread(
             Sshd(self.root / "sshd", [*command, "serve"]).start
         )
@@ -813,6 +996,7 @@ class ChaosRig:
             EVENT_HANDOFF_SUCCEEDED,
             EVENT_HANDOFF_FAILED,
             EVENT_CARDS_RETURNED,
+            EVENT_RETURN_UNHEALTHY,
         ):
             self._unsubscribe.append(self.hass.bus.async_listen(event, self._on_event))
         self.entry = self._add_entry()
@@ -1001,10 +1185,24 @@ class ChaosRig:
         key = (cycle, invariant, detail)
         if any((v.cycle, v.invariant, v.detail) == key for v in self.violations):
             return
-        self.violations.append(
-            Violation(self.seed, cycle, invariant, detail, lend=self.lend)
+        plan = next(
+            (record.plan for record in self.records if record.plan.cycle == cycle),
+            None,
         )
-        self.log(f"chaos: cycle {cycle}: VIOLATION {invariant}: {detail}")
+        violation = Violation(
+            self.seed,
+            cycle,
+            invariant,
+            detail,
+            lend=self.lend,
+            request=plan.request if plan is not None else "",
+            faults=plan.faults if plan is not None else (),
+        )
+        self.violations.append(violation)
+        self.log(
+            f"chaos: cycle {cycle}: VIOLATION {invariant}: {detail} "
+            f"(replay: {violation.replay})"
+        )
 
     def _phase_text(self) -> str:
         controller = self._controller()
@@ -1243,15 +1441,26 @@ class ChaosRig:
             target = fault.get("target")
             delay = None if fault.get("mode") == "never" else seconds / TIME_SCALE
             await asyncio.to_thread(self.sim.set_agent_delay, target, delay)
-            self._restores.append(
-                (self.cycle + 1, "agent_delay", target, DEFAULT_AGENT_DELAY)
-            )
+            self._restore_later("agent_delay", target, DEFAULT_AGENT_DELAY)
         elif kind == "guest_shutdown":
-            target = fault.get("target")
+            target = str(fault.get("target"))
             duration = 1e9 if fault.get("mode") == "ignored" else seconds / TIME_SCALE
             await asyncio.to_thread(self.sim.set_shutdown_duration, target, duration)
-            self._restores.append(
-                (self.cycle + 1, "shutdown_duration", target, DEFAULT_SHUTDOWN)
+            self._restore_later("shutdown_duration", target, DEFAULT_SHUTDOWN)
+            # A slow one within the agent's shutdown timeout is a slow stop
+            # too; an ignored one ends the slow stop there was.
+            self._slow_stops.pop(target, None)
+            if fault.get("mode") == "slow" and self._slow_enough(seconds):
+                self._slow_stops[target] = SlowStop(
+                    target, seconds, time.time(), self.cycle
+                )
+        elif kind == "slow_graceful_stop":
+            await self._slow_graceful_stop(str(fault.get("target")), seconds)
+        elif kind == "guest_quits_racing_stop":
+            await self._race_stop(str(fault.get("target")))
+        elif kind == "libvirtd_restart":
+            return await self._restart_libvirtd(
+                seconds, socket_activated=bool(fault.get("socket_activated"))
             )
         elif kind == "pdb_refusing":
             self._set_pdb(min_available=1)
@@ -1277,8 +1486,12 @@ class ChaosRig:
             if self.records[-1].plan.request not in HANDOFF_REQUESTS:
                 raise InapplicableError("nothing starts a gaming VM this cycle")
             self._armed.add(target)
+            # Every start fails until the end of the cycle: the disk stays
+            # missing, the VFIO group stays held (a start tried again a few
+            # seconds later, as the agent does for a group the last QEMU
+            # had not let go of yet, fails again).
             await asyncio.to_thread(
-                self.sim.fail_next_start, target, str(fault.get("reason"))
+                self.sim.fail_next_start, target, str(fault.get("reason")), every=True
             )
         elif kind == "player_quits":
             await self._player_quits(str(fault.get("target")))
@@ -1311,6 +1524,145 @@ class ChaosRig:
             raise InapplicableError(f"nobody plays beside {target}")
         self._edge(f"{target} quit from inside")
         await asyncio.to_thread(self.sim.guest_shutdown, target)
+
+    def _restore_later(self, what: str, target: str, value: Any) -> None:
+        """Set ``what`` of ``target`` back to ``value`` before the cycle after
+        next (a later fault of the same kind and target moves that on)."""
+        self._restores = [
+            item for item in self._restores if (item[1], item[2]) != (what, target)
+        ]
+        self._restores.append((self.cycle + 1, what, target, value))
+
+    def _agent_shutdown_timeout(self) -> float:
+        """The agent's shutdown timeout as the rig configured it (real seconds)."""
+        data = json.loads(self.config.read_text(encoding="utf-8"))
+        return float(data["timeouts"]["shutdown"])
+
+    def _libvirt_agent_wait(self) -> float:
+        """libvirt's wait in ``shutdown --mode agent`` (real seconds) as the
+        simulator has it."""
+        return sim_model.libvirt_wait(self._sim_data(), "agent_shutdown_timeout")
+
+    def _slow_enough(self, seconds: float) -> bool:
+        """Whether a guest taking ``seconds`` to power off must be stopped
+        within the agent's shutdown timeout (whatever libvirt says)."""
+        return seconds < self._agent_shutdown_timeout()
+
+    async def _slow_graceful_stop(self, target: str, seconds: float) -> None:
+        """The next graceful shutdowns of ``target`` take ``seconds`` (real)
+        until the guest powers off: past libvirt's agent-shutdown wait (it
+        answers "Guest agent is not responding" meanwhile, unless the guest's
+        agent leaves first: then it accepts at once), within the agent's
+        shutdown timeout (it must wait for the power-off and go on).
+        The usual duration comes back before the cycle after next."""
+        wait = await asyncio.to_thread(self._libvirt_agent_wait)
+        timeout = await asyncio.to_thread(self._agent_shutdown_timeout)
+        if not wait < seconds < timeout:
+            raise ValueError(
+                f"a slow stop of {seconds:g} s is not between libvirt's wait "
+                f"({wait:g} s) and the agent's shutdown timeout ({timeout:g} s)"
+            )
+        await asyncio.to_thread(
+            self.sim.set_shutdown_duration, target, seconds / TIME_SCALE
+        )
+        self._restore_later("shutdown_duration", target, DEFAULT_SHUTDOWN)
+        self._slow_stops[target] = SlowStop(target, seconds, time.time(), self.cycle)
+
+    async def _race_stop(self, target: str) -> None:
+        """The player of ``target`` shuts it down from inside at the instant
+        GPU Handoff's stop arrives (the simulator's
+        ``guest_shutdown_on_next_stop``: the guest agent leaves at once, the
+        domain powers off after its shutdown duration). Only a request of
+        this cycle that turns ``target`` off stops it."""
+        if not await asyncio.to_thread(self.sim.is_running, target):
+            raise InapplicableError(f"{target} is not running")
+        if not any(ask.vm == target and ask.want == "off" for ask in self._asks_sent):
+            raise InapplicableError(f"no request of this cycle stops {target}")
+        await asyncio.to_thread(self.sim.guest_shutdown_on_next_stop, target)
+        self._races.append(RaceStop(target, self.cycle, time.time()))
+
+    def _armed_races(self) -> list[str]:
+        """The domains whose next ``virsh shutdown`` still races a guest shutdown."""
+        return list(self._sim_data().get("guest_shutdown_races") or [])
+
+    def _disarm_races(self) -> None:
+        """A race no stop came for ends with its cycle (the simulator keeps it
+        for the next ``virsh shutdown`` otherwise)."""
+        with sim_model.locked(self.sim.state_dir):
+            data = sim_model.load(self.sim.state_dir)
+            if data.get("guest_shutdown_races"):
+                data["guest_shutdown_races"] = []
+                sim_model.save(self.sim.state_dir, data)
+
+    async def _restart_libvirtd(
+        self, seconds: float, *, socket_activated: bool
+    ) -> Awaitable[None]:
+        """libvirtd restarts and is away ``seconds`` (real): every ``virsh
+        event --loop`` ends ("Disconnected from qemu:///system due to end of
+        file"), a virsh call meanwhile fails (or, socket-activated, waits),
+        running domains run on, and once back libvirtd runs the qemu hook's
+        ``reconnect begin -`` for each. What follows measures how soon Home
+        Assistant's entities of the tower are available again."""
+        restart = LibvirtdRestart(self.cycle, seconds, socket_activated)
+        await asyncio.to_thread(
+            self.sim.restart_libvirtd,
+            seconds / TIME_SCALE,
+            socket_activated=socket_activated,
+        )
+        # The simulator's clock took the restart's beginning inside the call:
+        # from its return, ``seconds`` end no earlier than libvirtd is back.
+        restart.began = time.monotonic()
+        self.records[-1].restarts.append(restart)
+        return self._follow_restart(restart)
+
+    async def _follow_restart(self, restart: LibvirtdRestart) -> None:
+        """While libvirtd is away, note the entities that go unavailable; once
+        it is back (it runs the reconnect hooks then, as a real one does at
+        its start whoever connects), how long until every entity of the
+        tower is available again."""
+        back = restart.began + restart.seconds
+        went: set[str] = set()
+        while time.monotonic() < back:
+            went.update(self._unavailable_entities())
+            await asyncio.sleep(RECOVERY_SAMPLE)
+        restart.back = time.monotonic()
+        restart.went_unavailable = sorted(went)
+        back_hook = getattr(self.sim, "libvirtd_back", None)
+        if back_hook is not None:
+            await asyncio.to_thread(back_hook)
+        while True:
+            now = time.monotonic()
+            missing = self._unavailable_entities()
+            if not missing:
+                restart.available_after = now - restart.back
+                return
+            if now - restart.back > RECOVERY_WINDOW:
+                restart.still_unavailable = missing
+                return
+            await asyncio.sleep(RECOVERY_SAMPLE)
+
+    def _unavailable_entities(self) -> list[str]:
+        """Home Assistant's entities of the tower that are unavailable now:
+        every entity of the entry but the screens (a VM that is off has none)
+        and those that need the Kubernetes API."""
+        if self.entry.state is not ConfigEntryState.LOADED:
+            return [f"the entry ({self.entry.state.value})"]
+        out = []
+        for platform in entity_platform.async_get_platforms(self.hass, DOMAIN):
+            if (
+                platform.config_entry is None
+                or platform.config_entry.entry_id != self.entry.entry_id
+                or platform.domain == "image"
+            ):
+                continue
+            for entity in platform.entities.values():
+                description = getattr(entity, "entity_description", None)
+                if getattr(description, "needs_cluster", False):
+                    continue
+                state = self.hass.states.get(entity.entity_id)
+                if state is None or state.state == "unavailable":
+                    out.append(entity.entity_id)
+        return sorted(out)
 
     async def _operator_stop(self) -> Awaitable[None]:
         """The operator powers the GPU node off from inside (``poweroff`` in
@@ -1560,6 +1912,9 @@ class ChaosRig:
             self._violate("operator_cordon_lifted", "the operator's cordon is gone")
         record.outcome = await self._check_state()
         await self._check_asks(record.asks)
+        self._check_slow_stops(record)
+        await self._check_races(record)
+        await self._check_restarts(record)
         if settled:
             await self._check_switches()
             await self._check_leaks()
@@ -1843,6 +2198,189 @@ class ChaosRig:
                     cycle,
                 )
 
+    # --- the new faults' own invariants ------------------------------------------
+
+    def _check_slow_stops(self, record: CycleRecord) -> None:
+        """``slow_stop_refused``: a graceful stop of a guest that powers off
+        after libvirt's agent-shutdown wait but within the agent's shutdown
+        timeout never fails (no ``shutdown`` or ``wait_shut_off`` step of it
+        failed: not ``shutdown_refused``, not ``shutdown_timeout``) while that
+        duration is in effect; libvirt away this cycle excuses it (any virsh
+        call may fail then). Counted: stops libvirt gave up on and the agent
+        saw through (``slow_stop_outlasted_libvirt``)."""
+        outage = sorted(set(record.fired) & LIBVIRT_OUTAGES)
+        for job in self._jobs.values():
+            for index, step in enumerate(job.get("steps") or []):
+                slow = self._slow_stops.get(str(step.get("domain")))
+                if (
+                    slow is None
+                    or step.get("name") not in ("shutdown", "wait_shut_off")
+                    or not step.get("started")
+                    or step.get("result") not in ("ok", "failed")
+                    or _epoch(step["started"]) < slow.since
+                    or (job["id"], index) in self._slow_checked
+                ):
+                    continue
+                self._slow_checked.add((job["id"], index))
+                detail = str(step.get("detail") or "")
+                self.log(
+                    f"chaos: cycle {self.cycle}: slow stop of {slow.target} "
+                    f"({slow.seconds:g} s), job {job['id']} {step['name']}: "
+                    f"{step['result']}: {detail}"
+                )
+                if step["result"] == "ok":
+                    if step["name"] != "shutdown":
+                        pass
+                    elif detail.startswith("shut off after the shutdown was refused"):
+                        record.observed["slow_stop_outlasted_libvirt"] += 1
+                    else:  # libvirt saw the power-off within its wait
+                        record.observed["slow_stop_accepted"] += 1
+                    continue
+                record.observed["slow_stop_failed"] += 1
+                if outage:
+                    continue
+                code = (job.get("error") or {}).get("code")
+                self._violate(
+                    "slow_stop_refused",
+                    f"{slow.target} powers off {slow.seconds:g} s after a graceful "
+                    f"shutdown (libvirt waits {LIBVIRT_AGENT_WAIT:g} s, the agent "
+                    f"{AGENT_TIMEOUTS['shutdown']:g} s); job {job['id']} "
+                    f"({job['kind']}) failed its {step['name']} step: {code}: "
+                    f"{detail}",
+                )
+
+    async def _check_races(self, record: CycleRecord) -> None:
+        """``race_stop_failed``: a player who shuts their gaming VM down from
+        inside at the instant GPU Handoff's stop arrives changes nothing the
+        user sees: the VM ends off, no stop step of it fails and no
+        ``shutdown_refused``/``shutdown_timeout`` is reported for it, and
+        when nobody plays at the end the GPU node runs and its cards were
+        returned (``cards_returned``, or ``return_unhealthy``) after the race,
+        as after a plain stop. Excused: libvirt away this cycle, a guest
+        whose shutdown outlasts the agent's timeout anyway, the VM removed
+        from GPU Handoff; the return part also by a failure reported for
+        something else, a restart of Home Assistant, the operator's shutdown
+        of the GPU node. A race no stop came for is undone (and counted)."""
+        races = [race for race in self._races if race.cycle == self.cycle]
+        if not races:
+            return
+        self._races = [race for race in self._races if race.cycle != self.cycle]
+        armed = await asyncio.to_thread(self._armed_races)
+        world = await asyncio.to_thread(self.sim.world)
+        running = {name for name, dom in world.doms.items() if dom.running}
+        for race in races:
+            if race.target in armed:
+                record.observed["race_without_stop"] += 1
+                continue
+            race.consumed = True
+            record.observed["race_happened"] += 1
+            dom = world.doms[race.target]
+            duration = dom.seconds("shutdown_duration") or 0.0
+            excuses = sorted(set(record.fired) & LIBVIRT_OUTAGES)
+            if duration >= AGENT_TIMEOUTS["shutdown"]:
+                excuses.append(f"its shutdown takes {duration:g} s")
+            if race.target in self._removed:
+                excuses.append("removed from GPU Handoff")
+            if excuses:
+                record.observed["race_excused"] += 1
+                continue
+            problems = []
+            if race.target in running:
+                problems.append(f"{race.target} still runs")
+            for job in self._jobs.values():
+                problems.extend(
+                    f"job {job['id']} ({job['kind']}) failed its {step['name']} "
+                    f"step: {(job.get('error') or {}).get('code')}: {step.get('detail')}"
+                    for step in job.get("steps") or []
+                    if step.get("domain") == race.target
+                    and step.get("result") == "failed"
+                    and step.get("started")
+                    and _epoch(step["started"]) >= race.armed
+                )
+            problems.extend(
+                f"handoff_failed {seen.data.get('code')}"
+                for seen in self._events
+                if seen.type == EVENT_HANDOFF_FAILED
+                and seen.data.get("vm") == race.target
+                and seen.data.get("code") in SHUTDOWN_FAILURES
+                and seen.epoch >= race.armed
+            )
+            other_failure = any(
+                seen.type == EVENT_HANDOFF_FAILED
+                and seen.data.get("code") not in SHUTDOWN_FAILURES
+                for seen in self._events
+            )
+            restarted = any(at >= race.armed for at in self._restart_epochs())
+            if (
+                not running & set(GAMING)
+                and not other_failure
+                and not restarted
+                and not self._stopped_by_operator()
+            ):
+                returned = any(
+                    seen.type in (EVENT_CARDS_RETURNED, EVENT_RETURN_UNHEALTHY)
+                    and seen.epoch >= race.armed
+                    for seen in self._events
+                )
+                if GPU not in running:
+                    problems.append("nobody plays and the GPU node is off")
+                elif not returned:
+                    problems.append("nobody plays and no cards_returned fired")
+            if problems:
+                self._violate(
+                    "race_stop_failed",
+                    f"{race.target} was shut down from inside as GPU Handoff's "
+                    f"stop arrived ({_stamp(race.armed)} armed): "
+                    + "; ".join(problems),
+                )
+
+    def _restart_epochs(self) -> list[float]:
+        """Home Assistant's restarts and reloads of this cycle, as epochs."""
+        offset = time.time() - time.monotonic()
+        return [at + offset for at in self._restarts]
+
+    async def _check_restarts(self, record: CycleRecord) -> None:
+        """``slow_recovery_after_libvirtd``: once libvirtd is back from a
+        restart, every entity of the tower (the screens and those that need
+        the cluster aside) is available within RECOVERY_BOUND (measured,
+        kept in the cycle's record); not held against the product when a
+        fault of the cycle took the session away by itself. ``killed_on_
+        reconnect``: no domain is killed by libvirtd taking it back (its
+        ``reconnect`` hook failed). Counted: reconnect hooks run."""
+        runs = await asyncio.to_thread(self.sim.hook_runs)
+        fresh, self._hook_runs_seen = runs[self._hook_runs_seen :], len(runs)
+        for run in fresh:
+            args = run.get("args") or []
+            if len(args) > 1 and args[1] == "reconnect":
+                record.observed["reconnect_hooks"] += 1
+                if run.get("status") != "exit status 0":
+                    record.observed["reconnect_hooks_failed"] += 1
+        if not record.restarts:
+            return
+        session = sorted(set(record.fired) & SESSION_FAULTS)
+        for restart in record.restarts:
+            if session:
+                restart.excused = ", ".join(session)
+                continue
+            if restart.available_after is not None and (
+                restart.available_after <= RECOVERY_BOUND
+            ):
+                continue
+            after = (
+                f"{restart.available_after:.2f} s"
+                if restart.available_after is not None
+                else f"more than {RECOVERY_WINDOW:g} s "
+                f"({', '.join(restart.still_unavailable)} still unavailable)"
+            )
+            self._violate(
+                "slow_recovery_after_libvirtd",
+                f"libvirtd was away {restart.seconds:g} s"
+                f"{' (socket-activated)' if restart.socket_activated else ''}; "
+                f"Home Assistant's entities of the tower were available again "
+                f"{after} after it was back (bound {RECOVERY_BOUND:g} s; "
+                f"unavailable meanwhile: {', '.join(restart.went_unavailable) or 'none'})",
+            )
+
     # --- the tower's history -----------------------------------------------------
 
     async def _check_world_history(self) -> None:
@@ -1853,6 +2391,14 @@ class ChaosRig:
         actions = data["actions"][self._actions_seen :]
         self._actions_seen = len(data["actions"])
         self._check_asked(actions)
+        for action in actions:
+            if action.get("op") == "daemon_stop":
+                self._violate(
+                    "killed_on_reconnect",
+                    f"libvirtd killed {action.get('name')} when it took it back "
+                    f"after a restart ({_stamp(action['t'])}): its reconnect hook "
+                    "failed",
+                )
         returned, self._returned = self._returned, []
         # The simulator's replay at each instant, off the event loop.
         worlds = await asyncio.to_thread(
@@ -2212,6 +2758,8 @@ class ChaosRig:
                     else self.sim.set_shutdown_duration
                 )
                 await asyncio.to_thread(setter, target, value)
+                if what == "shutdown_duration":
+                    self._slow_stops.pop(target, None)
         node = self._node()
         if self._node_ready() and not node["spec"].get("unschedulable"):
             self._recreate_workloads()
@@ -2264,6 +2812,7 @@ class ChaosRig:
         for vm in sorted(self._armed):
             await asyncio.to_thread(self.sim.clear_start_failure, vm)
         self._armed.clear()
+        await asyncio.to_thread(self._disarm_races)
         if record.outcome in ("half_state", "stopped_by_operator"):
             # The administrator starts the GPU node again (the operator who
             # shut it down, once nobody plays).
@@ -2321,7 +2870,11 @@ class ChaosRig:
         requests: Counter[str] = Counter()
         outcomes: Counter[str] = Counter()
         asks: Counter[str] = Counter()
+        observed: Counter[str] = Counter()
+        restarts: list[LibvirtdRestart] = []
         for record in self.records:
+            observed.update(record.observed)
+            restarts.extend(record.restarts)
             fired.update(record.fired)
             unreached.update(record.unreached)
             inapplicable.update(record.inapplicable)
@@ -2337,6 +2890,9 @@ class ChaosRig:
                 asks[status] += 1
         seconds = [record.seconds for record in self.records]
         lags = [record.lag_max for record in self.records]
+        recovered = [
+            r.available_after for r in restarts if r.available_after is not None
+        ]
         return {
             "seed": self.seed,
             "lend": self.lend,
@@ -2356,6 +2912,20 @@ class ChaosRig:
                 "mean": round(statistics.fmean(seconds), 2) if seconds else 0,
                 "p50": round(statistics.median(seconds), 2) if seconds else 0,
                 "max": round(max(seconds), 2) if seconds else 0,
+            },
+            # What the faults did: slow stops libvirt gave up on and the agent
+            # saw through, races that happened, reconnect hooks run...
+            "observed": dict(sorted(observed.items())),
+            # Each libvirtd restart: seconds until Home Assistant's entities of
+            # the tower were available again after it was back (by cycle).
+            "libvirtd_restarts": {
+                "count": len(restarts),
+                "went_unavailable": sum(1 for r in restarts if r.went_unavailable),
+                "available_after_max_s": round(max(recovered), 2)
+                if recovered
+                else None,
+                "not_recovered": sum(1 for r in restarts if r.available_after is None),
+                "by_cycle": {str(r.cycle): r.as_json() for r in restarts},
             },
             "loop_lag_max_ms": round(max(lags, default=0.0) * 1000, 1),
             "loop_lag_limit_ms": round(LAG_LIMIT * 1000),
