@@ -225,15 +225,20 @@ def failed_reconnect(
         realvm_timings["restart: with a failing hook, until the domain was killed"] = (
             time.monotonic() - started
         )
+
+        def fail_log() -> list[str] | None:
+            """The second script's lines once its own ``release end`` is in:
+            it runs after the agent's (qemu.d in strcmp order)."""
+            text = log.read_text() if log.exists() else ""
+            lines = [line for line in text.splitlines() if line.split(" ")[1] == NAME]
+            return lines if any(" release end" in line for line in lines) else None
+
+        lines = wait_until(fail_log, timeout=30, what="the failing hook's release")
     finally:
         script.unlink(missing_ok=True)
     return FailedReconnect(
         calls=calls,
-        fail_log=[
-            line
-            for line in (log.read_text() if log.exists() else "").splitlines()
-            if line.split(" ")[1] == NAME
-        ],
+        fail_log=lines,
         state=d.virsh("domstate", "--reason", NAME).stdout,
         pids_before=pids_before,
         pids_after=d.qemu_pids(),
