@@ -31,17 +31,13 @@ of the answers listed there, and the tests compare those by membership.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-import json
 from pathlib import Path
-import shutil
 import subprocess
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from custom_components.gpu_handoff.tower.gpu_handoff import cmd_ping
-from tests.realvm.build_guest import build_guest, cache_dir
 from tests.realvm.qemu_libvirtd import EventLog, QemuLibvirtd, define_guest
 from tests.realvm.record import (
     EVENT_DOMAIN_RE,
@@ -50,6 +46,7 @@ from tests.realvm.record import (
     _Recorder,
     _versions,
     command_entry,
+    record_to,
 )
 from tests.support.waiting import wait_until
 
@@ -343,22 +340,8 @@ def comparable(commands: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    missing = [
-        t for t in ("virsh", "libvirtd", "qemu-system-x86_64") if not shutil.which(t)
-    ]
-    if missing:
-        sys.exit(f"missing: {', '.join(missing)}")
-    guest = build_guest(log=True)
-    with QemuLibvirtd(cache_dir=cache_dir() / "libvirt-cache") as daemon:
-        rec = run_scenario(daemon, guest)
-    daemon.cleanup()
-    RECORDED.parent.mkdir(parents=True, exist_ok=True)
-    data = rec.as_json()
-    data["about"] = data["about"].replace(
-        "tests.realvm.record`", "tests.realvm.record_shutdowns`"
-    )
-    RECORDED.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"wrote {RECORDED}")
+    rec = record_to(RECORDED, run_scenario, "tests.realvm.record_shutdowns")
+    assert isinstance(rec, ShutdownRecording)
     for key, value in rec.timings.items():
         print(f"{key}: {value:.2f} s")
     print(f"states after the slow agent shutdown returned: {rec.states_after_return}")
