@@ -3383,9 +3383,8 @@ class Session:
 
         The error is pushed once per outage (its code), not at every retry
         (the first says "Disconnected ...", the next ones "failed to
-        connect"). The first
-        retry is at once: a restarted libvirtd (socket-activated) takes the
-        new connection as soon as it is back. While libvirt does not answer,
+        connect"). The first retry is at once: a restarted libvirtd
+        (socket-activated) takes the new connection as soon as it is back. While libvirt does not answer,
         it is tried every EVENT_RETRY_UNREACHABLE seconds, each retry followed
         by a status (which fails, unchanged and unpushed, until libvirt is
         back: then it is pushed at once); other failures wait longer.
