@@ -285,13 +285,15 @@ async def test_push(
             for state in ("running", "shut_off"):
                 seen_events, seen_changes = len(arrived), len(changes)
                 if state == "running":
-                    await asyncio.to_thread(
+                    started = await asyncio.to_thread(
                         subprocess.run,
                         [*virsh, "start", "gaming-2"],
-                        check=True,
+                        check=False,
                         capture_output=True,
+                        text=True,
                         timeout=30,
                     )
+                    assert started.returncode == 0, started.stderr
                 else:
                     await asyncio.to_thread(rig.sim.guest_shutdown, "gaming-2")
 
