@@ -172,6 +172,10 @@ in
         ${cfg.user} = {
           # NixOS names libvirt's socket group libvirtd.
           extraGroups = [ "libvirtd" ];
+          # logind keeps the user's systemd manager (where the agent's job
+          # units run) when no SSH session is open: a job outlives the
+          # request that started it (nixos/modules/config/users-groups.nix).
+          linger = true;
           # nixos/modules/services/networking/ssh/sshd.nix
           openssh.authorizedKeys.keys = map (
             key: pure.authorizedKeysLine { inherit program key; }

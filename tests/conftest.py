@@ -203,3 +203,15 @@ def entry(
 ) -> MockConfigEntry:
     """A tower with both gaming VMs; a short drain timeout."""
     return add_tower_entry(hass, sim_sshd, cluster, vms=(1, 2), drain_timeout=2)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """How long the tower boxes took to boot (tests/support/box.py)."""
+    from tests.support.box import BOOT_SECONDS
+
+    if BOOT_SECONDS:
+        ordered = sorted(BOOT_SECONDS)
+        terminalreporter.write_line(
+            f"tower box: {len(ordered)} boots of systemd as PID 1, "
+            f"median {ordered[len(ordered) // 2]:.2f} s, longest {ordered[-1]:.2f} s"
+        )

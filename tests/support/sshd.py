@@ -74,6 +74,33 @@ def key_fingerprint(private_key: Path) -> str:
     return listed.stdout.split()[1]
 
 
+def client_argv(key: Path, port: int, user: str, command: str) -> list[str]:
+    """OpenSSH's client logging in to 127.0.0.1:``port`` as ``user`` with
+    ``key`` alone, no configuration file and no host key check, to run
+    ``command``."""
+    return [
+        "ssh",
+        "-F",
+        "/dev/null",
+        "-i",
+        str(key),
+        "-p",
+        str(port),
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=no",
+        "-o",
+        "UserKnownHostsFile=/dev/null",
+        "-o",
+        "LogLevel=ERROR",
+        f"{user}@127.0.0.1",
+        command,
+    ]
+
+
 @dataclass
 class Sshd:
     """One running sshd whose only client key is forced to run ``command``."""
@@ -115,27 +142,7 @@ class Sshd:
         """OpenSSH's client, logging in with the client key to run ``command``
         (the key's forced command runs instead; sshd passes this one on as
         SSH_ORIGINAL_COMMAND). Run it with ``ssh_environment()``."""
-        return [
-            "ssh",
-            "-F",
-            "/dev/null",
-            "-i",
-            str(self.client_key),
-            "-p",
-            str(self.port),
-            "-o",
-            "IdentitiesOnly=yes",
-            "-o",
-            "BatchMode=yes",
-            "-o",
-            "StrictHostKeyChecking=no",
-            "-o",
-            "UserKnownHostsFile=/dev/null",
-            "-o",
-            "LogLevel=ERROR",
-            f"{self.user}@127.0.0.1",
-            command,
-        ]
+        return client_argv(self.client_key, self.port, self.user, command)
 
     def authorize(self, public_key: str) -> None:
         """Let ``public_key`` log in, forced to run the command (as a user would)."""

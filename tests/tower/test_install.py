@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 import pwd
 import resource
+import shutil
 import signal
 import stat
 import subprocess
@@ -961,3 +962,85 @@ def test_an_install_failure_names_what_is_left() -> None:
     }
     assert agent.errno_name(OSError(30, "Read-only file system")) == "EROFS"
     assert agent.errno_name(OSError("no number")) == "unknown"
+
+
+def test_the_state_directory_has_a_tmpfiles_entry(tmp_path: Path) -> None:
+    """On a systemd system the install leaves systemd-tmpfiles a line for
+    the state directory (made at boot if missing, owner and mode set back);
+    the real systemd-tmpfiles reads it and makes the directory as install
+    does. A failed install takes the line away with the rest."""
+    require_tool("systemd-tmpfiles")
+    root = tmp_path / "root"
+    (root / "usr/lib/tmpfiles.d").mkdir(parents=True)
+    run = install_run(root)
+    assert run.rc == 0, run.reply
+    entry = root / "etc/tmpfiles.d/gpu-handoff.conf"
+    group = grp.getgrgid(os.getgid()).gr_name
+    assert entry.read_text(encoding="utf-8").splitlines()[-1] == (
+        f"d /var/lib/gpu-handoff 0700 {me()} {group} -"
+    )
+    assert stat.S_IMODE(entry.stat().st_mode) == 0o644
+    assert str(entry) in run.reply["installed"]
+    state = root / "var/lib/gpu-handoff"
+    shutil.rmtree(state)
+    subprocess.run(
+        ["systemd-tmpfiles", f"--root={root}", "--create", str(entry)], check=True
+    )
+    info = state.stat()
+    assert (stat.S_IMODE(info.st_mode), info.st_uid) == (0o700, os.getuid())
+    # Without systemd-tmpfiles on the system, no line.
+    bare = tmp_path / "bare"
+    assert install_run(bare).rc == 0
+    assert not (bare / "etc/tmpfiles.d").exists()
+    # A failed install leaves no line behind.
+    failing = tmp_path / "failing"
+    (failing / "usr/lib/tmpfiles.d").mkdir(parents=True)
+    (failing / "etc/libvirt/hooks").mkdir(parents=True)
+    (failing / "etc/libvirt/hooks/qemu.d").write_text("a file, not a directory")
+    run = install_run(failing)
+    assert run.rc == 1
+    assert not (failing / "etc/tmpfiles.d/gpu-handoff.conf").exists()
+
+
+def test_the_ssh_user_lingers_where_systemd_runs(
+    tmp_path: Path, stand_ins: StandIns, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user manager nothing keeps is stopped 10 s after the user's last
+    session (logind.conf(5) UserStopDelaySec), and a job's unit in it with
+    it: install makes the SSH user linger (loginctl enable-linger) where
+    systemd is the init; undo turns it off again. A lingering user is left
+    alone; without systemd there is nothing to do."""
+    linger = tmp_path / "linger"
+    linger.mkdir()
+    running = tmp_path / "systemd"
+    running.mkdir()
+    monkeypatch.setattr(agent, "LINGER_DIR", str(linger))
+    monkeypatch.setattr(agent, "SYSTEMD_RUNTIME_DIR", str(running))
+    stand_ins.add("loginctl")
+    account = pwd.getpwuid(os.getuid())
+    undo = agent.Undo()
+    assert agent.enable_linger(account, stand_ins.env, undo) == "enabled"
+    assert stand_ins.calls() == [["loginctl", "enable-linger", account.pw_name]]
+    assert undo.rollback() == []
+    assert stand_ins.calls()[-1] == ["loginctl", "disable-linger", account.pw_name]
+    (linger / account.pw_name).touch()
+    assert agent.enable_linger(account, stand_ins.env, agent.Undo()) == "already"
+    assert agent.user_lingers()
+    (linger / account.pw_name).unlink()
+    assert not agent.user_lingers()
+    running.rmdir()
+    assert agent.enable_linger(account, stand_ins.env, agent.Undo()) == "no_systemd"
+    assert len(stand_ins.calls()) == 2
+    stand_ins.add("loginctl", rc=1, stderr="Could not enable linger: Access denied")
+    running.mkdir()
+    with pytest.raises(agent.StepError, match="Access denied"):
+        agent.enable_linger(account, stand_ins.env, agent.Undo())
+    notes = agent._install_notes(
+        {"user": "gpu-handoff", "uri": "qemu:///system"},
+        {"user_created": False, "linger": "enabled", "libvirt_restart": None},
+        "unused",
+    )
+    assert (
+        "gpu-handoff lingers (loginctl enable-linger): its jobs outlive the SSH "
+        "session that starts them." in notes
+    )

@@ -377,6 +377,7 @@ def test_module_wiring(tmp_path: Path) -> None:
     assert out["hook"] == agent.hook_script(program, agent.DEFAULT_CONFIG_PATH)
     account = out["account"]["hass"]
     assert account["extraGroups"] == ["libvirtd"]
+    assert account["linger"] is True  # job units outlive the SSH session
     assert account["openssh"]["authorizedKeys"]["keys"] == [
         agent.authorized_keys_line(program, agent.DEFAULT_CONFIG_PATH, key)
         for key in keys

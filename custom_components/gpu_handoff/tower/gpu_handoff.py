@@ -220,6 +220,12 @@ DEFAULT_INSTALL_STATE_DIR = "/var/lib/gpu-handoff"
 DEFAULT_SYSFS = "/sys"
 HOOK_PATH = "/etc/libvirt/hooks/qemu.d/gpu-handoff"
 SYSTEMD_RUNTIME_DIR = "/run/systemd/system"
+# logind keeps a user's systemd manager running without a session while a
+# file of the user's name is here (loginctl(1), enable-linger): the manager
+# the runners of an unprivileged agent are started in.
+LINGER_DIR = "/var/lib/systemd/linger"
+# systemd-tmpfiles(8) entries of packages set up by hand (tmpfiles.d(5)).
+TMPFILES_PATH = "/etc/tmpfiles.d/gpu-handoff.conf"
 AGENT_CHANNEL = "org.qemu.guest_agent.0"
 GUEST_PING = '{"execute":"guest-ping"}'
 STATUS_PING_TIMEOUT = 2
@@ -1842,6 +1848,18 @@ def reap_runners() -> None:
     _RUNNERS[:] = [child for child in _RUNNERS if child.poll() is None]
 
 
+def user_lingers() -> bool:
+    """Whether this user's systemd manager outlives its sessions. One that
+    does not is stopped when the last SSH session of the user has ended
+    (logind.conf(5), UserStopDelaySec, 10 s by default), and every job unit
+    in it with it: such a user's runners are plain detached processes."""
+    try:
+        name = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return False
+    return os.path.isfile(os.path.join(LINGER_DIR, name))
+
+
 def spawn_runner(cfg: Config, job: JsonObj) -> JsonObj:
     """Start the job's runner detached from this process; describe how."""
     job_id = job["id"]
@@ -1850,7 +1868,9 @@ def spawn_runner(cfg: Config, job: JsonObj) -> JsonObj:
     if mode == "auto":
         mode = (
             "systemd"
-            if systemd_run and os.path.isdir(SYSTEMD_RUNTIME_DIR)
+            if systemd_run
+            and os.path.isdir(SYSTEMD_RUNTIME_DIR)
+            and (os.geteuid() == 0 or user_lingers())
             else "process"
         )
     if mode == "systemd":
@@ -4378,6 +4398,43 @@ def install_state_dir(path: str, account: pwd.struct_passwd, undo: Undo) -> None
         os.close(fd)
 
 
+def systemd_runs() -> bool:
+    """Whether systemd is this system's init (sd_booted(3))."""
+    return os.path.isdir(SYSTEMD_RUNTIME_DIR)
+
+
+def enable_linger(account: pwd.struct_passwd, env: Dict[str, str], undo: Undo) -> str:
+    """The SSH user's systemd manager kept running without a session, so a
+    job's unit outlives the SSH request that started it (see user_lingers):
+    "enabled", "already" or "no_systemd" (an init without user managers:
+    the runners are plain processes there). Undo turns it off again."""
+    name = account.pw_name
+    if not systemd_runs():
+        return "no_systemd"
+    if os.path.isfile(os.path.join(LINGER_DIR, name)):
+        return "already"
+    run_admin(["loginctl", "enable-linger", name], env)
+    undo.add(
+        f"lingering of {name}",
+        functools.partial(run_admin, ["loginctl", "disable-linger", name], env),
+    )
+    return "enabled"
+
+
+def tmpfiles_entry(state_dir: str, account: pwd.struct_passwd) -> bytes:
+    """systemd-tmpfiles' line for the state directory (tmpfiles.d(5), type
+    d): made at boot if it is missing, its owner and mode set back if they
+    were changed; never cleaned (age "-")."""
+    try:
+        group = grp.getgrgid(account.pw_gid).gr_name
+    except KeyError:
+        group = str(account.pw_gid)
+    return (
+        "# GPU Handoff's state directory: the SSH user's alone.\n"
+        f"d {state_dir} {STATE_DIR_MODE:04o} {account.pw_name} {group} -\n"
+    ).encode()
+
+
 def own_program() -> bytes:
     """This program's bytes: what install and update put on the tower."""
     with open(os.path.realpath(__file__), "rb") as handle:
@@ -4564,9 +4621,16 @@ def _install_steps(
     config_text = json.dumps(data, indent=2) + "\n"
     install_file(files["config"], config_text.encode(), CONFIG_MODE, undo)
     install_state_dir(files["state"], account, undo)
+    installed = [files[k] for k in ("program", "config", "state")]
+    if os.path.isdir(_rooted(files["root"], "/usr/lib/tmpfiles.d")):
+        entry = tmpfiles_entry(opts["state_dir"], account)
+        install_file(files["tmpfiles"], entry, CONFIG_MODE, undo)
+        installed.append(files["tmpfiles"])
     hook = hook_script(files["program_name"], files["config_name"])
     install_file(files["hook"], hook.encode(), PROGRAM_MODE, undo)
-    done["installed"] = [files[k] for k in ("program", "config", "state", "hook")]
+    done["installed"] = [*installed, files["hook"]]
+    if not files["root"]:
+        done["linger"] = enable_linger(account, env, undo)
     # Last: nothing after it can fail, and it leaves nothing behind when it does.
     if opts["key"]:
         home = _rooted(files["root"], account.pw_dir)
@@ -4599,6 +4663,11 @@ def _install_notes(opts: Dict[str, Any], done: JsonObj, key_line: str) -> List[s
         notes.append(f"Home Assistant's key is in {key['path']} ({key['action']}).")
     else:
         notes += [f"Add this line to ~{user}/.ssh/authorized_keys:", f"  {key_line}"]
+    if done.get("linger") == "enabled":
+        notes.append(
+            f"{user} lingers (loginctl enable-linger): its jobs outlive the SSH "
+            "session that starts them."
+        )
     group = done.get("libvirt_group")
     if group is None:
         notes.append(
@@ -4661,6 +4730,7 @@ def verb_install(
         "config": _rooted(root, config_path),
         "state": _rooted(root, opts["state_dir"]),
         "hook": _rooted(root, HOOK_PATH),
+        "tmpfiles": _rooted(root, TMPFILES_PATH),
     }
     if os.path.exists(files["config"]) and not opts["force"]:
         raise AgentError(
