@@ -234,3 +234,52 @@ def test_the_seeds_fixed_unit_name_fails_for_real(box_agent: BoxAgent) -> None:
     assert second["ok"] is True, second
     for reply in (first, second):
         assert box_agent.wait_job(reply["job"]["id"])["state"] == "succeeded"
+
+
+def test_without_a_user_manager_systemd_run_fails_and_auto_falls_back(
+    box_agent: BoxAgent,
+) -> None:
+    """A user that does not linger and has no session has no systemd
+    manager: the real ``systemd-run --user`` cannot reach one. With detach
+    "systemd" the request fails with systemd-run's own words; with "auto"
+    (the default) the agent does not even try it and runs the job as a
+    plain detached process, which finishes."""
+    box = box_agent.box
+    box.run(["loginctl", "disable-linger", USER], check=True)
+    uid = box.run(["id", "-u", USER], check=True).stdout.strip()
+    wait_until(
+        lambda: box.run(["test", "-e", f"/run/user/{uid}"]).returncode == 1,
+        timeout=30,
+        what="the user's manager to stop",
+    )
+    config = box.root / CONFIG.lstrip("/")
+    data = json.loads(config.read_text(encoding="utf-8"))
+
+    def ask(detach: str, command: str) -> dict[str, Any]:
+        config.write_text(json.dumps({**data, "detach": detach}), encoding="utf-8")
+        done = box.run([PROGRAM, "--config", CONFIG, *command.split()], user=USER)
+        reply: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+        return reply
+
+    refused = ask("systemd", "stop gaming-1")
+    assert refused["error"]["code"] == "spawn_failed"
+    assert refused["error"]["message"].startswith("systemd-run failed (1): ")
+    assert "bus" in refused["error"]["message"]  # systemd-run's own words
+    fallback = ask("auto", "stop gaming-2")
+    assert fallback["job"]["runner"]["mode"] == "process"
+    assert job_inside(box_agent, fallback["job"]["id"])["state"] in (
+        "queued",
+        "running",
+        "succeeded",
+    )
+    finished = wait_until(
+        lambda: (
+            (job := job_inside(box_agent, fallback["job"]["id"]))["state"]
+            not in ("queued", "running")
+            and job
+        ),
+        timeout=30,
+        what="the job to finish",
+        interval=0.1,
+    )
+    assert finished["state"] == "succeeded"
