@@ -39,9 +39,8 @@ from scripts.gpu_handoff_demo.demo import SCREEN
 from scripts.gpu_handoff_demo.home_assistant import log_problems
 from scripts.gpu_handoff_demo.screenshot import find_browser, text_problems
 from tests.k8semu import GPU_NODE, K8sEmulator
-from tests.support.fresh_tower import fresh_tower_available
+from tests.support.box_tower import box_tower_unavailable
 from tests.support.kubelet import FAST, Kubelet
-from tests.support.libvirtd import libvirtd_available
 from tests.support.sshd import sshd_available
 from tests.support.stories import setup_entry
 from tests.towersim import Tower
@@ -61,8 +60,13 @@ GHOST = re.compile(
 GUIDED = re.compile(
     r"^demo: fresh tower: guided install \d+\.\d s as gh-admin-pw \(sudo with its "
     r"password\), /usr/local/bin/gpu-handoff and account gpu-handoff on the tower, "
-    r"2 findings, entry loaded \d+\.\d s: ok$",
+    r"libvirtd\.service restarted, 2 findings, entry loaded \d+\.\d s: ok$",
     re.MULTILINE,
+)
+# The tower's systemd, asked as the demo stops: the install's restart.
+GUIDED_RESTARTS = (
+    "demo: fresh tower: libvirtd.service was restarted 1 time(s) while the demo "
+    "ran (the tower's journal)"
 )
 CLEAN_LOG = "demo: Home Assistant's log: no errors, no tracebacks"
 STRINGS = json.loads(
@@ -240,21 +244,25 @@ def test_two_towers_side_by_side() -> None:
 
 
 def test_guided_install_demo() -> None:
-    """``--scripted --guided``: beside the simulated tower, a fresh tower
-    (real sshd, sudo and accounts, libvirt's test driver) gets the agent
-    through the config flow's guided install, one screen after the other
-    through Home Assistant's REST API as the frontend sends them; the install
-    shows the tower's findings, the entry loads, the tower has the agent and
-    the account; the simulated tower's handoff works meanwhile, and Home
-    Assistant's log stays clean."""
+    """``--scripted --guided``: beside the simulated tower, a fresh tower (a
+    box: the Debian root under its own systemd, its real ssh.service, sudo,
+    accounts and libvirtd.service serving libvirt's test driver) gets the
+    agent through the config flow's guided install, one screen after the
+    other through Home Assistant's REST API as the frontend sends them, with
+    "Restart libvirtd now" ticked; libvirtd.service restarts for real (a new
+    main process, once: the demo checks systemd's word and says it again from
+    the journal as it stops); the install shows the tower's findings, the
+    entry loads, the tower has the agent and the account; the simulated
+    tower's handoff works meanwhile, and Home Assistant's log stays clean."""
     _require(
-        fresh_tower_available() and libvirtd_available(),
-        "a fresh tower (root, sudo, overlayfs, a private mount namespace, libvirtd)",
+        box_tower_unavailable() is None,
+        "a fresh tower in a box (root, systemd, overlayfs, cgroup2, namespaces)",
     )
     result = _demo("--scripted", "--fast", "--guided")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert GUIDED.search(result.stdout), output
+    assert GUIDED_RESTARTS in result.stdout, output
     assert SUMMARY.search(result.stdout), output
     assert CLEAN_LOG in result.stdout, output
     assert "ports still in use" not in result.stdout, output
@@ -267,13 +275,16 @@ def test_guided_install_demo() -> None:
         '"Install the agent for me"',
         "administrator gh-admin-pw with its password",
         "GPU node gpu-node, gaming VMs win-1, win-2 (as proposed)",
-        f"confirmed without restarting libvirtd; agent {agent.VERSION} installed",
+        f'confirmed with "Restart libvirtd now"; agent {agent.VERSION} installed',
         "the restricted key logs in; the kubeconfig",
         "Kubernetes node fresh-gpu-node",
     ]
     assert len(screens) == len(expected), output
     for screen, start in zip(screens, expected, strict=True):
         assert screen.startswith(start), (screen, start)
+    assert re.search(
+        r"libvirtd\.service restarted \(main process (\d+) -> (?!\1\))\d+\)", screens[5]
+    ), screens[5]
     # The findings of the tower's check, as the install_done step shows
     # them (the fresh tower's VMs have these on purpose).
     findings = re.findall(

@@ -1,11 +1,12 @@
 """The guided install, end to end through the config flow, on a fresh tower.
 
-The tower is the test root as it is before GPU Handoff (tests/support/
-fresh_tower.py): a real sshd with password and key logins, real accounts made
-in a private mount namespace (so the cached root never changes), real sudo,
-a real libvirtd with the test driver, and the agent's real ``install`` run as
-root over SFTP and SSH. Nothing on the tower side is mocked; only systemctl is
-a recording stand-in (systemd does not run in the test root).
+The tower is the test root as it is before GPU Handoff, booted in a box under
+its own systemd (tests/support/box_tower.py): the box's sshd (ssh.service)
+with password and key logins, real accounts, real sudo, the box's real
+libvirtd.service serving libvirt's test driver from a file, and the agent's
+real ``install`` run as root over SFTP and SSH. Nothing on the tower side is
+mocked or recorded: ``--restart-libvirt`` restarts libvirtd.service, and the
+tests read what systemd says of it (its main process, its journal).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from custom_components.gpu_handoff.tower_client import generate_key_pair, public_key_of
 from tests.conftest import kubeconfig_text
 from tests.k8semu import GPU_NODE, K8sEmulator
-from tests.support.fresh_tower import FreshTower, require_fresh_tower
+from tests.support.box_tower import LIBVIRTD, BoxFreshTower, require_box_tower
 from tests.support.stories import until
 
 Result = dict[str, Any]
@@ -77,12 +78,45 @@ WRITTEN = (
 )
 
 
+# libvirt's daemon in the modular layout: not installed on the tower, so
+# `systemctl is-active` calls it inactive, and the install leaves it alone.
+VIRTQEMUD = "virtqemud.service"
+
+
 @pytest.fixture
-def fresh(tmp_path: Path, socket_enabled: None) -> Iterator[FreshTower]:
-    """A tower with libvirt and its VMs, and nothing of GPU Handoff."""
-    require_fresh_tower()
-    with FreshTower(tmp_path / "tower") as tower:
+def fresh(tmp_path: Path, socket_enabled: None) -> Iterator[BoxFreshTower]:
+    """A tower with libvirt and its VMs, and nothing of GPU Handoff (one per
+    test: each installs, and the box boots in about half a second)."""
+    require_box_tower()
+    with BoxFreshTower(tmp_path / "tower") as tower:
         yield tower
+
+
+@pytest.fixture(scope="module")
+def _shared_tower(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[list[BoxFreshTower]]:
+    """The module's shared tower, once the first test that wants it starts
+    it (with sockets allowed: its sshd's port is a free one)."""
+    towers = [BoxFreshTower(tmp_path_factory.mktemp("shared") / "tower")]
+    yield towers
+    towers[0].stop()
+
+
+@pytest.fixture
+def tower(
+    _shared_tower: list[BoxFreshTower], socket_enabled: None
+) -> Iterator[BoxFreshTower]:
+    """A tower with libvirt and its VMs and nothing of GPU Handoff, shared by
+    the tests of this module that only look (refused logins, surveys): it
+    must be as it was after each of them."""
+    require_box_tower()
+    [shared] = _shared_tower
+    if shared.box is None:
+        shared.start()
+    _nothing_installed(shared)
+    yield shared
+    _nothing_installed(shared)
 
 
 def _put_agent(directory: Path) -> Path:
@@ -93,12 +127,17 @@ def _put_agent(directory: Path) -> Path:
     return program
 
 
-def _make_tower(tmp_path: Path, **knobs: Any) -> FreshTower:
-    require_fresh_tower()
-    return FreshTower(tmp_path / "tower", **knobs)
+def _make_tower(tmp_path: Path, **knobs: Any) -> BoxFreshTower:
+    require_box_tower()
+    return BoxFreshTower(tmp_path / "tower", **knobs)
 
 
-async def _to_menu(hass: HomeAssistant, tower: FreshTower) -> str:
+def _starts(tower: BoxFreshTower) -> int:
+    """How many times systemd started libvirtd.service (its journal)."""
+    return tower.journal(LIBVIRTD).count("Started libvirtd.service")
+
+
+async def _to_menu(hass: HomeAssistant, tower: BoxFreshTower) -> str:
     """Address, host key: the flow is at the credentials menu."""
     result = await hass.config_entries.flow.async_init(
         DOMAIN, context={"source": SOURCE_USER}
@@ -124,12 +163,12 @@ async def _login(hass: HomeAssistant, flow_id: str, uri: str, **login: str) -> R
     )
 
 
-def _password_login(tower: FreshTower, name: str) -> dict[str, str]:
+def _password_login(tower: BoxFreshTower, name: str) -> dict[str, str]:
     admin = tower.admins[name]
     return {CONF_ADMIN_USERNAME: admin.name, CONF_ADMIN_PASSWORD: admin.password}
 
 
-def _key_login(tower: FreshTower, name: str) -> dict[str, str]:
+def _key_login(tower: BoxFreshTower, name: str) -> dict[str, str]:
     admin = tower.admins[name]
     return {
         CONF_ADMIN_USERNAME: admin.name,
@@ -137,7 +176,7 @@ def _key_login(tower: FreshTower, name: str) -> dict[str, str]:
     }
 
 
-def _nothing_installed(tower: FreshTower) -> None:
+def _nothing_installed(tower: BoxFreshTower) -> None:
     """The tower is as it was: no file of GPU Handoff's, no account."""
     for path in WRITTEN:
         assert tower.read(path) is None, path
@@ -148,7 +187,7 @@ def _nothing_installed(tower: FreshTower) -> None:
 
 async def _install(
     hass: HomeAssistant,
-    tower: FreshTower,
+    tower: BoxFreshTower,
     login: dict[str, str],
     *,
     restart: bool = False,
@@ -169,7 +208,7 @@ async def _install(
 
 async def test_guided_install_from_nothing_to_a_working_integration(
     hass: HomeAssistant,
-    fresh: FreshTower,
+    fresh: BoxFreshTower,
     cluster: K8sEmulator,
     hass_client: ClientSessionGenerator,
     hass_storage: dict[str, Any],
@@ -180,6 +219,8 @@ async def test_guided_install_from_nothing_to_a_working_integration(
     the restricted key line, the check; the login is kept nowhere."""
     caplog.set_level(logging.DEBUG)
     admin = fresh.admins["gh-admin-pw"]
+    libvirtd = fresh.main_pid(LIBVIRTD)
+    assert libvirtd != 0
     _nothing_installed(fresh)
     flow_id = await _to_menu(hass, fresh)
     result = await _login(
@@ -258,7 +299,8 @@ async def test_guided_install_from_nothing_to_a_working_integration(
     # The upload is gone; libvirtd was not restarted (the box was not ticked).
     listed = fresh.run(["sh", "-c", "ls -d /tmp/gpu-handoff-install-* 2>/dev/null"])
     assert listed.stdout == ""
-    assert fresh.systemctl_calls() == []
+    assert fresh.main_pid(LIBVIRTD) == libvirtd
+    assert _starts(fresh) == 1
 
     result = await hass.config_entries.flow.async_configure(flow_id, {})
     assert result["step_id"] == "cluster", result.get("errors")
@@ -302,31 +344,60 @@ async def test_guided_install_from_nothing_to_a_working_integration(
 
 
 async def test_root_with_a_key_and_libvirtd_restarted_on_request(
-    hass: HomeAssistant, fresh: FreshTower
+    hass: HomeAssistant, fresh: BoxFreshTower
 ) -> None:
     """root logs in with a key (no sudo in the way); the ticked box restarts
-    libvirt's daemons, exactly those, once."""
-    _flow_id, result = await _install(
+    libvirt's daemons that run, exactly those, once: the tower's real
+    libvirtd.service gets a new process, virtqemud.service (not active) is
+    left alone, and the tower's check after the restart reads the same VMs
+    through the new daemon."""
+    assert fresh.is_active(LIBVIRTD, VIRTQEMUD) == ["active", "inactive"]
+    before = fresh.main_pid(LIBVIRTD)
+    assert before != 0
+    assert _starts(fresh) == 1
+    flow_id, result = await _install(
         hass, fresh, _key_login(fresh, "root"), restart=True
     )
     assert result["step_id"] == "install_done", result.get("errors")
-    # libvirtd runs in this tower, virtqemud does not: only libvirtd.
-    assert fresh.systemctl_calls() == [
-        ["is-active", "libvirtd.service", "virtqemud.service"],
-        ["restart", "libvirtd.service"],
+    report = hass.config_entries.flow._progress[flow_id]._report
+    assert (report.libvirt_restarted, report.libvirt_restart_message) == (
+        True,
+        f"restarted {LIBVIRTD}",
+    )
+    # systemd's word: a new main process, started once more, running.
+    after = fresh.main_pid(LIBVIRTD)
+    assert after not in (0, before)
+    assert _starts(fresh) == 2
+    journal = fresh.journal(LIBVIRTD)
+    assert journal.count("Stopping libvirtd.service") == 1, journal
+    assert fresh.is_active(LIBVIRTD, VIRTQEMUD) == ["active", "inactive"]
+    assert "-- No entries --" in fresh.journal(VIRTQEMUD)
+    # The install's check ran after the restart, through the new daemon.
+    assert result["description_placeholders"]["findings"].splitlines() == [
+        (
+            "- no_agent_channel (win-2): no <channel> with target name "
+            "org.qemu.guest_agent.0: graceful stops cannot work"
+        ),
+        "- rom_bar_not_off (gpu-node): hostdev 0000:02:00.1 has no <rom bar='off'/>",
     ]
+    state = fresh.run(["virsh", "-c", fresh.uri, "domstate", "gpu-node"], AGENT_USER)
+    assert state.stdout.strip() == "running", state.stderr
     assert fresh.read("/etc/gpu-handoff/config.json") is not None
 
 
-async def test_root_with_a_password(hass: HomeAssistant, fresh: FreshTower) -> None:
-    """root logs in with its password."""
-    _flow_id, result = await _install(hass, fresh, _password_login(fresh, "root"))
+async def test_root_with_a_password(hass: HomeAssistant, fresh: BoxFreshTower) -> None:
+    """root logs in with its password; libvirtd is not restarted unasked."""
+    before = fresh.main_pid(LIBVIRTD)
+    flow_id, result = await _install(hass, fresh, _password_login(fresh, "root"))
     assert result["step_id"] == "install_done", result.get("errors")
-    assert fresh.systemctl_calls() == []
+    report = hass.config_entries.flow._progress[flow_id]._report
+    assert report.libvirt_restarted is None
+    assert fresh.main_pid(LIBVIRTD) == before
+    assert _starts(fresh) == 1
 
 
 async def test_sudo_without_a_password_and_a_key_login(
-    hass: HomeAssistant, fresh: FreshTower
+    hass: HomeAssistant, fresh: BoxFreshTower
 ) -> None:
     """A sudo user whose sudo asks nothing, logging in with a key."""
     flow_id, result = await _install(hass, fresh, _key_login(fresh, "gh-admin"))
@@ -340,7 +411,7 @@ async def test_sudo_without_a_password_and_a_key_login(
 
 
 async def test_an_installed_agent_is_installed_again(
-    hass: HomeAssistant, fresh: FreshTower
+    hass: HomeAssistant, fresh: BoxFreshTower
 ) -> None:
     """A second guided install over the first replaces its configuration (the
     survey saw it) and adds the new key's line beside the first."""
@@ -390,21 +461,21 @@ async def test_an_installed_agent_is_installed_again(
     ],
 )
 async def test_a_login_the_tower_refuses(
-    hass: HomeAssistant, fresh: FreshTower, login: dict[str, str], error: str
+    hass: HomeAssistant, tower: BoxFreshTower, login: dict[str, str], error: str
 ) -> None:
     """Each refused login has its own message; nothing changes."""
-    flow_id = await _to_menu(hass, fresh)
-    result = await _login(hass, flow_id, fresh.uri, **login)
+    flow_id = await _to_menu(hass, tower)
+    result = await _login(hass, flow_id, tower.uri, **login)
     assert result["step_id"] == "install_agent"
     assert result["errors"] == {"base": error}
     # Never shown again: the password field comes back empty.
     schema = {str(key): key for key in result["data_schema"].schema}
     assert "suggested_value" not in (schema[CONF_ADMIN_PASSWORD].description or {})
-    _nothing_installed(fresh)
+    _nothing_installed(tower)
 
 
 async def test_sudo_that_wants_a_password(
-    hass: HomeAssistant, fresh: FreshTower
+    hass: HomeAssistant, fresh: BoxFreshTower
 ) -> None:
     """A key login whose sudo asks for a password needs it; a wrong one is
     told apart; the right one works."""
@@ -440,15 +511,15 @@ async def test_sudo_that_wants_a_password(
     assert flow._admin is None
 
 
-async def test_a_user_without_sudo(hass: HomeAssistant, fresh: FreshTower) -> None:
+async def test_a_user_without_sudo(hass: HomeAssistant, tower: BoxFreshTower) -> None:
     """A user sudo does not know is told so, with sudo's words."""
-    flow_id = await _to_menu(hass, fresh)
+    flow_id = await _to_menu(hass, tower)
     result = await _login(
-        hass, flow_id, fresh.uri, **_password_login(fresh, "gh-plain")
+        hass, flow_id, tower.uri, **_password_login(tower, "gh-plain")
     )
     assert result["errors"] == {"base": "admin_no_sudo"}
     assert "sudoers" in result["description_placeholders"]["detail"]
-    _nothing_installed(fresh)
+    _nothing_installed(tower)
 
 
 @pytest.mark.parametrize(
@@ -493,7 +564,7 @@ async def test_a_read_only_usr_local_leaves_the_tower_as_it_was(
 
 
 async def test_nixos_gets_the_module_with_home_assistants_key(
-    hass: HomeAssistant, fresh: FreshTower
+    hass: HomeAssistant, fresh: BoxFreshTower
 ) -> None:
     """On NixOS nothing is written: the module's settings are shown, with
     Home Assistant's key in them. Submitted before the switch, the key is
@@ -516,8 +587,8 @@ async def test_nixos_gets_the_module_with_home_assistants_key(
     # it, with the key the snippet carries.
     key = module.split('authorizedKeys = [ "', 1)[1].split('"', 1)[0]
     fresh.run(["rm", "/etc/NIXOS"])
-    # The test's /tmp is the tower's too.
-    with tempfile.TemporaryDirectory(dir="/tmp") as upload:
+    # The tower's shared directory: at the same path on both sides.
+    with tempfile.TemporaryDirectory(dir=fresh.shared) as upload:
         program = _put_agent(Path(upload))
         switched = fresh.run(
             [
@@ -527,6 +598,8 @@ async def test_nixos_gets_the_module_with_home_assistants_key(
                 "--user",
                 AGENT_USER,
                 "--create-user",
+                # The module puts the user in libvirt's group (extraGroups).
+                "--join-libvirt-group",
                 "--gpu-node",
                 "gpu-node",
                 "--gaming",
@@ -545,7 +618,7 @@ async def test_nixos_gets_the_module_with_home_assistants_key(
 
 
 async def _installed_entry(
-    hass: HomeAssistant, tower: FreshTower, cluster: K8sEmulator
+    hass: HomeAssistant, tower: BoxFreshTower, cluster: K8sEmulator
 ) -> ConfigEntry:
     """The guided path to a loaded entry."""
     flow_id, result = await _install(hass, tower, _key_login(tower, "gh-admin"))
@@ -564,7 +637,7 @@ async def _installed_entry(
     return entry
 
 
-def _edit_installed_agent(tower: FreshTower, line: str, becomes: str) -> None:
+def _edit_installed_agent(tower: BoxFreshTower, line: str, becomes: str) -> None:
     """The installed agent's line ``line`` (a whole line) becomes ``becomes``."""
     done = tower.run(
         ["sed", "-i", f"s/^{line}$/{becomes}/", "/usr/local/bin/gpu-handoff"]
@@ -576,7 +649,7 @@ def _edit_installed_agent(tower: FreshTower, line: str, becomes: str) -> None:
 
 
 async def _age_the_agent(
-    hass: HomeAssistant, tower: FreshTower, entry: ConfigEntry
+    hass: HomeAssistant, tower: BoxFreshTower, entry: ConfigEntry
 ) -> str:
     """The tower runs an older agent (same protocol): its repair is raised."""
     _edit_installed_agent(tower, f'VERSION = "{agent.VERSION}"', 'VERSION = "0.2.0"')
@@ -617,7 +690,7 @@ async def _open_fix(
 
 async def test_an_older_agent_is_updated_from_its_repair(
     hass: HomeAssistant,
-    fresh: FreshTower,
+    fresh: BoxFreshTower,
     cluster: K8sEmulator,
     hass_client: ClientSessionGenerator,
     hass_storage: dict[str, Any],
@@ -654,7 +727,7 @@ async def test_an_older_agent_is_updated_from_its_repair(
 
 async def test_an_update_by_hand_keeps_the_repair(
     hass: HomeAssistant,
-    fresh: FreshTower,
+    fresh: BoxFreshTower,
     cluster: K8sEmulator,
     hass_client: ClientSessionGenerator,
 ) -> None:
@@ -690,7 +763,7 @@ async def test_an_update_for_a_removed_tower_stops(hass: HomeAssistant) -> None:
 
 
 async def test_the_account_and_uri_are_checked_before_anything_runs(
-    hass: HomeAssistant, fresh: FreshTower
+    hass: HomeAssistant, fresh: BoxFreshTower
 ) -> None:
     """A name useradd would refuse and a URI with shell characters are
     refused in the form, before the tower runs anything with them."""
@@ -720,8 +793,8 @@ async def test_the_account_and_uri_are_checked_before_anything_runs(
 
 
 def _empty_node_file(directory: Path) -> str:
-    """A libvirt test-driver node with no domain at all (in /tmp, which the
-    tower shares)."""
+    """A libvirt test-driver node with no domain at all (in ``directory``,
+    which the tower sees at the same path)."""
     node = directory / "empty.xml"
     node.write_text("<node/>\n", encoding="utf-8")
     directory.chmod(0o755)
@@ -730,18 +803,18 @@ def _empty_node_file(directory: Path) -> str:
 
 
 async def test_a_libvirt_without_vms_and_the_sessions_own_failures(
-    hass: HomeAssistant, fresh: FreshTower
+    hass: HomeAssistant, tower: BoxFreshTower
 ) -> None:
     """libvirt answers but knows no VM; a host key other than the one
     confirmed; a closed port; and a failure or a timeout inside a session."""
     login = AdminLogin(
         username="gh-admin",
-        private_key=fresh.admins["gh-admin"].key_path.read_text(encoding="utf-8"),
+        private_key=tower.admins["gh-admin"].key_path.read_text(encoding="utf-8"),
     )
-    with tempfile.TemporaryDirectory(dir="/tmp") as directory:
+    with tempfile.TemporaryDirectory(dir=tower.shared) as directory:
         uri = _empty_node_file(Path(directory))
         async with admin_session(
-            "127.0.0.1", fresh.port, fresh.host_public_key, login
+            "127.0.0.1", tower.port, tower.host_public_key, login
         ) as session:
             with pytest.raises(InstallError) as caught:
                 await session.survey(AGENT_USER, uri)
@@ -749,7 +822,7 @@ async def test_a_libvirt_without_vms_and_the_sessions_own_failures(
 
     other_key = generate_key_pair()[1]
     with pytest.raises(InstallError) as caught:
-        async with admin_session("127.0.0.1", fresh.port, other_key, login):
+        async with admin_session("127.0.0.1", tower.port, other_key, login):
             pass
     assert caught.value.key == "host_key_changed"
 
@@ -757,7 +830,7 @@ async def test_a_libvirt_without_vms_and_the_sessions_own_failures(
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
         with pytest.raises(InstallError) as caught:
-            async with admin_session("127.0.0.1", port, fresh.host_public_key, login):
+            async with admin_session("127.0.0.1", port, tower.host_public_key, login):
                 pass
     assert caught.value.key == "cannot_connect"
 
@@ -767,15 +840,15 @@ async def test_a_libvirt_without_vms_and_the_sessions_own_failures(
     ):
         with pytest.raises(InstallError) as caught:
             async with admin_session(
-                "127.0.0.1", fresh.port, fresh.host_public_key, login
+                "127.0.0.1", tower.port, tower.host_public_key, login
             ):
                 raise raised
         assert caught.value.key == key
 
 
 def _node_file(directory: Path, names: list[str]) -> str:
-    """A libvirt test-driver node with these shut-off domains (in /tmp,
-    which the tower shares)."""
+    """A libvirt test-driver node with these shut-off domains (in
+    ``directory``, which the tower sees at the same path)."""
     domains = "".join(
         "<domain type='test'><name>"
         + name
@@ -790,7 +863,7 @@ def _node_file(directory: Path, names: list[str]) -> str:
 
 
 async def test_vms_virsh_would_look_up_by_id_or_uuid_are_not_offered(
-    hass: HomeAssistant, fresh: FreshTower
+    hass: HomeAssistant, tower: BoxFreshTower
 ) -> None:
     """virsh looks `--domain WORD` up by a running domain's id first, then
     by UUID, then by name (tools/virsh-util.c, virshLookupDomainInternal): a
@@ -798,34 +871,34 @@ async def test_vms_virsh_would_look_up_by_id_or_uuid_are_not_offered(
     tower's list offers the others and names these with the reason; a tower
     with only such names is refused with the reason, and nothing is written."""
     uuid_name = "6695eb01-f6a4-8304-79aa-97f2502e193f"
-    login = _key_login(fresh, "gh-admin")
-    with tempfile.TemporaryDirectory(dir="/tmp") as directory:
+    login = _key_login(tower, "gh-admin")
+    with tempfile.TemporaryDirectory(dir=tower.shared) as directory:
         uri = _node_file(Path(directory), ["gpu-node", "win-1", "1", uuid_name])
-        flow_id = await _to_menu(hass, fresh)
+        flow_id = await _to_menu(hass, tower)
         result = await _login(hass, flow_id, uri, **login)
     assert result["step_id"] == "install_options", result.get("errors")
     options = result["data_schema"].schema[CONF_GPU_NODE].config["options"]
     assert [option["value"] for option in options] == ["gpu-node", "win-1"]
     assert result["description_placeholders"]["left_out"] == f"1, {uuid_name}"
     assert "{left_out}" in STRINGS["config"]["step"]["install_options"]["description"]
-    _nothing_installed(fresh)
+    _nothing_installed(tower)
     hass.config_entries.flow.async_abort(flow_id)
 
-    with tempfile.TemporaryDirectory(dir="/tmp") as directory:
+    with tempfile.TemporaryDirectory(dir=tower.shared) as directory:
         uri = _node_file(Path(directory), ["1", "02"])
-        flow_id = await _to_menu(hass, fresh)
+        flow_id = await _to_menu(hass, tower)
         result = await _login(hass, flow_id, uri, **login)
     assert result["step_id"] == "install_agent"
     assert result["errors"] == {"base": "ambiguous_domain"}
     assert result["description_placeholders"]["detail"] == "02, 1"
     assert "id or UUID" in STRINGS["config"]["error"]["ambiguous_domain"]
-    _nothing_installed(fresh)
+    _nothing_installed(tower)
     hass.config_entries.flow.async_abort(flow_id)
 
 
 async def test_a_reply_lost_after_the_install_is_retried_safely(
     hass: HomeAssistant,
-    fresh: FreshTower,
+    fresh: BoxFreshTower,
     cluster: K8sEmulator,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -880,7 +953,7 @@ async def test_a_reply_lost_after_the_install_is_retried_safely(
 
 
 async def test_the_install_form_as_the_frontend_gets_it(
-    hass: HomeAssistant, fresh: FreshTower, hass_client: ClientSessionGenerator
+    hass: HomeAssistant, tower: BoxFreshTower, hass_client: ClientSessionGenerator
 ) -> None:
     """Through the REST API the frontend uses: the menu offers the guided
     install first, its form serialises with a label for every field, and
@@ -897,7 +970,7 @@ async def test_the_install_form_as_the_frontend_gets_it(
     flow = await post("/api/config/config_entries/flow", {"handler": DOMAIN})
     step = f"/api/config/config_entries/flow/{flow['flow_id']}"
     await post(
-        step, {CONF_HOST: "127.0.0.1", CONF_PORT: fresh.port, CONF_USERNAME: AGENT_USER}
+        step, {CONF_HOST: "127.0.0.1", CONF_PORT: tower.port, CONF_USERNAME: AGENT_USER}
     )
     menu = await post(step, {})
     assert menu["menu_options"][0] == "install_agent"
@@ -920,7 +993,7 @@ async def test_the_install_form_as_the_frontend_gets_it(
 
 
 async def test_a_key_sshd_refuses_after_the_install_is_shown_and_retried(
-    hass: HomeAssistant, fresh: FreshTower
+    hass: HomeAssistant, fresh: BoxFreshTower
 ) -> None:
     """The account existed already, with a home anyone may write to: sshd
     (StrictModes) refuses the key the install put there. The check right
@@ -941,7 +1014,7 @@ async def test_a_key_sshd_refuses_after_the_install_is_shown_and_retried(
 
 async def test_an_agent_of_an_older_protocol_is_updated_from_its_repair(
     hass: HomeAssistant,
-    fresh: FreshTower,
+    fresh: BoxFreshTower,
     cluster: K8sEmulator,
     hass_client: ClientSessionGenerator,
 ) -> None:
@@ -970,7 +1043,7 @@ async def test_an_agent_of_an_older_protocol_is_updated_from_its_repair(
 
 
 async def test_python_removed_between_the_survey_and_the_install(
-    hass: HomeAssistant, fresh: FreshTower
+    hass: HomeAssistant, fresh: BoxFreshTower
 ) -> None:
     """The tower changed between looking and doing (python3 removed while the
     user read the plan): the install fails with the tower's own words, the

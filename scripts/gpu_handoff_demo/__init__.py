@@ -21,9 +21,9 @@ towers and an emulated Kubernetes cluster, all on 127.0.0.1.
   helper the demo follows to make the GPU node a ghost in the cluster
   emulator, or heal it (``ghost.py``);
 - with ``--guided``, a fresh tower to try the config flow's guided install
-  on: the tests' (tests/support/fresh_tower.py), with real accounts, sudo
-  and sshd and libvirt's test driver, and a node of its own in the cluster
-  (``fresh.py``);
+  on: the tests' (tests/support/box_tower.py), booted under its own systemd,
+  with real accounts, sudo, ssh.service and libvirtd.service (libvirt's test
+  driver), and a node of its own in the cluster (``fresh.py``);
 - the packages Home Assistant's frontend needs, installed once into the cache
   (``packages.py``); the orchestration (``demo.py``); a browser screenshot
   (``screenshot.py``).

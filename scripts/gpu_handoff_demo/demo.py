@@ -35,6 +35,7 @@ from custom_components.gpu_handoff.health import (
     STUCK_BOUND,
 )
 from tests.k8semu import K8sEmulator
+from tests.support.box_tower import LIBVIRTD
 from tests.support.kubelet import Kubelet
 from tests.support.sshd import sshd_available
 
@@ -393,8 +394,9 @@ class Demo:
         summary = (
             f"{fresh.NAME}: guided install {done.seconds:.1f} s as "
             f"{fresh.ADMIN} (sudo with its password), {fresh.PROGRAM} and "
-            f"account {fresh.AGENT_USER} on the tower, {len(done.findings)} "
-            f"findings, entry loaded {time.monotonic() - t0:.1f} s: ok"
+            f"account {fresh.AGENT_USER} on the tower, {LIBVIRTD} "
+            f"restarted, {len(done.findings)} findings, entry loaded "
+            f"{time.monotonic() - t0:.1f} s: ok"
         )
         return [summary]
 
@@ -855,10 +857,12 @@ def parser(description: str) -> argparse.ArgumentParser:
     arguments.add_argument(
         "--guided",
         action="store_true",
-        help="also start a fresh tower (real sshd, sudo and accounts, libvirt's "
-        "test driver; nothing of GPU Handoff on it) to try the config flow's "
-        '"Install the agent for me" on: the demo prints what to type; with '
-        "--scripted it does the guided install itself (needs root)",
+        help="also start a fresh tower (a Debian root booted under its own "
+        "systemd: real sshd, sudo and accounts, a real libvirtd.service serving "
+        "libvirt's test driver; nothing of GPU Handoff on it) to try the config "
+        'flow\'s "Install the agent for me" on: the demo prints what to type; '
+        "with --scripted it does the guided install itself, libvirtd.service "
+        "restarted for real (needs root)",
     )
     arguments.add_argument(
         "--port",

@@ -1,14 +1,15 @@
 """The fresh tower of ``--guided``: a tower with nothing of GPU Handoff on it,
 to try the config flow's guided install ("Install the agent for me") on.
 
-It is the tests' fresh tower (tests/support/fresh_tower.py): a real sshd
-with password logins, real accounts and a real sudo, and a real libvirtd
-serving libvirt's test driver with ``gpu-node``, ``win-1`` and ``win-2``, all
-in a private mount namespace whose overlays catch whatever the install
-writes to /etc, /usr, /home, /root and /var, and are thrown away when the
-demo stops. The install and the status Home Assistant reads afterwards are
-real; the test driver's VMs have no guest agent, so this tower's switches
-cannot hand a card off.
+It is the tests' box tower (tests/support/box_tower.py): the Debian root
+booted under its own systemd in private namespaces, on an overlay thrown
+away when the demo stops; its sshd is its ``ssh.service`` (password logins),
+its accounts and sudo are real, and libvirt is its real ``libvirtd.service``
+serving libvirt's test driver with ``gpu-node``, ``win-1`` and ``win-2`` from
+a file (so they survive a restart of the daemon). The install, the restart
+of libvirtd.service it does when asked (systemd's, for real) and the status
+Home Assistant reads afterwards are real; the test driver's VMs have no guest
+agent, so this tower's switches cannot hand a card off.
 
 Interactive, the demo prints what to type in the browser; with
 ``--scripted`` it clicks through the same screens through Home Assistant's
@@ -17,6 +18,7 @@ REST API, as the frontend does (``guided_install``).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 import json
 import os
@@ -40,14 +42,14 @@ from custom_components.gpu_handoff.const import (
     DOMAIN,
 )
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
-from tests.support.fresh_tower import (
-    ADMIN_PW,
-    ROOT,
-    FreshTower,
-    FreshTowerError,
-    fresh_tower_unavailable,
+from tests.support.box import BoxError
+from tests.support.box_tower import (
+    LIBVIRTD,
+    BoxFreshTower,
+    BoxTowerError,
+    box_tower_unavailable,
 )
-from tests.support.libvirtd import libvirtd_available
+from tests.support.fresh_tower import ADMIN_PW, ROOT
 
 from . import screenshot
 from .client import HomeAssistantClient
@@ -64,27 +66,31 @@ ADMIN = ADMIN_PW
 AGENT_USER = "gpu-handoff"
 # Where the install puts the agent.
 PROGRAM = "/usr/local/bin/gpu-handoff"
-# A fresh tower refuses a directory under what it overlays (/etc, /usr,
-# /home, /root, /var), and the run's directory is in the cache, often under
-# /var: the tower's goes to /tmp.
+# The tower's box takes a plain path (its overlay's options name it), and
+# the run's directory may be anywhere: the tower's goes to /tmp.
 TEMP_PREFIX = "gpu-handoff-fresh-tower-"
+# What the tower's errors can be (a step that failed, a box that did not
+# boot or go away, a program that could not run).
+TOWER_ERRORS = (BoxTowerError, BoxError, OSError, subprocess.SubprocessError)
 
 
 def unavailable() -> str | None:
     """Why no fresh tower can run here, or None."""
     if os.geteuid() != 0:
-        return "a fresh tower needs root (it makes accounts and mounts overlays)"
-    reason = fresh_tower_unavailable()
-    if reason is None and not libvirtd_available():
-        reason = "a fresh tower needs libvirtd and virsh"
-    return reason
+        return "a fresh tower needs root (it boots a box under its own systemd)"
+    reason = box_tower_unavailable()
+    if reason is not None:
+        return f"a fresh tower boots a box: {reason}"
+    if not shutil.which("libvirtd") or not shutil.which("virsh"):
+        return "a fresh tower needs libvirtd and virsh"
+    return None
 
 
 @dataclass
 class DemoFreshTower:
     """The running fresh tower and the temporary directory it lives in."""
 
-    tower: FreshTower
+    tower: BoxFreshTower
     parent: Path
 
     @property
@@ -92,12 +98,36 @@ class DemoFreshTower:
         """sshd's port."""
         return self.tower.port
 
+    def libvirtd(self) -> tuple[int, int]:
+        """libvirtd.service as the tower's systemd tells it: (its main
+        process id, how many times it started); DemoError if it cannot."""
+        try:
+            pid = self.tower.main_pid(LIBVIRTD)
+            starts = self.tower.journal(LIBVIRTD).count("Started libvirtd.service")
+        except TOWER_ERRORS as err:
+            raise DemoError(
+                f"{NAME}: cannot ask systemd about {LIBVIRTD}: {err}"
+            ) from err
+        return pid, starts
+
     def stop(self) -> None:
-        """Stop sshd, libvirtd and every session; remove what it wrote (what
-        went wrong is said, and the demo's other parts still stop)."""
+        """Power the tower off (sshd, libvirtd and every session go with
+        it); remove what it wrote (what went wrong is said, and the demo's
+        other parts still stop). A libvirtd.service restarted meanwhile (a
+        guided install asked for it) is said first."""
+        try:
+            if self.tower.box is not None:
+                _pid, starts = self.libvirtd()
+                if starts > 1:
+                    log(
+                        f"{NAME}: {LIBVIRTD} was restarted {starts - 1} time(s) "
+                        "while the demo ran (the tower's journal)"
+                    )
+        except DemoError as err:
+            log(str(err))
         try:
             self.tower.stop()
-        except (FreshTowerError, OSError, subprocess.SubprocessError) as err:
+        except TOWER_ERRORS as err:
             log(f"{NAME}: stopping: {err}")
         finally:
             shutil.rmtree(self.parent, ignore_errors=True)
@@ -110,10 +140,10 @@ def start_fresh_tower() -> DemoFreshTower:
     if reason is not None:
         raise DemoError(f"--guided: {reason}")
     parent = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp"))
-    tower = FreshTower(parent / "tower")
+    tower = BoxFreshTower(parent / "tower")
     try:
         tower.start()
-    except (FreshTowerError, OSError, ValueError, subprocess.SubprocessError) as err:
+    except (*TOWER_ERRORS, ValueError) as err:
         shutil.rmtree(parent, ignore_errors=True)
         raise DemoError(f"the fresh tower did not start: {err}") from err
     return DemoFreshTower(tower, parent)
@@ -123,7 +153,8 @@ def describe(fresh: DemoFreshTower) -> str:
     """What the fresh tower is, for the start's progress line."""
     tower = fresh.tower
     return (
-        f"{NAME}: sshd on {HOST}:{tower.port} with password logins, sudo and "
+        f"{NAME}: a Debian root booted under its own systemd, ssh.service on "
+        f"{HOST}:{tower.port} with password logins, sudo, {LIBVIRTD} serving "
         "libvirt's test driver (gpu-node, win-1, win-2); nothing of GPU Handoff "
         f"installed (started in {tower.startup_seconds or 0.0:.1f} s)"
     )
@@ -145,7 +176,8 @@ def instructions(fresh: DemoFreshTower, kubeconfig: Path) -> str:
             f"       or administrator user {root.name}, password {root.password};",
             f"       libvirt URI {tower.uri}",
             "    6. keep the GPU node gpu-node and the gaming VMs win-1 and win-2;",
-            "       confirm the install (restarting libvirtd is not needed)",
+            '       confirm the install; "Restart libvirtd now" restarts the tower\'s',
+            f"       real {LIBVIRTD} (its VMs stay; the demo says so as it stops)",
             "    7. the kubeconfig: paste the whole text of",
             f"       {shown(kubeconfig)}",
             f"    8. the Kubernetes node {FRESH_NODE} (the form proposes gpu-node,",
@@ -190,11 +222,13 @@ def _node_options(form: dict[str, Any]) -> list[str]:
 @dataclass(frozen=True)
 class GuidedResult:
     """What the guided install did: the entry, the install's seconds, the
-    findings the tower's check showed."""
+    findings the tower's check showed, libvirtd.service's main process
+    before and after (systemd's word)."""
 
     entry_id: str
     seconds: float
     findings: list[str]
+    libvirtd: tuple[int, int]
 
 
 async def guided_install(
@@ -203,8 +237,10 @@ async def guided_install(
     """The config flow's guided install, screen by screen as a user clicks
     through it: address, host key, "Install the agent for me", the
     administrator login (a sudo user with a password), the VMs the form
-    proposes, confirm (libvirtd not restarted), the findings, the cluster
-    and the fresh tower's node."""
+    proposes, confirm with "Restart libvirtd now" ticked (the tower's
+    libvirtd.service restarts for real: DemoError unless systemd shows a new
+    main process, started once more), the findings, the cluster and the
+    fresh tower's node."""
     tower = fresh.tower
     admin = tower.admins[ADMIN]
     result = await ha.request(
@@ -247,15 +283,23 @@ async def guided_install(
         + ", ".join(chosen.get(CONF_GAMING_VMS) or [])
         + " (as proposed)"
     )
+    pid_before, starts_before = await asyncio.to_thread(fresh.libvirtd)
     started = time.monotonic()
-    result = await ha.flow_step(flow_id, {CONF_RESTART_LIBVIRT: False})
+    result = await ha.flow_step(flow_id, {CONF_RESTART_LIBVIRT: True})
     seconds = time.monotonic() - started
     _expect(result, "install_done")
     if result.get("errors"):
         raise DemoError(f"{NAME}: the install ended with {result['errors']}")
+    pid_after, starts_after = await asyncio.to_thread(fresh.libvirtd)
+    if pid_after in (0, pid_before) or starts_after != starts_before + 1:
+        raise DemoError(
+            f"{NAME}: {LIBVIRTD} was not restarted: main process {pid_before} "
+            f"then {pid_after}, started {starts_before} then {starts_after} times"
+        )
     log(
-        f"{NAME}: config flow: confirmed without restarting libvirtd; agent "
-        f"{agent.VERSION} installed in {seconds:.1f} s, the tower's check found:"
+        f'{NAME}: config flow: confirmed with "Restart libvirtd now"; agent '
+        f"{agent.VERSION} installed in {seconds:.1f} s, {LIBVIRTD} restarted "
+        f"(main process {pid_before} -> {pid_after}), the tower's check found:"
     )
     findings = result["description_placeholders"]["findings"].splitlines()
     for line in findings:
@@ -271,7 +315,9 @@ async def guided_install(
     result = await ha.flow_step(flow_id, {CONF_K8S_NODE: FRESH_NODE})
     if result.get("type") != "create_entry":
         raise DemoError(f"{NAME}: config flow did not finish: {result}")
-    return GuidedResult(str(result["result"]["entry_id"]), seconds, findings)
+    return GuidedResult(
+        str(result["result"]["entry_id"]), seconds, findings, (pid_before, pid_after)
+    )
 
 
 # Where the frontend opens the "Add integration" dialog for one integration
@@ -357,7 +403,7 @@ def _look(fresh: DemoFreshTower) -> tuple[str | None, bool]:
     try:
         program = tower.read(PROGRAM)
         account = tower.run(["id", "-u", AGENT_USER])
-    except (FreshTowerError, OSError, subprocess.SubprocessError) as err:
+    except TOWER_ERRORS as err:
         raise DemoError(f"{NAME}: cannot look at the tower: {err}") from err
     return program, account.returncode == 0
 

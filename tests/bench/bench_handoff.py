@@ -592,7 +592,7 @@ def test_screen_conversion() -> None:
 
 
 async def test_guided_install(tmp_path: Path, socket_enabled: None) -> None:
-    """The guided install on a fresh tower (tests/support/fresh_tower.py),
+    """The guided install on a fresh tower in a box (tests/support/box_tower.py),
     through the same calls the config flow makes: the survey (sudo, Python,
     virsh, libvirt's VMs), the upload and install as root, and the first
     login with Home Assistant's restricted key (version and status). Median
@@ -608,9 +608,9 @@ async def test_guided_install(tmp_path: Path, socket_enabled: None) -> None:
         TowerCredentials,
         generate_key_pair,
     )
-    from tests.support.fresh_tower import FreshTower, require_fresh_tower
+    from tests.support.box_tower import BoxFreshTower, require_box_tower
 
-    require_fresh_tower()
+    require_box_tower()
     figures: dict[str, Any] = {}
     for name in ("gh-admin-pw", "root"):
         runs: dict[str, list[float]] = {
@@ -619,7 +619,7 @@ async def test_guided_install(tmp_path: Path, socket_enabled: None) -> None:
             "key_login_s": [],
         }
         for run in range(3):
-            with FreshTower(tmp_path / f"{name}-{run}") as tower:
+            with BoxFreshTower(tmp_path / f"{name}-{run}") as tower:
                 admin = tower.admins[name]
                 login = (
                     AdminLogin(username=name, password=admin.password)

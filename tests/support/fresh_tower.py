@@ -26,8 +26,14 @@ Inside, the tower is a Debian host that has just been set up:
 - libvirt: a private libvirtd serving the test driver with ``gpu-node`` (cards
   01 and 02) and ``win-1``/``win-2`` (one card each), its socket at
   /run/libvirt/libvirt-sock inside (so every user reaches it);
-- ``systemctl``, a recording stand-in: systemd does not run in the test root,
-  so restarting libvirtd is recorded (``systemctl_calls()``), not performed.
+- ``systemctl`` is the root's own, which reaches no service manager here
+  (systemd is not PID 1 and /run is the tower's: outside a chroot it refuses,
+  in one it ignores what it is told), so nothing is restarted. A tower whose
+  libvirtd.service really restarts (the guided install's
+  ``--restart-libvirt``) is the box tower (tests/support/box_tower.py), which
+  the guided-install tests and ``scripts/demo --guided`` use; this one serves
+  the benchmark (tests/bench/bench_handoff.py), the tests of both towers
+  (tests/tower/test_fresh_tower.py) and, with ``private_mounts_argv``, the box.
 
 Not made: the agent's own SSH user (the install's ``--create-user`` makes it).
 /tmp is the test process's own (a tmpfs in the test root): what is uploaded
@@ -45,7 +51,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 import functools
 import hashlib
-import json
 import os
 from pathlib import Path
 import secrets
@@ -55,7 +60,7 @@ import socket
 import stat
 import subprocess
 import time
-from typing import TYPE_CHECKING, Literal, Self
+from typing import TYPE_CHECKING, Literal, Protocol, Self
 
 from tests.support.sshd import (
     SSH_KEYGEN,
@@ -78,9 +83,7 @@ OVERLAID = ("/etc", "/usr", "/home", "/root", "/var")
 # directory, the libvirt socket; and no /run/systemd/system (systemd is not
 # running).
 RUN = "/run"
-SHARED = "/run/fresh-tower"  # the tower directory's "shared" inside
 LIBVIRT_RUN = "/run/libvirt"
-SYSTEMCTL_LOG = "systemctl.jsonl"
 
 ADMIN = "gh-admin"
 ADMIN_PW = "gh-admin-pw"
@@ -151,38 +154,6 @@ _sys.version = "{".".join(map(str, _OLD_VERSION))} " + _sys.version.split(" ", 1
 _sys.hexversion = {(_OLD_VERSION[0] << 24) | (_OLD_VERSION[1] << 16) | (_OLD_VERSION[2] << 8) | 0xF0}
 """
 
-# The recording systemctl. Perl, not Python: perl-base is essential on
-# Debian, and with python="missing" there is no Python to run.
-_SYSTEMCTL = f"""#!/usr/bin/perl
-# Stand-in for systemctl (tests/support/fresh_tower.py): systemd does not run
-# in the test root, so what would be restarted is recorded, not performed. One
-# JSON array of the arguments per call. `is-active` answers one state per unit
-# as systemctl(1) does (exit 0 when one is active): libvirtd, which runs in
-# this tower (not as a unit), is "active"; any other unit is "inactive".
-# Everything else succeeds.
-use strict;
-use warnings;
-my @quoted = map {{
-    my $arg = $_;
-    $arg =~ s/(["\\\\])/\\\\$1/g;
-    $arg =~ s/([\\x00-\\x1f])/sprintf("\\\\u%04x", ord($1))/ge;
-    "\\"$arg\\"";
-}} @ARGV;
-open(my $log, ">>", "{SHARED}/{SYSTEMCTL_LOG}") or die "systemctl: $!\\n";
-print $log "[" . join(", ", @quoted) . "]\\n";
-close($log) or die "systemctl: $!\\n";
-if (@ARGV && $ARGV[0] eq "is-active") {{
-    my $any = 0;
-    for my $unit (@ARGV[1 .. $#ARGV]) {{
-        my $state = $unit eq "libvirtd.service" ? "active" : "inactive";
-        $any = 1 if $state eq "active";
-        print "$state\\n";
-    }}
-    exit($any ? 0 : 3);
-}}
-exit 0;
-"""
-
 
 class FreshTowerError(RuntimeError):
     """The fresh tower could not be set up (the message says which step)."""
@@ -216,7 +187,6 @@ _TOOLS = (
     "openssl",
     "visudo",
     "sudo",
-    "perl",
     SSH_KEYGEN,
 )
 
@@ -454,17 +424,6 @@ class FreshTower:
             return None
         raise FreshTowerError(f"cannot read {path} in the tower: {done.stderr}")
 
-    def systemctl_calls(self) -> list[list[str]]:
-        """The arguments of every systemctl call made in the tower, in order."""
-        path = self.directory / "shared" / SYSTEMCTL_LOG
-        if not path.exists():
-            return []
-        return [
-            json.loads(line)
-            for line in path.read_text(encoding="utf-8").splitlines()
-            if line
-        ]
-
     # -- start and stop
 
     def __enter__(self) -> Self:
@@ -555,17 +514,7 @@ class FreshTower:
 
     def _make_keys(self) -> None:
         generate_key(self.host_key)
-        passwords = {name: secrets.token_urlsafe(18) for name in ACCOUNTS}
-        self._hashes = _password_hashes(passwords)
-        for name, rule in ACCOUNTS.items():
-            key_path = self.directory / f"{name}_key"
-            self.admins[name] = Admin(
-                name=name,
-                password=passwords[name],
-                key_path=key_path,
-                public_key=generate_key(key_path),
-                sudo=rule,
-            )
+        self.admins, self._hashes = make_logins(self.directory)
 
     def _start_libvirt(self) -> None:
         if not self.with_libvirt:
@@ -644,70 +593,27 @@ class FreshTower:
                 target,
             )
         self._inside("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", RUN)
-        shared = self.directory / "shared"
-        shared.mkdir(mode=0o755)
-        log = shared / SYSTEMCTL_LOG
-        log.touch()
-        log.chmod(0o666)  # systemctl may run as any user
-        self._inside("mkdir", "-m", "0755", "/run/sshd", SHARED)
-        self._inside("mount", "--bind", str(shared), SHARED)
+        self._inside("mkdir", "-m", "0755", "/run/sshd")
 
     def _mount_read_only(self, path: str) -> None:
         self._inside("mount", "--bind", path, path)
         self._inside("mount", "-o", "remount,bind,ro", path)
 
     def _prepare_files(self) -> None:
-        root = Path(f"/proc/{self.pid}/root")
-        hostname = socket.gethostname()
-        hosts = root / "etc/hosts"
-        text = hosts.read_text(encoding="utf-8")
-        if hostname not in text.split():
-            hosts.write_text(
-                text
-                + ("" if text.endswith("\n") else "\n")
-                + f"127.0.1.1\t{hostname}\n",
-                encoding="utf-8",
-            )
-        bin_dir = root / "usr/bin"
-        if self.python == "present":
-            (bin_dir / "python3").symlink_to("python3.14")
-        elif self.python == "missing":
-            for program in bin_dir.glob("python3*"):
-                program.unlink()  # a whiteout in the upper layer
-        else:
-            _write_program(bin_dir / "python3", _OLD_PYTHON)
-            sitecustomize = root / "etc/python3.14/sitecustomize.py"
-            with sitecustomize.open("a", encoding="utf-8") as handle:
-                handle.write(_OLD_SITECUSTOMIZE)
-        if not self.with_virsh:
-            (bin_dir / "virsh").unlink()
-        (bin_dir / "systemctl").unlink()
-        _write_program(bin_dir / "systemctl", _SYSTEMCTL)
+        prepare_files(
+            Path(f"/proc/{self.pid}/root"),
+            socket.gethostname(),
+            python=self.python,
+            virsh=self.with_virsh,
+        )
 
     def _make_accounts(self) -> None:
-        for name in (ADMIN, ADMIN_PW, PLAIN):
-            self._inside(
-                "useradd", "--create-home", "--user-group", "--shell", "/bin/bash", name
-            )
-        self._inside("usermod", "--append", "--groups", "sudo", ADMIN_PW)
-        self._inside(
-            "chpasswd",
-            "--encrypted",
-            stdin="".join(f"{name}:{self._hashes[name]}\n" for name in ACCOUNTS),
+        make_accounts(
+            self._inside,
+            Path(f"/proc/{self.pid}/root"),
+            self.admins,
+            self._hashes,
         )
-        drop_in = Path(f"/proc/{self.pid}/root/etc/sudoers.d/{ADMIN}")
-        drop_in.write_text(f"{ADMIN} ALL=(ALL:ALL) NOPASSWD: ALL\n", encoding="utf-8")
-        drop_in.chmod(0o440)
-        self._inside("visudo", "--check")
-        for admin in self.admins.values():
-            # As ssh-copy-id does it: the user's own files, the user's modes.
-            self._inside(
-                "sh",
-                "-c",
-                'umask 077 && mkdir -p "$HOME/.ssh" && cat >> "$HOME/.ssh/authorized_keys"',
-                user=admin.name,
-                stdin=admin.public_key + "\n",
-            )
 
     def _write_sshd_config(self) -> None:
         self.port = self.port or _free_port()
@@ -718,15 +624,10 @@ class FreshTower:
                     "ListenAddress 127.0.0.1",
                     f"HostKey {self.host_key}",
                     f"PidFile {RUN}/sshd.pid",
-                    "PasswordAuthentication yes",
-                    "KbdInteractiveAuthentication no",
-                    "PubkeyAuthentication yes",
+                    # No PAM: no logind to register sessions with here.
                     "UsePAM no",
-                    "PermitRootLogin yes",
-                    "StrictModes yes",
-                    "AuthorizedKeysFile .ssh/authorized_keys",
+                    *SSHD_SETTINGS,
                     "Subsystem sftp /usr/lib/openssh/sftp-server",  # as Debian ships it
-                    "LogLevel VERBOSE",
                     "",
                 ]
             ),
@@ -763,6 +664,99 @@ class FreshTower:
                 f"{done.stderr.strip() or done.stdout.strip()}"
             )
         return done
+
+
+# What sshd allows on a fresh tower (both kinds, tests/support/box_tower.py
+# too): password and key logins, root's included, and strict modes.
+SSHD_SETTINGS = (
+    "PasswordAuthentication yes",
+    "KbdInteractiveAuthentication no",
+    "PubkeyAuthentication yes",
+    "PermitRootLogin yes",
+    "StrictModes yes",
+    "AuthorizedKeysFile .ssh/authorized_keys",
+    "LogLevel VERBOSE",
+)
+
+
+class Inside(Protocol):
+    """Runs a setup step inside a tower as ``user``; raises on a failure."""
+
+    def __call__(
+        self, *argv: str, user: str = ..., stdin: str | None = ...
+    ) -> subprocess.CompletedProcess[str]: ...
+
+
+def make_logins(directory: Path) -> tuple[dict[str, Admin], dict[str, str]]:
+    """Every account's login: a random password and an ed25519 key pair in
+    ``directory``; (the logins by name, the passwords' crypt hashes)."""
+    passwords = {name: secrets.token_urlsafe(18) for name in ACCOUNTS}
+    hashes = _password_hashes(passwords)
+    admins = {
+        name: Admin(
+            name=name,
+            password=passwords[name],
+            key_path=directory / f"{name}_key",
+            public_key=generate_key(directory / f"{name}_key"),
+            sudo=rule,
+        )
+        for name, rule in ACCOUNTS.items()
+    }
+    return admins, hashes
+
+
+def prepare_files(root: Path, hostname: str, *, python: Python, virsh: bool) -> None:
+    """The host name in /etc/hosts (sudo complains on stderr without it),
+    ``/usr/bin/python3`` as asked, and ``virsh`` (or not), in the tower whose
+    root is ``root`` (as this process sees it)."""
+    hosts = root / "etc/hosts"
+    text = hosts.read_text(encoding="utf-8")
+    if hostname not in text.split():
+        hosts.write_text(
+            text + ("" if text.endswith("\n") else "\n") + f"127.0.1.1\t{hostname}\n",
+            encoding="utf-8",
+        )
+    bin_dir = root / "usr/bin"
+    if python == "present":
+        (bin_dir / "python3").symlink_to("python3.14")
+    elif python == "missing":
+        for program in bin_dir.glob("python3*"):
+            program.unlink()  # a whiteout in the upper layer
+    else:
+        _write_program(bin_dir / "python3", _OLD_PYTHON)
+        sitecustomize = root / "etc/python3.14/sitecustomize.py"
+        with sitecustomize.open("a", encoding="utf-8") as handle:
+            handle.write(_OLD_SITECUSTOMIZE)
+    if not virsh:
+        (bin_dir / "virsh").unlink()
+
+
+def make_accounts(
+    inside: Inside, root: Path, admins: dict[str, Admin], hashes: dict[str, str]
+) -> None:
+    """The administrators, made with the real tools (see the module's
+    docstring), each with its key in its own ``~/.ssh/authorized_keys``."""
+    for name in (ADMIN, ADMIN_PW, PLAIN):
+        inside("useradd", "--create-home", "--user-group", "--shell", "/bin/bash", name)
+    inside("usermod", "--append", "--groups", "sudo", ADMIN_PW)
+    inside(
+        "chpasswd",
+        "--encrypted",
+        stdin="".join(f"{name}:{hashes[name]}\n" for name in ACCOUNTS),
+    )
+    drop_in = root / f"etc/sudoers.d/{ADMIN}"
+    drop_in.write_text(f"{ADMIN} ALL=(ALL:ALL) NOPASSWD: ALL\n", encoding="utf-8")
+    drop_in.chmod(0o440)
+    inside("visudo", "--check")
+    for admin in admins.values():
+        # As ssh-copy-id does it: the user's own files, the user's modes.
+        inside(
+            "sh",
+            "-c",
+            'umask 077 && mkdir -p "$HOME/.ssh" && cat >> "$HOME/.ssh/authorized_keys"',
+            user=admin.name,
+            stdin=admin.public_key + "\n",
+        )
 
 
 def _password_hashes(passwords: dict[str, str]) -> dict[str, str]:
@@ -805,12 +799,16 @@ __all__ = [
     "ADMIN_PW",
     "PLAIN",
     "ROOT",
+    "SSHD_SETTINGS",
     "WATCHED",
     "Admin",
     "FreshTower",
     "FreshTowerError",
     "fresh_tower_available",
     "fresh_tower_unavailable",
+    "make_accounts",
+    "make_logins",
+    "prepare_files",
     "require_fresh_tower",
     "root_snapshot",
 ]

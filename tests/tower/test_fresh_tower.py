@@ -1,15 +1,31 @@
-"""The fresh tower of the guided-install tests (tests/support/fresh_tower.py):
-real logins, real sudo, real libvirt, its knobs, and nothing left behind."""
+"""The fresh towers of the guided install: real logins, real sudo, real
+libvirt, their knobs, and nothing left behind.
+
+Two kinds, each test of what both offer runs on both: ``fresh``
+(tests/support/fresh_tower.py: a private mount namespace with overlays, its
+own sshd and libvirtd, no systemd), which the benchmark uses, and ``box``
+(tests/support/box_tower.py: the test root booted under its own systemd,
+whose ssh.service and libvirtd.service are the tower's), which the
+guided-install tests and ``scripts/demo --guided`` use: there libvirtd.service
+restarts for real, and its domains stay."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 import socket
+from typing import Any
 
 import asyncssh
 import pytest
 
+from tests.support.box import BoxError
+from tests.support.box_tower import (
+    LIBVIRTD,
+    BoxFreshTower,
+    BoxTowerError,
+    require_box_tower,
+)
 from tests.support.fresh_tower import (
     ADMIN,
     ADMIN_PW,
@@ -26,24 +42,53 @@ pytestmark = pytest.mark.system
 
 DOMAINS = ["gpu-node", "win-1", "win-2"]
 NOT_IN_SUDOERS = ("is not in the sudoers file", "may not run sudo")
+KINDS = ("fresh", "box")
+
+type Tower = FreshTower | BoxFreshTower
+
+
+def _make(kind: str, directory: Path, **knobs: Any) -> Tower:
+    """A tower of ``kind`` (not started); skips where it cannot run."""
+    if kind == "box":
+        require_box_tower()
+        return BoxFreshTower(directory, **knobs)
+    require_fresh_tower()
+    return FreshTower(directory, **knobs)
+
+
+@pytest.fixture(params=KINDS)
+def tower(
+    request: pytest.FixtureRequest, tmp_path: Path, socket_enabled: None
+) -> Iterator[Tower]:
+    """The default tower, of each kind."""
+    with _make(request.param, tmp_path / "tower") as started:
+        yield started
 
 
 @pytest.fixture
-def tower(tmp_path: Path, socket_enabled: None) -> Iterator[FreshTower]:
-    """The default fresh tower."""
+def fresh(tmp_path: Path, socket_enabled: None) -> Iterator[FreshTower]:
+    """The default fresh tower (a mount namespace, no systemd)."""
     require_fresh_tower()
     with FreshTower(tmp_path / "tower") as started:
         yield started
 
 
-def _known_hosts(tower: FreshTower) -> asyncssh.SSHKnownHosts:
+@pytest.fixture
+def box(tmp_path: Path, socket_enabled: None) -> Iterator[BoxFreshTower]:
+    """The default box tower (systemd as init)."""
+    require_box_tower()
+    with BoxFreshTower(tmp_path / "tower") as started:
+        yield started
+
+
+def _known_hosts(tower: Tower) -> asyncssh.SSHKnownHosts:
     return asyncssh.import_known_hosts(
         f"[{tower.host}]:{tower.port} {tower.host_public_key}\n"
     )
 
 
 async def _ssh(
-    tower: FreshTower,
+    tower: Tower,
     user: str,
     command: str,
     *,
@@ -68,7 +113,7 @@ async def _ssh(
 
 
 async def test_password_login_and_a_wrong_password(
-    tower: FreshTower, tmp_path: Path
+    tower: Tower, tmp_path: Path
 ) -> None:
     """gh-admin-pw logs in with its password; a wrong one is refused, and so
     is a client that pinned another host key."""
@@ -95,7 +140,7 @@ async def test_password_login_and_a_wrong_password(
     assert tower.host_fingerprint.startswith("SHA256:")
 
 
-async def test_sudo_as_each_administrator(tower: FreshTower) -> None:
+async def test_sudo_as_each_administrator(tower: Tower) -> None:
     """gh-admin's sudo asks nothing; gh-admin-pw's asks the password;
     gh-plain has none. No complaint about the host name on stderr."""
     assert {admin.name: admin.sudo for admin in tower.admins.values()} == {
@@ -138,7 +183,7 @@ async def test_sudo_as_each_administrator(tower: FreshTower) -> None:
     assert tower.run(["stat", "-c", "%a", f"/etc/sudoers.d/{ADMIN}"]).stdout == "440\n"
 
 
-async def test_root_logs_in_with_password_and_with_key(tower: FreshTower) -> None:
+async def test_root_logs_in_with_password_and_with_key(tower: Tower) -> None:
     root = tower.admins[ROOT]
     by_password = await _ssh(tower, ROOT, "id -u", password=root.password)
     by_key = await _ssh(tower, ROOT, "id -u", key=root.key_path)
@@ -148,11 +193,13 @@ async def test_root_logs_in_with_password_and_with_key(tower: FreshTower) -> Non
         await _ssh(tower, ROOT, "id -u", key=tower.admins[PLAIN].key_path)
 
 
-async def test_the_tower_has_python3_libvirt_and_a_recording_systemctl(
-    tower: FreshTower,
-) -> None:
-    """As on a Debian tower: python3, virsh reaching libvirt (for any user:
-    libvirtd knows the tower's accounts), systemctl recorded."""
+async def test_the_tower_has_python3_and_libvirt(tower: Tower) -> None:
+    """As on a Debian tower: python3, and virsh reaching libvirt with the
+    GPU node running and its cards as host devices, for root and for any
+    user libvirt lets in (libvirtd knows the tower's accounts): on the
+    fresh tower any user, on the box tower the libvirt group's members, as
+    Debian's polkit rule says (the agent's user is one: the install puts it
+    there)."""
     admin = tower.admins[ADMIN]
     done = await _ssh(
         tower,
@@ -161,7 +208,15 @@ async def test_the_tower_has_python3_libvirt_and_a_recording_systemctl(
         key=admin.key_path,
     )
     assert done.stdout == "(3, 14)\n"
-    for user in (ROOT, PLAIN):
+    users = [ROOT, PLAIN]
+    if isinstance(tower, BoxFreshTower):
+        made = tower.run(["useradd", "--groups", "libvirt", "gh-libvirt"])
+        assert made.returncode == 0, made.stderr
+        users = [ROOT, "gh-libvirt"]
+        refused = tower.run(["virsh", "-c", tower.uri, "list"], PLAIN)
+        assert refused.returncode != 0
+        assert "org.libvirt.unix.manage" in refused.stderr
+    for user in users:
         listed = tower.run(["virsh", "-c", tower.uri, "list", "--all", "--name"], user)
         assert listed.returncode == 0, listed.stderr
         assert sorted(listed.stdout.split()) == DOMAINS
@@ -170,15 +225,61 @@ async def test_the_tower_has_python3_libvirt_and_a_recording_systemctl(
     hostdevs = tower.run(["virsh", "-c", tower.uri, "dumpxml", "gpu-node"])
     assert hostdevs.stdout.count("<hostdev ") == 4  # two cards, two functions each
 
-    assert tower.systemctl_calls() == []
+
+async def test_the_box_towers_libvirtd_restarts_for_real(box: BoxFreshTower) -> None:
+    """On the box tower an administrator's ``sudo systemctl restart`` is
+    systemd's: libvirtd.service gets a new main process (its journal says
+    so), virtqemud.service stays inactive (it is not installed), and the
+    domains, read from the test driver's file, are the same through the
+    new daemon: the GPU node running with its cards."""
+    assert box.is_active(LIBVIRTD, "virtqemud.service") == ["active", "inactive"]
+    before = box.main_pid(LIBVIRTD)
+    assert before != 0
+    admin = box.admins[ADMIN]
     done = await _ssh(
-        tower, admin.name, "sudo -n systemctl restart libvirtd", key=admin.key_path
+        box, admin.name, f"sudo -n systemctl restart {LIBVIRTD}", key=admin.key_path
     )
-    assert done.exit_status == 0, done.stderr
-    assert tower.systemctl_calls() == [["restart", "libvirtd"]]
+    assert (done.exit_status, done.stderr) == (0, ""), done.stderr
+    after = box.main_pid(LIBVIRTD)
+    assert after not in (0, before)
+    journal = box.journal(LIBVIRTD)
+    assert journal.count("Started libvirtd.service") == 2, journal
+    assert f"libvirtd[{after}]" in journal
+    assert box.is_active(LIBVIRTD, "virtqemud.service") == ["active", "inactive"]
+    listed = box.run(["virsh", "-c", box.uri, "list", "--all", "--name"])
+    assert sorted(listed.stdout.split()) == DOMAINS
+    state = box.run(["virsh", "-c", box.uri, "domstate", "gpu-node"])
+    assert state.stdout.strip() == "running"
+    hostdevs = box.run(["virsh", "-c", box.uri, "dumpxml", "gpu-node"])
+    assert hostdevs.stdout.count("<hostdev ") == 4
 
 
-async def test_sshd_refuses_keys_a_strict_sshd_refuses(tower: FreshTower) -> None:
+async def test_the_fresh_towers_systemctl_restarts_nothing(fresh: FreshTower) -> None:
+    """The fresh tower has no systemd: its systemctl is the root's own, which
+    reaches no service manager (it refuses, or in a chroot ignores what it is
+    told), so it never calls libvirtd active and never restarts the tower's
+    libvirtd. A restart is the box tower's to show."""
+    assert fresh.libvirt is not None
+    assert fresh.libvirt.process is not None
+    daemon = fresh.libvirt.process.pid
+    admin = fresh.admins[ADMIN]
+    asked = await _ssh(
+        fresh,
+        admin.name,
+        f"sudo -n systemctl is-active {LIBVIRTD}",
+        key=admin.key_path,
+    )
+    assert str(asked.stdout).split() != ["active"]
+    await _ssh(
+        fresh, admin.name, f"sudo -n systemctl restart {LIBVIRTD}", key=admin.key_path
+    )
+    assert fresh.libvirt.process.poll() is None
+    assert fresh.libvirt.process.pid == daemon
+    state = fresh.run(["virsh", "-c", fresh.uri, "domstate", "gpu-node"])
+    assert state.stdout.strip() == "running"
+
+
+async def test_sshd_refuses_keys_a_strict_sshd_refuses(tower: Tower) -> None:
     """StrictModes is on: a home others may write to lets no key in (an
     install must leave the SSH user's files as a real sshd wants them)."""
     plain = tower.admins[PLAIN]
@@ -191,7 +292,7 @@ async def test_sshd_refuses_keys_a_strict_sshd_refuses(tower: FreshTower) -> Non
 
 
 async def test_upload_by_sftp_and_run_it_with_sudo_python3(
-    tower: FreshTower,
+    tower: Tower,
 ) -> None:
     """The guided install's path: SFTP into /tmp as an administrator, then
     ``sudo python3`` on what was uploaded runs as root."""
@@ -219,7 +320,7 @@ async def test_upload_by_sftp_and_run_it_with_sudo_python3(
             await conn.run(f"rm -rf {upload}", check=False)
 
 
-def test_run_as_a_user_and_read(tower: FreshTower) -> None:
+def test_run_as_a_user_and_read(tower: Tower) -> None:
     done = tower.run(["id", "-un"], user=PLAIN)
     assert (done.returncode, done.stdout) == (0, f"{PLAIN}\n")
     keys = tower.read(f"/home/{PLAIN}/.ssh/authorized_keys")
@@ -238,7 +339,7 @@ def test_run_as_a_user_and_read(tower: FreshTower) -> None:
     assert "127.0.1.1" in str(tower.read("/etc/hosts"))
 
 
-def test_useradd_inside_leaves_the_root_unchanged(tower: FreshTower) -> None:
+def test_useradd_inside_leaves_the_root_unchanged(tower: Tower) -> None:
     before = Path("/etc/passwd").read_bytes()
     done = tower.run(["useradd", "--create-home", "gh-extra"])
     assert done.returncode == 0, done.stderr
@@ -247,14 +348,17 @@ def test_useradd_inside_leaves_the_root_unchanged(tower: FreshTower) -> None:
     assert not Path("/home/gh-extra").exists()
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_no_libvirt_old_python_read_only_usr_local(
-    tmp_path: Path, socket_enabled: None
+    tmp_path: Path, socket_enabled: None, kind: str
 ) -> None:
-    require_fresh_tower()
-    with FreshTower(
-        tmp_path / "tower", libvirt=False, python="old", read_only_usr_local=True
+    with _make(
+        kind, tmp_path / "tower", libvirt=False, python="old", read_only_usr_local=True
     ) as tower:
-        assert tower.libvirt is None
+        if isinstance(tower, BoxFreshTower):
+            assert tower.is_active(LIBVIRTD) == ["inactive"]
+        else:
+            assert tower.libvirt is None
         failed = tower.run(["virsh", "-c", "qemu:///system", "list"])
         assert failed.returncode != 0
         assert tower.run(["virsh", "-c", tower.uri, "list"]).returncode != 0
@@ -272,9 +376,9 @@ def test_no_libvirt_old_python_read_only_usr_local(
         assert "Read-only file system" in touched.stderr
 
 
-def test_no_python_no_virsh(tmp_path: Path, socket_enabled: None) -> None:
-    require_fresh_tower()
-    with FreshTower(tmp_path / "tower", python="missing", virsh=False) as tower:
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_python_no_virsh(tmp_path: Path, socket_enabled: None, kind: str) -> None:
+    with _make(kind, tmp_path / "tower", python="missing", virsh=False) as tower:
         for user in (ROOT, ADMIN):
             listed = tower.run(
                 ["sh", "-c", "ls /usr/bin | grep '^python3' || true"], user
@@ -283,25 +387,28 @@ def test_no_python_no_virsh(tmp_path: Path, socket_enabled: None) -> None:
             for program in ("python3", "python3.14", "virsh"):
                 assert tower.run(["which", program], user).returncode != 0, program
         # The daemon is there; only the client is gone.
-        assert tower.libvirt is not None
-        assert (
-            sorted(tower.libvirt.virsh("list", "--all", "--name").stdout.split())
-            == DOMAINS
-        )
+        if isinstance(tower, BoxFreshTower):
+            assert tower.is_active(LIBVIRTD) == ["active"]
+        else:
+            assert tower.libvirt is not None
+            listed = tower.libvirt.virsh("list", "--all", "--name")
+            assert sorted(listed.stdout.split()) == DOMAINS
     # Where the knobs are off, the same probes find them (the test can fail).
-    with FreshTower(tmp_path / "plain") as plain_tower:
+    with _make(kind, tmp_path / "plain") as plain_tower:
         assert plain_tower.run(["which", "python3", "virsh"]).returncode == 0
         assert plain_tower.run(["touch", "/usr/local/bin/x"]).returncode == 0
 
 
-def test_nothing_leaks(tmp_path: Path, socket_enabled: None) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_nothing_leaks(tmp_path: Path, socket_enabled: None, kind: str) -> None:
     """What an install writes, and the tower's own setup, stay inside:
-    outside, the watched paths are as they were, during and after."""
-    require_fresh_tower()
+    outside, the watched paths are as they were, during and after (on the
+    box tower, libvirtd.service restarted too)."""
+    tower = _make(kind, tmp_path / "tower")
     before = root_snapshot()
     mounts = Path("/proc/self/mountinfo").read_text(encoding="utf-8")
-    directory = tmp_path / "tower"
-    with FreshTower(directory) as tower:
+    directory = tower.directory
+    with tower:
         steps = [
             ["useradd", "--create-home", "--groups", "libvirt", "gpu-handoff"],
             ["install", "-d", "-m", "0755", "/etc/gpu-handoff", "/var/lib/gpu-handoff"],
@@ -319,8 +426,9 @@ def test_nothing_leaks(tmp_path: Path, socket_enabled: None) -> None:
                 "-c",
                 "mkdir -p /root/.ssh && echo key >> /root/.ssh/authorized_keys",
             ],
-            ["systemctl", "restart", "libvirtd"],
         ]
+        if isinstance(tower, BoxFreshTower):
+            steps.append(["systemctl", "restart", LIBVIRTD])
         for step in steps:
             done = tower.run(step)
             assert done.returncode == 0, (step, done.stderr)
@@ -351,21 +459,28 @@ def test_the_snapshot_sees_a_change(tmp_path: Path) -> None:
     assert len({repr(snapshot) for snapshot in snapshots}) == len(snapshots)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_stop_after_a_failed_start_leaves_nothing(
-    tmp_path: Path, socket_enabled: None
+    tmp_path: Path, socket_enabled: None, kind: str
 ) -> None:
     """sshd cannot bind (the port is taken): start fails, and what it made
-    (processes, mounts, the directory) is gone."""
-    require_fresh_tower()
+    (processes, mounts, the directory; the box) is gone."""
     before = root_snapshot()
     directory = tmp_path / "tower"
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))  # bound, not listening: no one answers
-        tower = FreshTower(directory, port=taken.getsockname()[1])
-        with pytest.raises(FreshTowerError, match="sshd exited"):
+        tower = _make(kind, directory, port=taken.getsockname()[1])
+        # The box's ssh.service fails at boot already: the box boots degraded.
+        with pytest.raises(
+            (FreshTowerError, BoxError, BoxTowerError),
+            match=r"sshd exited|ssh\.service",
+        ):
             tower.start()
-    assert tower.keeper is None
-    assert tower.libvirt is None
+    if isinstance(tower, BoxFreshTower):
+        assert tower.box is None
+    else:
+        assert tower.keeper is None
+        assert tower.libvirt is None
     assert not directory.exists()
     assert root_snapshot() == before
     tower.stop()  # again: nothing to do
