@@ -128,31 +128,39 @@ def user_systemctl(box: Box) -> list[str]:
     ]
 
 
+def run_install(box: Box, *options: str) -> dict[str, Any]:
+    """The agent's install run as root in the box, as the guided install runs
+    it (``sudo python3 gpu_handoff.py install``), making the SSH user; its
+    JSON reply, which must say ok."""
+    python3_in(box)
+    done = box.run(
+        ["python3", str(AGENT), "install", "--user", USER, "--create-user", *options],
+        timeout=180,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert lines, done.stderr
+    reply: dict[str, Any] = json.loads(lines[-1])
+    assert reply["ok"] is True, reply
+    return reply
+
+
 def install_agent(box: Box, tower: Tower, key: Path, *extra: str) -> None:
     """Install the agent in ``box`` as root, as the guided install does it,
     then point it at ``tower``'s virsh (the one thing a real tower would not
     need)."""
-    python3_in(box)
     public = generate_key(key)
-    box.run(
-        [
-            "python3",
-            str(AGENT),
-            "install",
-            "--user",
-            USER,
-            "--create-user",
-            "--gpu-node",
-            "gpu-node",
-            "--gaming",
-            "gaming-1",
-            "--gaming",
-            "gaming-2",
-            "--authorize-key",
-            public,
-            *extra,
-        ],
-        check=True,
+    run_install(
+        box,
+        "--gpu-node",
+        "gpu-node",
+        "--gaming",
+        "gaming-1",
+        "--gaming",
+        "gaming-2",
+        "--authorize-key",
+        public,
+        *extra,
     )
     config_path = box.root / CONFIG.lstrip("/")
     data = json.loads(config_path.read_text(encoding="utf-8"))

@@ -1,9 +1,10 @@
 """`install` into a relocated root: files, rollback, accounts and services.
 
-useradd, usermod, userdel, gpasswd and systemctl change this machine's accounts
-and services: here they are recording stand-ins, alone on the PATH the agent
-gets, and their decisions are tested directly (tests/support/fresh_tower.py
-runs the real ones on a throwaway tower).
+useradd, usermod, userdel, gpasswd, systemctl and loginctl change this
+machine's accounts and services: here they are recording stand-ins, alone on
+the PATH the agent gets, and their decisions are tested directly (the real
+ones run on a throwaway tower booted under its own systemd: tests/box/ and
+tests/test_guided_install.py).
 """
 
 from __future__ import annotations
@@ -844,6 +845,7 @@ def test_restart_libvirt(stand_ins: StandIns) -> None:
     stand_ins.add("systemctl", stdout="active\nunknown\n")
     assert agent.restart_libvirt(stand_ins.env) == {
         "done": True,
+        "restarted": ["libvirtd.service"],
         "message": "restarted libvirtd.service",
     }
     assert stand_ins.calls() == [
@@ -920,7 +922,7 @@ def test_install_notes_follow_what_was_done() -> None:
         "user_created": True,
         "authorized_key": key,
         "libvirt_group": "added",
-        "libvirt_restart": {"done": True, "message": ""},
+        "libvirt_restart": {"done": True, "restarted": ["libvirtd.service"]},
     }
     assert agent._install_notes(opts, done, "unused") == [
         "Made the user ha-tower (key logins only: no password).",
@@ -928,6 +930,10 @@ def test_install_notes_follow_what_was_done() -> None:
         "Added ha-tower to the libvirt group.",
         "Restarted libvirtd: it loads the new hook.",
     ]
+    done["libvirt_restart"] = {"done": True, "restarted": [], "message": "none runs"}
+    assert "libvirtd was not restarted: none runs." in agent._install_notes(
+        opts, done, "unused"
+    )
     done.update(user_created=False, libvirt_group="member")
     notes = agent._install_notes(opts, done, "unused")
     assert not any("libvirt group" in note or "Made" in note for note in notes)

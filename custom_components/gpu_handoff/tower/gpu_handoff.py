@@ -52,7 +52,7 @@ import zlib
 # --- protocol: the Home Assistant side imports these ---------------------------
 
 PROTOCOL = 2
-VERSION = "0.3.2"
+VERSION = "0.3.3"
 
 ERR_BAD_REQUEST = "bad_request"
 ERR_NOT_ALLOWED = "not_allowed"
@@ -2449,6 +2449,77 @@ def live_definition(xml_text: str, busy: List[str]) -> Tuple[str, List[str], Lis
     return ET.tostring(root, encoding="unicode"), kept, left
 
 
+# What stops a runner before its job is over, and why that comes: systemd
+# stops its unit with SIGTERM (`systemctl stop`, the user's manager or the
+# system shutting down), sent to every process of the unit (KillMode=
+# control-group: a virsh the runner waits for gets it too); SIGHUP and SIGINT
+# reach a runner started by hand from a terminal.
+RUNNER_STOP_SIGNALS: Dict[int, str] = {
+    signal.SIGTERM: "the system is shutting down or its unit was stopped",
+    signal.SIGHUP: "its terminal or session went away",
+    signal.SIGINT: "it was interrupted",
+}
+
+
+class RunnerStopped(BaseException):
+    """A stop signal reached the runner. Not an Exception: no step's `except
+    Exception` takes it for a failure of its own."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    def message(self) -> str:
+        return (
+            f"the job's runner was stopped ({signal.Signals(self.signum).name}) "
+            f"before the job finished: {RUNNER_STOP_SIGNALS[self.signum]}"
+        )
+
+
+class RunnerSignals:
+    """The runner's stop signals while it runs (a context manager).
+
+    The first one raises RunnerStopped where the runner is: in a sleep, in a
+    wait for a lock or for virsh (subprocess.run kills and reaps its child on
+    the way out). Once the runner holds (`hold`: it is writing its job's
+    end) or has been stopped, a signal is only kept. Handlers are set in the
+    main thread only (Python runs them nowhere else), never for a signal the
+    runner was started with ignored, and the previous ones are back on exit.
+    """
+
+    def __init__(self) -> None:
+        self.received: Optional[int] = None
+        self.holding = False
+        self._previous: Dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if self.received is None:
+            self.received = signum
+        if not self.holding:
+            self.holding = True
+            raise RunnerStopped(signum)
+
+    def hold(self) -> None:
+        self.holding = True
+
+    def __enter__(self) -> "RunnerSignals":
+        for signum in RUNNER_STOP_SIGNALS:
+            previous = signal.getsignal(signum)
+            if previous == signal.SIG_IGN:
+                continue
+            try:
+                signal.signal(signum, self._handler)
+            except ValueError:  # not the main thread
+                break
+            self._previous[signum] = signal.SIG_DFL if previous is None else previous
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.holding = True
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+
 def run_job(cfg: Config, job_id: str) -> int:
     """The detached runner: one job, serialised per tower by a flock.
 
@@ -2457,14 +2528,51 @@ def run_job(cfg: Config, job_id: str) -> int:
     queued and this runner has nothing to do). It runs only queued work that
     the configuration allows, with steps made anew from the job's kind and
     domain: never the steps or domains a record lists.
+
+    A stop signal (RUNNER_STOP_SIGNALS) ends it early: the job is recorded as
+    failed (runner_died, naming the signal), its locks are released, and the
+    signal is then delivered again with the handler the runner had before: by
+    default it ends the process as it would have (for systemd, a clean stop).
     """
+    with RunnerSignals() as signals:
+        try:
+            code = _run_job(cfg, job_id, signals)
+        except RunnerStopped:
+            code = 1  # before it held its job's lock: the job is not its to write
+    if signals.received is not None:
+        with contextlib.suppress(*_STREAM_ERRORS):
+            sys.stderr.flush()
+        os.kill(os.getpid(), signals.received)
+        return 128 + signals.received  # a handler that did not end the process
+    return code
+
+
+def record_stopped(jfd: int, name: str, stop: RunnerStopped) -> None:
+    """A stopped runner's job, failed: the record as last written (whole:
+    records are replaced atomically, so no step is half-recorded there; what
+    the runner had not written yet is left out), a step under way left as
+    begun. A job that had already ended is left as it is."""
+    job = read_json_at(jfd, name)
+    if not isinstance(job, dict) or job.get("state") not in ("queued", "running"):
+        return
+    job["state"] = "failed"
+    job["finished"] = now_iso()
+    job["error"] = {"code": ERR_RUNNER_DIED, "message": stop.message()}
+    write_json_at(jfd, name, job)
+    with contextlib.suppress(*_STREAM_ERRORS):
+        sys.stderr.write(f"gpu-handoff: job {job.get('id')}: {stop.message()}\n")
+
+
+def _run_job(cfg: Config, job_id: str, signals: RunnerSignals) -> int:
     name = job_id + ".json"
     with state_dir_fd(cfg.state_dir, "jobs") as jfd:
         lock = open_lock_at(
             jfd, job_id + ".lock", os.path.join(jobs_dir(cfg), job_id + ".lock")
         )
+        locked = False
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            locked = True
             job = read_json_at(jfd, name)
             if not isinstance(job, dict) or job.get("state") != "queued":
                 return 0  # another runner ran it, or no such job
@@ -2497,9 +2605,12 @@ def run_job(cfg: Config, job_id: str) -> int:
                 job["started"] = now_iso()
                 write_json_at(jfd, name, job)
                 try:
-                    JobRunner(
-                        cfg, job, Virsh(cfg, unreachable_wait=JOB_LIBVIRT_WAIT)
-                    ).run()
+                    try:
+                        JobRunner(
+                            cfg, job, Virsh(cfg, unreachable_wait=JOB_LIBVIRT_WAIT)
+                        ).run()
+                    finally:
+                        signals.hold()  # the job's end is written whatever comes
                     job["state"] = "succeeded"
                 except AgentError as err:
                     job["state"] = "failed"
@@ -2513,6 +2624,11 @@ def run_job(cfg: Config, job_id: str) -> int:
                 write_json_at(jfd, name, job)
             finally:
                 os.close(tower)
+        except RunnerStopped as stop:
+            if not locked:
+                raise
+            record_stopped(jfd, name, stop)
+            return 1
         finally:
             os.close(lock)
     return 0 if job["state"] == "succeeded" else 1
@@ -4573,10 +4689,15 @@ def restart_libvirt(env: Dict[str, str]) -> JsonObj:
     if not running:
         return {
             "done": True,
+            "restarted": [],
             "message": "neither libvirtd nor virtqemud runs now: libvirt loads "
             "the hook when it starts",
         }
-    return {"done": True, "message": f"restarted {' and '.join(running)}"}
+    return {
+        "done": True,
+        "restarted": running,
+        "message": f"restarted {' and '.join(running)}",
+    }
 
 
 def install_on_nixos(opts: Dict[str, Any], err: IO[str]) -> JsonObj:
@@ -4685,8 +4806,10 @@ def _install_notes(opts: Dict[str, Any], done: JsonObj, key_line: str) -> List[s
         notes.append(
             "Restart libvirtd so it loads the new hook: systemctl restart libvirtd"
         )
-    elif restart["done"]:
+    elif restart["done"] and restart.get("restarted"):
         notes.append("Restarted libvirtd: it loads the new hook.")
+    elif restart["done"]:
+        notes.append(f"libvirtd was not restarted: {restart['message']}.")
     else:
         notes.append(
             f"libvirtd was not restarted ({restart['message']}): restart it so it "
