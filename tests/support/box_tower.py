@@ -7,8 +7,8 @@ right after its set-up, booted in a box (tests/support/box.py: the test root
 under its own systemd as PID 1, in private namespaces, on an overlay thrown
 away with it), so that what a tower's systemd does is done for real:
 
-- the accounts of the fresh tower (tests/support/fresh_tower.py), made with
-  the same real tools: ``gh-admin`` (sudo without a password),
+- the fresh tower's accounts (tests/support/fresh_tower.py), made with
+  the real tools: ``gh-admin`` (sudo without a password),
   ``gh-admin-pw`` (in the ``sudo`` group: sudo asks the password),
   ``gh-plain`` (no sudo) and ``root``, each with a random password and an
   ed25519 key in its ``~/.ssh/authorized_keys``;
@@ -18,11 +18,11 @@ away with it), so that what a tower's systemd does is done for real:
   /etc/ssh/sshd_config.d/ (passwords and keys, ``PermitRootLogin yes``,
   ``StrictModes yes``, this tower's own host key) and a restart of the unit;
   it listens on 127.0.0.1 at ``port``; its log is the unit's journal
-  (``log``). ``UsePAM no`` by default, as FreshTower's sshd: with PAM (on a
-  Debian tower it is on; ``pam=True``) every login is a logind session
-  with a user manager started for it, and a wrong password costs pam_unix's
-  two-second delay, which made the guided-install tests twice as slow;
-  sudo uses PAM either way;
+  (``log``). ``UsePAM no`` by default: with PAM (on a Debian tower it is
+  on; ``pam=True``) every login is a logind session with a user manager
+  started for it, and a wrong password costs pam_unix's two-second delay,
+  which made the guided-install tests twice as slow; sudo uses PAM either
+  way;
 - libvirt is the box's real, socket-activated ``libvirtd.service`` (the
   monolithic daemon Debian enables; ``virtqemud.service`` is not installed,
   so ``systemctl is-active`` calls it inactive). Its domains are those of
@@ -44,16 +44,16 @@ away with it), so that what a tower's systemd does is done for real:
   is that connection's only: this tower is for the set-up, not for handing
   cards off.
 
-Knobs (as FreshTower's): ``libvirt=False`` masks libvirt's units (a host
-that is no libvirt host: ``uri`` is then ``qemu:///system``, which fails);
-``running``: the domains that run; ``python="missing"`` removes
-``/usr/bin/python3*``, ``python="old"`` makes ``python3`` report 3.7;
-``virsh=False`` removes ``/usr/bin/virsh``; ``read_only_usr_local=True``
-mounts /usr/local read-only; ``port``: sshd's port (a free one by default);
-``pam``: sshd's ``UsePAM``.
+Knobs: ``libvirt=False`` masks libvirt's units (a host that is no libvirt
+host: ``uri`` is then ``qemu:///system``, which fails); ``running``: the
+domains that run; ``python="missing"`` removes ``/usr/bin/python3*``,
+``python="old"`` makes ``python3`` report 3.7; ``virsh=False`` removes
+``/usr/bin/virsh``; ``read_only_usr_local=True`` mounts /usr/local
+read-only; ``port``: sshd's port (a free one by default); ``pam``: sshd's
+``UsePAM``.
 
 Not made: the agent's own SSH user (the install's ``--create-user`` makes
-it). Unlike FreshTower's, this tower's /tmp is its own; ``shared`` is a
+it). The tower's /tmp is its own (not the tests'); ``shared`` is a
 directory at the same path inside and outside.
 
     with BoxFreshTower(tmp_path / "tower") as tower:
