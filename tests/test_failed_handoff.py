@@ -14,6 +14,7 @@ emulator with its kubelet stand-in.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from homeassistant.core import HomeAssistant
@@ -39,9 +40,9 @@ from tests.support.stories import (
     SWITCH_2,
     cordoned,
     idle,
-    libvirt_hook,
     play,
     setup_entry,
+    start_by_hand,
     switch,
     until,
 )
@@ -161,14 +162,16 @@ async def test_a_restart_while_a_failed_handoff_settles_finishes_it(
     await setup_entry(hass, entry)
     controller = entry.runtime_data.controller
 
-    libvirt_hook(sim, agent_config, "gaming-2")
+    refused = start_by_hand(sim, "gaming-2")
+    assert "is in use" in refused.stderr, refused.stderr
     await entry.runtime_data.coordinator.async_refresh()
     await until(lambda: (controller.pending or {}).get("settle") is not None)
     stored = await handoff_store(hass, entry.entry_id).async_load()
     assert stored is not None
     # The handoff's own job never ran; the hook's stop is what stopped the
     # GPU node, and its record decides (followed after the restart).
-    hook_job = controller.coordinator.data.tower.hook_requests[-1].job
+    [record] = (agent_config.parent / "agent-state/requests").glob("*-gaming-2.json")
+    hook_job = json.loads(record.read_text(encoding="utf-8"))["job"]
     assert hook_job is not None
     assert stored["pending"]["settle"] == {
         "stopped_by_us": False,

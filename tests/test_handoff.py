@@ -41,10 +41,10 @@ from tests.support.stories import (
     SWITCH_2,
     cordoned,
     idle,
-    libvirt_hook,
     play,
     quit_game,
     setup_entry,
+    start_by_hand,
     switch,
     until,
 )
@@ -196,7 +196,8 @@ async def test_started_by_hand_on_the_tower(
     """libvirt's hook records a gaming VM started by hand; Home Assistant
     notices and performs the handoff, so the player's retry finds it running."""
     await setup_entry(hass, entry)
-    libvirt_hook(sim, agent_config, "gaming-2")
+    refused = start_by_hand(sim, "gaming-2")
+    assert "is in use" in refused.stderr, refused.stderr
     await entry.runtime_data.coordinator.async_refresh()
     await until(lambda: sim.is_running("gaming-2"))
     await until(lambda: idle(entry))

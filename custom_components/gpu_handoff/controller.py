@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
+from enum import StrEnum
 import logging
 from typing import Any, Final
 
@@ -56,7 +57,14 @@ from .const import (
 )
 from .coordinator import GpuHandoffCoordinator
 from .models import domain_identifier
-from .protocol import RUNNING, SHUT_OFF, JobRecord, TowerStatus
+from .protocol import (
+    RUNNING,
+    SHUT_OFF,
+    START_FAILED,
+    DomainState,
+    JobRecord,
+    TowerStatus,
+)
 from .runner import (
     JobFailedError,
     OperationRunner,
@@ -91,6 +99,49 @@ SUCCEEDED_EVENTS: Final = {
 # stops waiting for it (its kubelet is not reporting): kubectl's
 # --skip-wait-for-delete-timeout.
 SKIP_WAIT: float = SKIP_WAIT_FOR_DELETE
+
+
+class StartByHand(StrEnum):
+    """What a gaming VM started by hand, as libvirt's hook recorded it, asks
+    of GPU Handoff (see start_by_hand_asks)."""
+
+    HAND_OFF = "hand_off"
+    FOLLOW = "follow"
+    ENDED = "ended"
+
+
+def start_by_hand_asks(
+    vm: DomainState | None, gpu_node: DomainState | None, *, hook_job_running: bool
+) -> StartByHand:
+    """Decide from the first status that shows the hook's record.
+
+    The hook writes the record at "prepare begin" and submits a stop of the
+    GPU node (which does nothing to one that is off); libvirt keeps the
+    domain locked until that start has failed or its QEMU runs
+    (qemuProcessStart), so the status shows the start's outcome, or what
+    came after it:
+
+    - the start failed (``shut off (failed)``: the GPU node held the cards):
+      HAND_OFF, properly (drain, follow the hook's stop, start the VM), so
+      the player's retry works;
+    - the VM runs while the hook's stop takes a running GPU node down:
+      HAND_OFF too (the node is drained, the stop followed; the VM's start
+      step finds it running);
+    - the VM runs, the GPU node off: it got its cards, nothing is to be
+      handed over; its session is GPU Handoff's to follow (the cards return
+      when it ends): FOLLOW. A handoff job here would start the VM again
+      should it stop before the job's start step;
+    - the VM is off for any other reason, or gone: it ran and ended since:
+      ENDED, nothing to do.
+    """
+    if vm is None or not vm.exists:
+        return StartByHand.ENDED
+    if vm.state == SHUT_OFF:
+        return StartByHand.HAND_OFF if vm.reason == START_FAILED else StartByHand.ENDED
+    gpu_node_up = gpu_node is not None and gpu_node.state not in (SHUT_OFF, None)
+    if hook_job_running and gpu_node_up:
+        return StartByHand.HAND_OFF
+    return StartByHand.FOLLOW
 
 
 def handoff_store(hass: HomeAssistant, entry_id: str) -> Store[dict[str, Any]]:
@@ -366,21 +417,39 @@ class HandoffController:
             return
         data = self.coordinator.data
         status = data.tower
+        followed = False
         for request in status.hook_requests:
             if request.key in self._seen_hook_requests:
                 continue
-            self._seen_hook_requests.add(request.key)
             vm = request.domain
-            if vm in status.gaming and vm in self.configured_vms:
-                if vm in self.desired:
-                    continue
-                # A gaming VM started by hand while the GPU node held its
-                # cards: do the handoff properly, so a retry of the start works.
-                _LOGGER.info("%s was started on the tower; handing its cards over", vm)
-                self.desired.add(vm)
-                self._by_hook[vm] = request.job
-                self._spawn(self._persist_and_run(vm, "handoff"))
-                return
+            if (
+                vm not in status.gaming
+                or vm not in self.configured_vms
+                or vm in self.desired
+            ):
+                self._seen_hook_requests.add(request.key)
+                continue
+            asks = start_by_hand_asks(
+                status.domains.get(vm),
+                status.domains.get(status.gpu_node),
+                hook_job_running=any(
+                    job.id == request.job for job in status.active_jobs
+                ),
+            )
+            if asks is StartByHand.ENDED:
+                # Kept unseen: nothing to do as long as the VM stays off;
+                # a request for the VM supersedes it (_run).
+                continue
+            self._seen_hook_requests.add(request.key)
+            self.desired.add(vm)
+            if asks is StartByHand.FOLLOW:
+                _LOGGER.info("%s was started on the tower with its cards", vm)
+                followed = True
+                continue
+            _LOGGER.info("%s was started on the tower; handing its cards over", vm)
+            self._by_hook[vm] = request.job
+            self._spawn(self._persist_and_run(vm, "handoff"))
+            return
         ended = [
             vm
             for vm in sorted(self.desired)
@@ -390,7 +459,7 @@ class HandoffController:
         # The player shut the game down from inside (a VM removed from GPU
         # Handoff while it played too: its session ends all the same).
         self.desired.difference_update(ended)
-        changed = self._forget_unknown_vms() or bool(ended)
+        changed = self._forget_unknown_vms() or bool(ended) or followed
         playing = [
             vm
             for vm in status.gaming

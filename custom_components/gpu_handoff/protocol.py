@@ -23,6 +23,9 @@ from .tower import gpu_handoff as agent
 PROTOCOL: Final = agent.PROTOCOL
 RUNNING: Final = "running"
 SHUT_OFF: Final = "shut_off"
+# libvirt's reason for a domain shut off by a start that failed
+# (VIR_DOMAIN_SHUTOFF_FAILED, "shut off (failed)" in virsh domstate --reason).
+START_FAILED: Final = "failed"
 # Who asked for a job: libvirt's hook (a gaming VM started by hand).
 REQUESTED_BY_HOOK: Final = "hook"
 
