@@ -531,3 +531,31 @@ def test_jobs_wait_for_tower_lock(fake_tower: FakeTower) -> None:
         assert fake_tower.run("job", job_id).reply["job"]["state"] == "queued"
         assert fake_tower.run("status").reply["active_jobs"][0]["id"] == job_id
     assert fake_tower.wait_job(job_id)["state"] == "succeeded"
+
+
+def test_jobs_made_in_the_same_microsecond_get_units_of_their_own(
+    fake_tower: FakeTower, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's unit is named after its id. Ids made at the same instant
+    differ by their random part, and should that repeat too, the id is made
+    again: no record, and so no unit name, is ever used twice (real
+    systemd refuses a name in use: tests/box/test_detached_jobs.py)."""
+    instant = agent.dt.datetime(2026, 12, 1, 21, 0, 0, 123456, agent.dt.timezone.utc)
+
+    class Frozen(agent.dt.datetime):
+        @classmethod
+        def now(cls, tz: agent.dt.tzinfo | None = None) -> agent.dt.datetime:
+            return instant
+
+    draws = iter(["aaaaaa", "aaaaaa", "aaaaaa", "bbbbbb"])
+    monkeypatch.setattr(agent.dt, "datetime", Frozen)
+    real = agent.secrets.token_hex
+    monkeypatch.setattr(
+        agent.secrets, "token_hex", lambda n: next(draws) if n == 3 else real(n)
+    )
+    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
+    first = agent.create_job(cfg, "stop", "win-1", "test")
+    second = agent.create_job(cfg, "stop", "win-2", "test")
+    assert first["id"] == "20261201-210000-123456-aaaaaa"
+    assert second["id"] == "20261201-210000-123456-bbbbbb"
+    assert agent.load_job(cfg, first["id"])["args"] == {"domain": "win-1"}

@@ -1612,7 +1612,13 @@ def create_job(
     requested_by: str,
     request_id: Optional[str] = None,
 ) -> JsonObj:
-    job_id = new_job_id()
+    """A new job's record (under submit.lock): its id, and with it the name
+    of its systemd unit, is one no record in jobs/ has, even for jobs made
+    in the same microsecond."""
+    with state_dir_fd(cfg.state_dir, "jobs") as jfd:
+        job_id = new_job_id()
+        while _exists_at(jfd, job_id + ".json"):
+            job_id = new_job_id()
     job: JsonObj = {
         "id": job_id,
         "kind": kind,
