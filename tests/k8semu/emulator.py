@@ -1929,7 +1929,10 @@ class K8sEmulator:
             case "watch":
                 return await self._api_watch(request, target, info)
             case "create":
-                return web.json_response(self._api_create(target, body), status=201)
+                return web.json_response(
+                    self._api_create(target, body, request.query.getall("dryRun", [])),
+                    status=201,
+                )
             case "update":
                 return web.json_response(self._api_update(target, body))
             case "patch":
@@ -2321,13 +2324,15 @@ class K8sEmulator:
             meta["namespace"] = target.namespace
         return body
 
-    def _api_create(self, target: _Target, body: Any) -> JsonObj:
+    def _api_create(
+        self, target: _Target, body: Any, dry_run: list[str] | None = None
+    ) -> JsonObj:
         if target.sub == "eviction":
             if not isinstance(body, dict):
                 raise ApiError(400, "the body of the request is not an Eviction object")
             assert target.name is not None
             self._admit_create(target, target.name)
-            return self._evict(target, body)
+            return self._evict(target, body, _create_dry_run(dry_run or []))
         if target.name is not None or target.sub is not None:
             raise ApiError(
                 405, "the server does not allow this method on the requested resource"
@@ -2601,18 +2606,21 @@ class K8sEmulator:
 
     # ---------------------------------------------------------------- eviction
 
-    def _evict(self, target: _Target, body: JsonObj) -> JsonObj:
+    def _evict(self, target: _Target, body: JsonObj, dry_run: list[str]) -> JsonObj:
         """The pods/eviction subresource, as pkg/registry/core/pod/storage/
         eviction.go Create: pods that can ignore budgets are deleted at once;
         otherwise the budget is checked and decremented (checkAndDecrement)
         and only then is the pod deleted, so the caller's UID or
-        resourceVersion precondition fails (409) after the budget was spent."""
+        resourceVersion precondition fails (409) after the budget was spent.
+        A dry run (``?dryRun=All`` or the body's ``deleteOptions.dryRun``,
+        propagateDryRun) checks everything and changes nothing: the budget
+        is not spent, no condition is added, the pod is not deleted."""
         assert target.name is not None
         if (body.get("metadata") or {}).get("name") not in (None, target.name):
             raise ApiError(400, "name in URL does not match name in Eviction object")
         pod_target = _Target(target.rt, target.namespace, target.name, None)
         pod = self._load(pod_target)
-        options: JsonObj = body.get("deleteOptions") or {}
+        options: JsonObj = _propagate_dry_run(body.get("deleteOptions") or {}, dry_run)
         client_rv = (options.get("preconditions") or {}).get("resourceVersion")
         success: JsonObj = {
             "kind": "Status",
@@ -2649,7 +2657,7 @@ class K8sEmulator:
                     and status.get("desiredHealthy", 0) > 0
                 )
             if not unhealthy_may_go:
-                self._check_and_decrement(pod, pdb)
+                self._check_and_decrement(pod, pdb, dry_run=bool(options.get("dryRun")))
         if unhealthy_may_go:
             # The pod must not have turned ready since the budget was read.
             options = _with_rv_precondition(options, pod)
@@ -2661,8 +2669,11 @@ class K8sEmulator:
             raise
         return success
 
-    def _check_and_decrement(self, pod: JsonObj, pdb: JsonObj) -> None:
-        """eviction.go checkAndDecrement, on the budget as stored."""
+    def _check_and_decrement(
+        self, pod: JsonObj, pdb: JsonObj, *, dry_run: bool = False
+    ) -> None:
+        """eviction.go checkAndDecrement, on the budget as stored (a dry run
+        stops after the checks: the budget is not written)."""
         status: JsonObj = copy.deepcopy(pdb.get("status") or {})
         name = pdb["metadata"]["name"]
         if status.get("observedGeneration", 0) < pdb["metadata"].get("generation", 1):
@@ -2703,6 +2714,8 @@ class K8sEmulator:
                     ]
                 },
             )
+        if dry_run:
+            return
         status["disruptionsAllowed"] = allowed - 1
         if allowed - 1 == 0:
             status["conditions"] = _disruption_allowed_conditions(
@@ -2720,6 +2733,8 @@ class K8sEmulator:
         rt = target.rt
         pod = self._load(target)
         self._check_preconditions(rt, pod, options)
+        if options.get("dryRun"):
+            return  # the store's dry-run delete: checked, not done
         status = pod.setdefault("status", {})
         conditions: list[JsonObj] = status.setdefault("conditions", [])
         previous = next(
@@ -2745,6 +2760,34 @@ class K8sEmulator:
                 # The condition's update is the eviction's own change.
                 options = _with_rv_precondition(options, pod)
         self._delete_pod(pod, options)
+
+
+def _create_dry_run(values: list[str]) -> list[str]:
+    """A create's ``dryRun`` query values, as ValidateCreateOptions checks
+    them (apimachinery validation.ValidateDryRun): only "All"; 422 else."""
+    for value in values:
+        if value != "All":
+            raise ApiError(
+                422,
+                'CreateOptions.meta.k8s.io "" is invalid: dryRun: Unsupported value: '
+                f'"{value}": supported values: "All"',
+            )
+    return values
+
+
+def _propagate_dry_run(options: JsonObj, dry_run: list[str]) -> JsonObj:
+    """eviction.go propagateDryRun: the request's dryRun goes into the
+    eviction's delete options; both given and different: 400."""
+    body_dry_run = list(options.get("dryRun") or [])
+    if not body_dry_run:
+        return {**options, "dryRun": dry_run} if dry_run else options
+    if dry_run and dry_run != body_dry_run:
+        raise ApiError(
+            400,
+            "Non-matching dry-run options in request and content: "
+            f"[{' '.join(dry_run)}] and [{' '.join(body_dry_run)}]",
+        )
+    return options
 
 
 def _with_rv_precondition(options: JsonObj, pod: JsonObj) -> JsonObj:

@@ -268,3 +268,65 @@ async def test_pdbs_over_the_api(
     )
     assert sorted(p.metadata.name for p in listed.items) == ["llm", "trainer"]
     assert (await evict_status(admin_api, LLM, "ai"))[0] == 429
+
+
+async def test_a_dry_run_eviction_checks_everything_and_changes_nothing(
+    emulator: K8sEmulator, api: client.ApiClient
+) -> None:
+    """``dryRun=All`` (the request's, or the body's deleteOptions'): the
+    budget is checked (429 when it allows nothing) but not spent, no
+    DisruptionTarget condition, the pod stays (pkg/registry/core/pod/storage/
+    eviction.go: propagateDryRun, checkAndDecrement returns before it writes
+    the budget, addConditionAndDeletePod adds nothing and the store's delete
+    is a dry run). Different values in both places: 400; a value other than
+    "All": 422 (ValidateCreateOptions)."""
+    core = client.CoreV1Api(api)
+    emulator.add_pdb(
+        "llm", "ai", match_labels={"app": "llm-inference"}, max_unavailable=1
+    )
+    budget = emulator.get("PodDisruptionBudget", "llm", "ai")
+    assert budget is not None
+    before = budget.get("status")
+    pod = emulator.get("Pod", LLM, "ai")
+    assert pod is not None
+    await core.create_namespaced_pod_eviction(  # 201, as a real eviction
+        LLM, "ai", eviction(LLM, "ai"), dry_run="All", _request_timeout=T
+    )
+    [request] = emulator.requests_for(verb="create", resource="pods/eviction")
+    assert request.status == 201
+    assert emulator.get("Pod", LLM, "ai") == pod  # not deleted, not even touched
+    assert emulator.get("PodDisruptionBudget", "llm", "ai")["status"] == before  # type: ignore[index]
+    body = eviction(LLM, "ai")
+    body.delete_options = client.V1DeleteOptions(dry_run=["All"])
+    await core.create_namespaced_pod_eviction(LLM, "ai", body, _request_timeout=T)
+    assert emulator.get("Pod", LLM, "ai") == pod
+    # A budget that allows nothing refuses the dry run as the real one.
+    with pytest.raises(ApiException) as refused:
+        await core.create_namespaced_pod_eviction(
+            TRAINER, "ai", eviction(TRAINER, "ai"), dry_run="All", _request_timeout=T
+        )
+    assert refused.value.status == 429
+    # A pod that can ignore budgets (Pending) is not deleted either.
+    emulator.add_pod("waiting", namespace="ai", phase="Pending")
+    waiting = emulator.get("Pod", "waiting", "ai")
+    await core.create_namespaced_pod_eviction(
+        "waiting", "ai", eviction("waiting", "ai"), dry_run="All", _request_timeout=T
+    )
+    assert emulator.get("Pod", "waiting", "ai") == waiting
+    body.delete_options = client.V1DeleteOptions(dry_run=["Nope"])
+    with pytest.raises(ApiException) as mismatched:
+        await core.create_namespaced_pod_eviction(
+            LLM, "ai", body, dry_run="All", _request_timeout=T
+        )
+    assert mismatched.value.status == 400
+    assert status_of(mismatched.value)["message"] == (
+        "Non-matching dry-run options in request and content: [All] and [Nope]"
+    )
+    with pytest.raises(ApiException) as unsupported:
+        await core.create_namespaced_pod_eviction(
+            LLM, "ai", eviction(LLM, "ai"), dry_run="Some", _request_timeout=T
+        )
+    assert unsupported.value.status == 422
+    # Without it, the same eviction does what it says.
+    await evict(api, LLM, "ai")
+    assert emulator.get("Pod", LLM, "ai") is None
