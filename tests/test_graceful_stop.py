@@ -49,14 +49,19 @@ async def test_a_gpu_node_slower_than_libvirts_60s_is_still_handed_off(
     cluster: K8sEmulator,
     no_pdb: None,
 ) -> None:
-    """The GPU node needs 75 s to power off (here 750 simulated s against
-    libvirt's 600: time scaled so that the block is long enough to look at);
-    libvirt's agent shutdown gives up first and the guest powers off anyway.
-    The handoff succeeds, and while the shutdown blocks, a status (through
-    sshd and the agent) answers without waiting for the GPU node's guest
-    agent: it is shown as unknown, not pinged."""
-    sim.set_libvirt_waits(agent_shutdown_timeout=600.0, job_wait=3000.0)
-    sim.set_shutdown_duration("gpu-node", 750.0)
+    """The GPU node needs 75 s to power off against libvirt's 60; libvirt's
+    agent shutdown gives up first and the guest powers off anyway. The
+    handoff succeeds, and while the shutdown blocks, a status (through sshd
+    and the agent) answers without waiting for the GPU node's guest agent:
+    it is shown as unknown, not pinged.
+
+    The times are real-sized in simulated seconds (6000 and 7500 at this
+    tower's scale of 0.01: a minute of block), and the test moves the clock
+    past libvirt's timeout and then past the power-off once it has looked,
+    so a slow machine cannot miss the block and a fast one waits for
+    nothing."""
+    sim.set_libvirt_waits(agent_shutdown_timeout=6000.0, job_wait=30000.0)
+    sim.set_shutdown_duration("gpu-node", 7500.0)
     await setup_entry(hass, entry)
     succeeded = async_capture_events(hass, EVENT_HANDOFF_SUCCEEDED)
     failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
@@ -70,6 +75,13 @@ async def test_a_gpu_node_slower_than_libvirts_60s_is_still_handed_off(
     assert gpu.state == "running"
     assert gpu.agent_ready is None
 
+    # libvirt's 60 s pass: the shutdown call gives up, the guest still runs
+    sim.advance(61.0)
+    await until(lambda: [c.rc for c in sim.calls("shutdown", "gpu-node")] == [1], BOUND)
+    assert sim.is_running("gpu-node")
+    assert not succeeded
+    # and 15 s later the guest is off
+    sim.advance(15.0)
     await until(lambda: bool(succeeded) or bool(failed), BOUND)
     assert failed == []
     await until(lambda: sim.is_running("gaming-1"), BOUND)

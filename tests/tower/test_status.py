@@ -195,6 +195,37 @@ def test_status_does_not_ping_a_domain_our_job_shuts_down(
     assert not [p for p in pings if "'gpu-node'" in p]
 
 
+def test_a_session_status_asked_for_sees_a_shutdown_begun_since(
+    fake_tower: FakeTower,
+) -> None:
+    """A session answers a status from its kept body while nothing changed;
+    a job that began shutting the GPU node down since (libvirt now holds its
+    guest agent) is a change, even before the session's own scan saw it: the
+    answer is computed again, the GPU node not pinged (agent_ready None)."""
+    import fcntl
+    import io
+    import os
+
+    fake_tower.configure(session_refresh=60)
+    cfg = agent.load_config(str(fake_tower.config), {})
+    session = agent.Session(cfg, io.StringIO(), io.StringIO(), "test")
+    session.jobs.scan()
+    session.recompute(force=True, drain=False)
+    assert session.status_reply()["domains"][0]["agent_ready"] is True
+    _running_shutdown_job(fake_tower, "gpu-node")
+    jobs = fake_tower.state_dir / "jobs"
+    job_id = next(p.stem for p in jobs.glob("*.json"))
+    fd = os.open(jobs / f"{job_id}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        reply = session.status_reply()
+    finally:
+        os.close(fd)
+    gpu = next(d for d in reply["domains"] if d["name"] == "gpu-node")
+    assert (gpu["state"], gpu["agent_ready"]) == ("running", None)
+    assert [j["step"] for j in reply["active_jobs"]] == ["shutdown"]
+
+
 def test_shutting_down_reads_only_a_running_shutdown_step() -> None:
     steps = [{"name": n, "domain": "g", "result": None} for n in agent.STOP_STEPS]
     job = {"state": "running", "step": 1, "steps": steps}

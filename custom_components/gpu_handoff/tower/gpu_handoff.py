@@ -52,7 +52,7 @@ import zlib
 # --- protocol: the Home Assistant side imports these ---------------------------
 
 PROTOCOL = 2
-VERSION = "0.3.3"
+VERSION = "0.3.4"
 
 ERR_BAD_REQUEST = "bad_request"
 ERR_NOT_ALLOWED = "not_allowed"
@@ -3669,6 +3669,10 @@ class Session:
             self.send(message("status", status=body))
 
     def status_reply(self) -> JsonObj:
+        # A status asked for shows every job step written before the ask: a
+        # step begun since the last scan (a shutdown now holding a guest
+        # agent) makes the cached body stale.
+        self.scan_jobs()
         stale = time.monotonic() - self.computed_at >= self.cfg.session_refresh
         if self.body is None or self.dirty_at is not None or stale:
             self.recompute()
