@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+import contextlib
+import fcntl
+import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -149,7 +154,8 @@ def test_screenshot_limits_and_cleanup(
 # --- the status never waits on a guest agent that a stop holds ------------------
 
 
-def _running_shutdown_job(tower: FakeTower, domain: str) -> None:
+@contextlib.contextmanager
+def _running_shutdown_job(tower: FakeTower, domain: str) -> Iterator[None]:
     """A job record of ours at its `shutdown` step of `domain`, its runner alive
     (the test holds the job's lock as a runner does)."""
     cfg = agent.load_config(str(tower.config), {})
@@ -157,6 +163,13 @@ def _running_shutdown_job(tower: FakeTower, domain: str) -> None:
     job.update(state="running", step=1)
     job["steps"][0].update(result="ok")
     agent.write_json_atomic(agent.job_path(cfg, job["id"]), job, cfg.state_dir)
+    lock = Path(agent.jobs_dir(cfg)) / f"{job['id']}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def test_status_does_not_ping_a_domain_our_job_shuts_down(
@@ -166,19 +179,9 @@ def test_status_does_not_ping_a_domain_our_job_shuts_down(
     the guest is off (up to 60 s); a ping would wait for it (up to 30 s,
     whatever its --timeout): that domain is not pinged, its agent_ready is
     None (unknown), the others are pinged as ever."""
-    import fcntl
-    import os
-
     fake_tower.set_domain("win-1", state="running", reason="booted")
-    _running_shutdown_job(fake_tower, "gpu-node")
-    jobs = fake_tower.state_dir / "jobs"
-    job_id = next(p.stem for p in jobs.glob("*.json"))
-    fd = os.open(jobs / f"{job_id}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with _running_shutdown_job(fake_tower, "gpu-node"):
         reply = fake_tower.run("status").reply
-    finally:
-        os.close(fd)
     domains = {d["name"]: d for d in reply["domains"]}
     assert domains["gpu-node"]["state"] == "running"
     assert domains["gpu-node"]["agent_ready"] is None
@@ -202,25 +205,14 @@ def test_a_session_status_asked_for_sees_a_shutdown_begun_since(
     a job that began shutting the GPU node down since (libvirt now holds its
     guest agent) is a change, even before the session's own scan saw it: the
     answer is computed again, the GPU node not pinged (agent_ready None)."""
-    import fcntl
-    import io
-    import os
-
     fake_tower.configure(session_refresh=60)
     cfg = agent.load_config(str(fake_tower.config), {})
     session = agent.Session(cfg, io.StringIO(), io.StringIO(), "test")
     session.jobs.scan()
     session.recompute(force=True, drain=False)
     assert session.status_reply()["domains"][0]["agent_ready"] is True
-    _running_shutdown_job(fake_tower, "gpu-node")
-    jobs = fake_tower.state_dir / "jobs"
-    job_id = next(p.stem for p in jobs.glob("*.json"))
-    fd = os.open(jobs / f"{job_id}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with _running_shutdown_job(fake_tower, "gpu-node"):
         reply = session.status_reply()
-    finally:
-        os.close(fd)
     gpu = next(d for d in reply["domains"] if d["name"] == "gpu-node")
     assert (gpu["state"], gpu["agent_ready"]) == ("running", None)
     assert [j["step"] for j in reply["active_jobs"]] == ["shutdown"]
