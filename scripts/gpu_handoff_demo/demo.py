@@ -224,6 +224,8 @@ class Demo:
             reschedule=True,
             boot_delay=0.15 if self.fast else 5.0,
             plugin_delay=0.25 if self.fast else 10.0,
+            network_delay=0.05 if self.fast else 2.0,
+            sandbox_retry=0.1 if self.fast else 1.0,
             threaded=True,
         )
         kubelet.start()

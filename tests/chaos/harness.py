@@ -199,7 +199,7 @@ from custom_components.gpu_handoff.const import (
 )
 from tests.conftest import gaming_subentries, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
-from tests.support.kubelet import Kubelet
+from tests.support.kubelet import NETWORK_DELAY, SANDBOX_RETRY, Kubelet
 from tests.support.simtower import HOOK_PATH, write_agent_config
 from tests.support.sshd import Sshd
 from tests.support.testdriver import AGENT
@@ -1163,7 +1163,9 @@ class ChaosRig:
         each boot, a first post with a new bootID and 0 GPUs, the live card
         count once the device plugin registered. The delays are drawn, boot
         after boot, from a generator seeded by the run's seed, in simulated
-        seconds scaled as the guests are."""
+        seconds scaled as the guests are; the pod network's (a short burst
+        of failed sandboxes after each boot) is the stand-in's default,
+        scaled, and draws nothing, so the seeds replay as before."""
         rng = random.Random(f"gpu-handoff-chaos-kubelet:{self.seed}")  # noqa: S311
         self.cluster.node_monitor_grace_period = NODE_MONITOR_GRACE * TIME_SCALE
         self.cluster.node_monitor_period = NODE_MONITOR_PERIOD * TIME_SCALE
@@ -1174,6 +1176,8 @@ class ChaosRig:
             vm=GPU,
             boot_delay=lambda: rng.uniform(*KUBELET_FIRST_POST) * TIME_SCALE,
             plugin_delay=lambda: rng.uniform(*DEVICE_PLUGIN_AFTER) * TIME_SCALE,
+            network_delay=NETWORK_DELAY * TIME_SCALE,
+            sandbox_retry=SANDBOX_RETRY * TIME_SCALE,
             threaded=True,  # the simulator's state is read off the loop
         )
         await kubelet.run()

@@ -53,6 +53,7 @@ PRODUCT_RULES: tuple[Rule, ...] = (
     rule(["get"], ["daemonsets"], ["apps"]),
     rule(["get"], ["leases"], ["coordination.k8s.io"]),
     rule(["list"], ["events"]),
+    rule(["list"], ["poddisruptionbudgets"], ["policy"]),
 )
 
 ALL_RULES: tuple[Rule, ...] = (rule(["*"], ["*"], ["*"]),)

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+
 from kubernetes_asyncio import client
 import pytest
 
+from tests.support.kubelet import FAST, Kubelet
+from tests.towersim import Tower
+
 from .emulator import K8sEmulator
 from .fixtures import (  # noqa: F401 - fixtures
+    device_plugin_fixture,
     k8s_admin_api_fixture,
     k8s_api_fixture,
     k8s_emulator_fixture,
 )
+from .nodelog import NodeLog
 
 
 @pytest.fixture
@@ -29,3 +36,20 @@ def api(k8s_api: client.ApiClient) -> client.ApiClient:
 def admin_api(k8s_admin_api: client.ApiClient) -> client.ApiClient:
     """A client that may do everything."""
     return k8s_admin_api
+
+
+@pytest.fixture
+def log(emulator: K8sEmulator) -> Iterator[NodeLog]:
+    """The GPU node's changes from now on."""
+    node_log = NodeLog(emulator)
+    yield node_log
+    node_log.close()
+
+
+@pytest.fixture
+async def kubelet(sim: Tower, emulator: K8sEmulator) -> AsyncIterator[Kubelet]:
+    """The gpu-node VM's kubelet at the tests' pace."""
+    stand_in = Kubelet(sim, emulator, **FAST)
+    stand_in.start()
+    yield stand_in
+    await stand_in.stop()

@@ -24,6 +24,7 @@ import yaml
 from . import objects
 from .auth import ALL_RULES, PRODUCT_RULES, Rule, User, forbidden_message
 from .patch import PatchError, json_merge_patch, json_patch, strategic_merge_patch
+from .recorder import EventCorrelator
 from .resources import (
     RESOURCES,
     SUBRESOURCES,
@@ -443,6 +444,7 @@ class K8sEmulator:
         lease_duration: int = 40,
         node_monitor_grace_period: float = 50.0,
         node_monitor_period: float = 5.0,
+        toleration_scale: float = 1.0,
         history_limit: int = 10_000,
         server_hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
         legacy_ca: bool = False,
@@ -474,6 +476,14 @@ class K8sEmulator:
         self._grace = node_monitor_grace_period
         self._monitor_period = node_monitor_period
         self._probe: dict[str, float] = {}  # node -> its last heartbeat seen
+        # The taint eviction controller: real seconds per second of a pod's
+        # tolerationSeconds (the fixture's hundredfold pace: 0.01), and when
+        # each node got its NoExecute unreachable taint.
+        self.toleration_scale = toleration_scale
+        self._no_execute_since: dict[str, float] = {}
+        # hold_cordon_taint: the next cordon-taint write waits for a read
+        self._taint_hold = False
+        self._taint_held: set[str] = set()
         self._monitor_task: asyncio.Task[None] | None = None
         self.store = Store(history_limit)
         self.store.listeners.append(self._on_store_event)
@@ -482,6 +492,8 @@ class K8sEmulator:
         self._tokens: dict[str, User] = {token: User(user, rules)}
         self._faults: list[_Fault] = []
         self._down: set[str] = set()
+        # node -> how its NVIDIA device plugin advertises its cards
+        self._device_plugins: dict[str, objects.DevicePlugin] = {}
         self._refusing: set[str] = set()  # pod uids that never finish terminating
         self._stop_seconds: dict[str, float] = {}  # pod uid -> container stop time
         self._timers: dict[str, asyncio.TimerHandle] = {}  # kubelet, by pod uid
@@ -490,6 +502,12 @@ class K8sEmulator:
         self._pdb_writing = False  # the disruption controller is writing
         self._ns_sweeping: set[str] = set()  # namespace controller running
         self._watches_hung = False
+        # The event recorders of the components the tests play (client-go
+        # tools/record: one EventCorrelator per broadcaster), by source
+        # component and host; their clock (aggregation interval, spam
+        # filter refill) is read when one is made.
+        self.recorder_clock: Callable[[], float] = time.monotonic
+        self._recorders: dict[tuple[str, str], EventCorrelator] = {}
         self._runner: web.AppRunner | None = None
         self._lease_task: asyncio.Task[None] | None = None
         self._tls: TlsMaterial | None = None
@@ -676,6 +694,9 @@ class K8sEmulator:
             raise ValueError(f"{rt.plural} {meta['name']} already exists")
         if rt.kind == "PodDisruptionBudget":
             obj.setdefault("status", dict(EMPTY_PDB_STATUS))
+        if rt.kind == "Pod":
+            _daemon_pod_tolerations(obj)
+            _default_toleration_seconds(obj)
         return self.store.create(rt, obj)
 
     def get(self, kind: str, name: str, namespace: str = "default") -> JsonObj | None:
@@ -722,8 +743,11 @@ class K8sEmulator:
     # ---------------------------------------------------------- control: nodes
 
     def add_node(self, name: str, **kwargs: Any) -> JsonObj:
-        """A node (see ``objects.make_node`` for options) and its Lease."""
+        """A node (see ``objects.make_node`` for options) and its Lease. Its
+        ``device_plugin`` (default ``objects.PLAIN``) says how its GPUs are
+        advertised from then on (``set_node_gpus``, ``post_node_status``)."""
         node = self.create(objects.make_node(name, **kwargs))
+        self._device_plugins[name] = kwargs.get("device_plugin", objects.PLAIN)
         self.create(
             objects.make_lease(
                 name, duration=self.lease_duration, node_uid=node["metadata"]["uid"]
@@ -799,13 +823,12 @@ class K8sEmulator:
             if boot_id is not None:
                 status.setdefault("nodeInfo", {})["bootID"] = boot_id
             if gpus is not None:
-                total = str(gpus + unhealthy_gpus)
-                status.setdefault("capacity", {})[objects.GPU] = total
-                status.setdefault("allocatable", {})[objects.GPU] = str(gpus)
+                self._write_gpus(name, status, gpus, unhealthy_gpus)
             _set_unreachable_taints(node, False)
 
         node = self.modify("Node", name, "", mutate=mutate)
         self._down.discard(name)
+        self._no_execute_since.pop(name, None)
         self.renew_lease(name)
         if returning:
             for pod in self.store.list_objects(resource_for_kind("Pod")):
@@ -851,6 +874,7 @@ class K8sEmulator:
             _set_unreachable_taints(node, True)
 
         node = self.modify("Node", name, "", mutate=mutate)
+        self._no_execute_since.setdefault(name, time.monotonic())
         if was_ready:
             for pod in self.store.list_objects(resource_for_kind("Pod")):
                 if (pod.get("spec") or {}).get("nodeName") == name:
@@ -884,7 +908,60 @@ class K8sEmulator:
             if now - probe > self._grace:
                 self.mark_node_unknown(name)
                 marked.append(name)
+        self.taint_eviction_pass()
         return marked
+
+    def taint_eviction_pass(self) -> list[str]:
+        """The taint eviction controller (pkg/controller/tainteviction,
+        taint_eviction.go) for the unreachable NoExecute taint: a pod on a
+        tainted node that does not tolerate it is deleted at once; one that
+        tolerates it for tolerationSeconds (DefaultTolerationSeconds gives
+        every pod 300) is deleted that long after the taint came
+        (getMinTolerationTime: the least of its matching tolerations); one
+        tolerating it with no limit stays. Deleted as the controller does
+        (addConditionAndDeletePod): a DisruptionTarget condition
+        (DeletionByTaintManager), then a graceful delete; on a node whose
+        kubelet is silent the pod stays Terminating until it is back. The
+        pods it deleted ("namespace/name")."""
+        now = time.monotonic()
+        deleted = []
+        for node, since in list(self._no_execute_since.items()):
+            for pod in self.store.list_objects(resource_for_kind("Pod")):
+                spec = pod.get("spec") or {}
+                if spec.get("nodeName") != node or pod["metadata"].get(
+                    "deletionTimestamp"
+                ):
+                    continue
+                seconds = _toleration_seconds(spec.get("tolerations"))
+                if seconds is None or now < since + seconds * self.toleration_scale:
+                    continue
+                self._taint_delete(pod)
+                deleted.append(
+                    f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+                )
+        return deleted
+
+    def _taint_delete(self, pod: JsonObj) -> None:
+        meta = pod["metadata"]
+
+        def mutate(obj: JsonObj) -> None:
+            conditions = obj.setdefault("status", {}).setdefault("conditions", [])
+            conditions[:] = [
+                c for c in conditions if c.get("type") != "DisruptionTarget"
+            ]
+            conditions.append(
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "DeletionByTaintManager",
+                    "message": "Taint manager: deleting due to NoExecute taint",
+                    "lastProbeTime": None,
+                    "lastTransitionTime": now_rfc3339(),
+                }
+            )
+
+        current = self.modify("Pod", meta["name"], meta["namespace"], mutate=mutate)
+        self._delete_pod(current, {})
 
     @property
     def node_monitor_grace_period(self) -> float:
@@ -948,20 +1025,35 @@ class K8sEmulator:
         return self.modify("Pod", name, namespace, mutate=mutate)
 
     def set_node_gpus(self, name: str, healthy: int, unhealthy: int = 0) -> JsonObj:
-        """The node's ``nvidia.com/gpu`` as its kubelet posts them from the
-        device plugin's devices (pkg/kubelet/cm/devicemanager/manager.go,
-        GetCapacity): capacity counts healthy and unhealthy devices,
-        allocatable the healthy ones. ``set_node_gpus(node, 0)`` is a kubelet
+        """The node's GPUs as its kubelet posts them from the device plugin's
+        devices (pkg/kubelet/cm/devicemanager/manager.go, GetCapacity):
+        capacity counts healthy and unhealthy devices, allocatable the
+        healthy ones. ``healthy`` and ``unhealthy`` count cards; each is
+        advertised as its node's device plugin says (``objects.DevicePlugin``:
+        one ``nvidia.com/gpu``, ``replicas`` ``nvidia.com/gpu.shared``, or
+        its ``nvidia.com/mig-*`` devices). ``set_node_gpus(node, 0)`` is a kubelet
         just restarted, before the device plugin registered again (its
         capacity "can temporarily drop to zero till corresponding device
         plugins re-register")."""
 
         def mutate(node: JsonObj) -> None:
-            status = node.setdefault("status", {})
-            status.setdefault("capacity", {})[objects.GPU] = str(healthy + unhealthy)
-            status.setdefault("allocatable", {})[objects.GPU] = str(healthy)
+            self._write_gpus(name, node.setdefault("status", {}), healthy, unhealthy)
 
         return self.modify("Node", name, "", mutate=mutate)
+
+    def _write_gpus(
+        self, name: str, status: JsonObj, healthy: int, unhealthy: int
+    ) -> None:
+        """``healthy`` and ``unhealthy`` cards into a node status, each card
+        as the devices its device plugin advertises it as (every device of
+        an unhealthy card unhealthy)."""
+        plugin = self._device_plugins.get(name, objects.PLAIN)
+        status.setdefault("capacity", {}).update(plugin.resources(healthy + unhealthy))
+        status.setdefault("allocatable", {}).update(plugin.resources(healthy))
+
+    def device_plugin(self, name: str) -> objects.DevicePlugin:
+        """How the node's NVIDIA device plugin advertises its cards."""
+        return self._device_plugins.get(name, objects.PLAIN)
 
     def node_is_up(self, name: str) -> bool:
         """Whether the node's kubelet runs: it posts status and renews its
@@ -1055,14 +1147,18 @@ class K8sEmulator:
         """The kubelet got the pod's sandbox up and started its containers:
         the sandbox condition turns True (generate.go), every container runs
         (``state.running.startedAt`` now) and is ready, the pod is Running
-        with an IP, Ready and ContainersReady True."""
+        with an IP (the node's on the host network), Ready and
+        ContainersReady True."""
         now = now_rfc3339()
 
         def mutate(pod: JsonObj) -> None:
             status = pod.setdefault("status", {})
             status["phase"] = "Running"
-            status["podIP"] = "10.42.0.18"
-            status["podIPs"] = [{"ip": "10.42.0.18"}]
+            ip = "10.42.0.18"
+            if (pod.get("spec") or {}).get("hostNetwork"):
+                ip = status.get("hostIP") or objects.HOST_IP
+            status["podIP"] = ip
+            status["podIPs"] = [{"ip": ip}]
             for cond in status.get("conditions") or []:
                 if cond["type"] in (
                     objects.SANDBOX_CONDITION,
@@ -1081,6 +1177,51 @@ class K8sEmulator:
                 container["ready"] = True
                 container["started"] = True
                 container["state"] = {"running": {"startedAt": now}}
+
+        return self.modify("Pod", name, namespace, mutate=mutate)
+
+    def lose_pod_sandbox(self, name: str, namespace: str = "default") -> JsonObj:
+        """The pod's sandbox is gone (its node rebooted) and its kubelet has
+        not made a new one: the status it posts (generate.go
+        GeneratePodReadyToStartContainersCondition False, no reason; every
+        container waiting in ContainerCreating, not ready; Pending, no pod
+        IP). What its containers ran before is not kept: the runtime that
+        knew them is gone with the boot."""
+        now = now_rfc3339()
+
+        def mutate(pod: JsonObj) -> None:
+            status = pod.setdefault("status", {})
+            status["phase"] = "Pending"
+            status.pop("podIP", None)
+            status.pop("podIPs", None)
+            conditions = status.setdefault("conditions", [])
+            if not any(
+                c["type"] in (objects.SANDBOX_CONDITION, "PodHasNetwork")
+                for c in conditions
+            ):
+                conditions.insert(
+                    0, {"type": objects.SANDBOX_CONDITION, "lastProbeTime": None}
+                )
+            for cond in conditions:
+                if cond["type"] in (
+                    objects.SANDBOX_CONDITION,
+                    "PodHasNetwork",
+                    "Ready",
+                    "ContainersReady",
+                ):
+                    if cond.get("status") != "False":
+                        cond["lastTransitionTime"] = now
+                    cond["status"] = "False"
+                    cond.pop("reason", None)
+                    if cond["type"] in ("Ready", "ContainersReady"):
+                        cond["reason"] = "ContainersNotReady"
+            for container in status.get("containerStatuses") or []:
+                container.update(
+                    ready=False,
+                    started=False,
+                    state={"waiting": {"reason": "ContainerCreating"}},
+                )
+                container.pop("lastState", None)
 
         return self.modify("Pod", name, namespace, mutate=mutate)
 
@@ -1153,34 +1294,19 @@ class K8sEmulator:
         event_type: str = "Warning",
         component: str = "kubelet",
         host: str | None = None,
-    ) -> JsonObj:
-        """An event as the legacy recorder reports it (client-go
-        tools/record): the first one is a new Event named
-        ``<object>.<hex of the time in ns>`` in the object's namespace; the
-        same again (same object, reason, message, type and source) is
-        aggregated by its EventCorrelator: count + 1, lastTimestamp now."""
+    ) -> JsonObj | None:
+        """An event as the legacy recorder of ``component`` on ``host``
+        reports it (client-go tools/record; see recorder.py): a new Event
+        named ``<object>.<hex of the time in ns>`` in the object's namespace;
+        the same again (object, reason, message, type, source) patches it,
+        count + 1 and lastTimestamp now; ten similar ones (differing only in
+        their message) within ten minutes go to one Event whose message
+        begins "(combined from similar events): ". Returns the Event as
+        stored, or None when the recorder's spam filter dropped it."""
         meta = involved["metadata"]
         namespace = meta.get("namespace") or "default"
-        for event in self.list_objects("Event", namespace):
-            ref = event.get("involvedObject") or {}
-            if (
-                ref.get("uid") == meta.get("uid")
-                and event.get("reason") == reason
-                and event.get("message") == message
-                and event.get("type") == event_type
-                and (event.get("source") or {}).get("component") == component
-            ):
-
-                def again(stored: JsonObj) -> None:
-                    stored["count"] = int(stored.get("count") or 1) + 1
-                    stored["lastTimestamp"] = now_rfc3339()
-
-                return self.modify(
-                    "Event", event["metadata"]["name"], namespace, mutate=again
-                )
-        name = f"{meta['name']}.{time.time_ns():x}"
-        return self.add_event(
-            name,
+        event = objects.make_event(
+            f"{meta['name']}.{time.time_ns():x}",
             namespace,
             involved=involved,
             reason=reason,
@@ -1189,6 +1315,25 @@ class K8sEmulator:
             component=component,
             host=host,
         )
+        source = (component, host or "")
+        recorder = self._recorders.get(source)
+        if recorder is None:
+            recorder = self._recorders[source] = EventCorrelator(self.recorder_clock)
+        written = recorder.correlate(event)
+        if written is None:
+            return None
+        if written.patch:
+            update = {
+                key: written.event[key] for key in ("count", "lastTimestamp", "message")
+            }
+            with contextlib.suppress(KeyError):  # removed: created again
+                return self.modify(
+                    "Event",
+                    written.event["metadata"]["name"],
+                    namespace,
+                    mutate=lambda stored: stored.update(update),
+                )
+        return self.create(written.event)
 
     # ----------------------------------------------------- control: recording
 
@@ -1306,6 +1451,8 @@ class K8sEmulator:
                 self._pdb_enqueue(namespace, pdb["metadata"]["name"])
             if kind == "Pod" and event.new is None:
                 self._namespace_sweep(namespace)
+        elif kind == "Node" and event.new is not None:
+            self._taint_cordon_later(meta["name"])
 
     # ------------------------------------------------------ namespace controller
 
@@ -2109,7 +2256,10 @@ class K8sEmulator:
             raise ApiError(
                 405, "the server does not allow this method on the requested resource"
             )
-        return self._present(target.rt, self._load(target))
+        found = self._present(target.rt, self._load(target))
+        if target.rt.kind == "Node":
+            self._release_held_taint(target.name)
+        return found
 
     def _selectors(
         self, target: _Target, query: Any
@@ -2429,44 +2579,85 @@ class K8sEmulator:
             else:
                 result.pop("status", None)
         if target.rt.kind == "Node":
-            self._sync_unschedulable_taint(result)
+            spec = result.setdefault("spec", {})
+            if "unschedulable" in spec and not spec["unschedulable"]:
+                spec.pop("unschedulable")  # omitempty, as the apiserver serializes it
         return result
 
-    @staticmethod
-    def _sync_unschedulable_taint(node: JsonObj) -> None:
-        """The node lifecycle controller's TaintNodeByCondition for cordons."""
+    # ------------------------------------------- the cordon's taint, a write apart
+
+    def hold_cordon_taint(self) -> None:
+        """Make the node lifecycle controller's next cordon-taint write land
+        right after the next API read of that node: between a client's read
+        and its write, as the real controller's may (a conflict the client
+        must survive). Otherwise it lands on the loop's next turn."""
+        self._taint_hold = True
+
+    def _taint_cordon_later(self, name: str) -> None:
+        """A node was written: doNoScheduleTaintingPass (node_lifecycle_
+        controller.go) reacts to the update and swaps the
+        ``node.kubernetes.io/unschedulable:NoSchedule`` taint to match
+        spec.unschedulable in a write of its own (SwapNodeControllerTaint),
+        moments after the cordon or uncordon, not in it."""
+        node = self.store.get(resource_for_kind("Node"), "", name)
+        if node is None or self._cordon_taint(node) is None:
+            return
+        if self._taint_hold:
+            self._taint_held.add(name)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._taint_cordon(name)  # no loop (a control call before start)
+            return
+        loop.call_soon(self._taint_cordon, name)
+
+    def _release_held_taint(self, name: str) -> None:
+        """After an API read of ``name``: a held taint write lands now."""
+        if name in self._taint_held:
+            self._taint_held.discard(name)
+            self._taint_hold = False
+            self._taint_cordon(name)
+
+    def _taint_cordon(self, name: str) -> None:
+        node = self.store.get(resource_for_kind("Node"), "", name)
+        if node is None or name in self._taint_held:
+            return
+        taints = self._cordon_taint(node)
+        if taints is None:
+            return
         spec = node.setdefault("spec", {})
-        if spec.get("unschedulable") is False or (
-            "unschedulable" in spec and spec["unschedulable"] is None
-        ):
-            spec.pop("unschedulable")  # omitempty, as the apiserver serializes it
+        if taints:
+            spec["taints"] = taints
+        else:
+            spec.pop("taints", None)
+        self.store.update(resource_for_kind("Node"), node)
+
+    @staticmethod
+    def _cordon_taint(node: JsonObj) -> list[JsonObj] | None:
+        """The node's taints with the cordon's taint as spec.unschedulable
+        wants it, or None when they are so already."""
+        spec = node.get("spec") or {}
+        had = any(
+            t.get("key") == "node.kubernetes.io/unschedulable"
+            for t in spec.get("taints") or []
+        )
+        if had == bool(spec.get("unschedulable")):
+            return None
         taints = [
             t
             for t in spec.get("taints") or []
             if t.get("key") != "node.kubernetes.io/unschedulable"
         ]
-        had = any(
-            t.get("key") == "node.kubernetes.io/unschedulable"
-            for t in spec.get("taints") or []
-        )
-        if spec.get("unschedulable"):
-            previous = next(
-                (
-                    t
-                    for t in spec.get("taints") or []
-                    if t.get("key") == "node.kubernetes.io/unschedulable"
-                ),
+        if not had:
+            taints.append(
                 {
                     "key": "node.kubernetes.io/unschedulable",
                     "effect": "NoSchedule",
                     "timeAdded": now_rfc3339(),
-                },
+                }
             )
-            taints.append(previous)
-        if taints:
-            spec["taints"] = taints
-        elif had or "taints" in spec:
-            spec.pop("taints", None)
+        return taints
 
     def _api_update(self, target: _Target, body: Any) -> JsonObj:
         if target.name is None:
@@ -2760,6 +2951,87 @@ class K8sEmulator:
                 # The condition's update is the eviction's own change.
                 options = _with_rv_precondition(options, pod)
         self._delete_pod(pod, options)
+
+
+# The DefaultTolerationSeconds admission plugin's two tolerations
+# (plugin/pkg/admission/defaulttolerationseconds/admission.go, both 300 s by
+# default): a pod stays bound to a node that is not ready or unreachable this
+# long before the taint manager evicts it.
+DEFAULT_TOLERATION_SECONDS = 300
+DEFAULT_TOLERATION_KEYS = (
+    "node.kubernetes.io/not-ready",
+    "node.kubernetes.io/unreachable",
+)
+
+
+def _default_toleration_seconds(pod: JsonObj) -> None:
+    """DefaultTolerationSeconds' Admit on a pod's create: for each of the two
+    keys, unless a toleration already matches it (its key, or none, with the
+    NoExecute effect, or none), add ``{key, Exists, NoExecute, 300}``."""
+    spec = pod.setdefault("spec", {})
+    tolerations = list(spec.get("tolerations") or [])
+    for key in DEFAULT_TOLERATION_KEYS:
+        if not any(
+            (t.get("key") or "") in ("", key)
+            and (t.get("effect") or "") in ("", "NoExecute")
+            for t in tolerations
+        ):
+            tolerations.append(
+                {
+                    "key": key,
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": DEFAULT_TOLERATION_SECONDS,
+                }
+            )
+    spec["tolerations"] = tolerations
+
+
+def _daemon_pod_tolerations(pod: JsonObj) -> None:
+    """A DaemonSet's pod as its controller makes it (NewPod:
+    pkg/controller/daemon/util/daemonset_util.go,
+    AddOrUpdateDaemonPodTolerations): not-ready and unreachable tolerated
+    for ever (NoExecute), the pressure conditions and the cordon
+    (NoSchedule), and a missing network for a host-network pod. The tests
+    create DaemonSet pods themselves, standing in for that controller."""
+    owners = (pod.get("metadata") or {}).get("ownerReferences") or []
+    if not any(o.get("kind") == "DaemonSet" and o.get("controller") for o in owners):
+        return
+    spec = pod.setdefault("spec", {})
+    wanted = [
+        ("node.kubernetes.io/not-ready", "NoExecute"),
+        ("node.kubernetes.io/unreachable", "NoExecute"),
+        ("node.kubernetes.io/disk-pressure", "NoSchedule"),
+        ("node.kubernetes.io/memory-pressure", "NoSchedule"),
+        ("node.kubernetes.io/pid-pressure", "NoSchedule"),
+        ("node.kubernetes.io/unschedulable", "NoSchedule"),
+    ]
+    if spec.get("hostNetwork"):
+        wanted.append(("node.kubernetes.io/network-unavailable", "NoSchedule"))
+    tolerations = list(spec.get("tolerations") or [])
+    for key, effect in wanted:
+        toleration = {"key": key, "operator": "Exists", "effect": effect}
+        if toleration not in tolerations:
+            tolerations.append(toleration)
+    spec["tolerations"] = tolerations
+
+
+def _toleration_seconds(tolerations: list[JsonObj] | None) -> float | None:
+    """tainteviction's getMinTolerationTime for the unreachable NoExecute
+    taint: 0 when no toleration tolerates it (evict now), None when one
+    tolerates it for ever (no tolerationSeconds), else the least of their
+    tolerationSeconds (a negative one counts as 0)."""
+    matching = [
+        t
+        for t in tolerations or []
+        if objects.tolerates([t], objects.UNREACHABLE_NO_EXECUTE)
+    ]
+    if not matching:
+        return 0.0
+    limits = [t.get("tolerationSeconds") for t in matching]
+    if any(limit is None for limit in limits):
+        return None
+    return float(max(0, min(int(limit) for limit in limits if limit is not None)))
 
 
 def _create_dry_run(values: list[str]) -> list[str]:

@@ -3,8 +3,9 @@ would have written), used by the control API and the demo seed."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Final
 import uuid
 
 from .store import now_micro, now_rfc3339
@@ -32,6 +33,57 @@ JsonObj = dict[str, Any]
 NODE_LEASE_NAMESPACE = "kube-node-lease"
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 GPU = "nvidia.com/gpu"
+# Where the pods make_pod binds run: the GPU node's address in the seed.
+HOST_IP = "10.0.0.10"
+
+
+@dataclass(frozen=True)
+class DevicePlugin:
+    """How the NVIDIA device plugin advertises each card of a node: its
+    configuration, as NVIDIA/k8s-device-plugin reads it (README.md,
+    "Configuration Option Details" and "Shared Access to GPUs").
+
+    - Plain: one ``nvidia.com/gpu`` per card.
+    - MIG strategy ``mixed`` (``mig``: the MIG devices each card is cut
+      into): one ``nvidia.com/mig-<slices>g.<memory>gb`` per MIG device and
+      no ``nvidia.com/gpu`` for a MIG card (internal/rm/rm.go
+      AddDefaultResourcesToConfig names the resource "mig-" + the profile,
+      "+" read as "."; internal/rm/nvml_manager.go registers no resource
+      that has no device).
+    - Time-slicing (``replicas``, at least 2 per api/config/v1/replicas.go):
+      each device advertised ``replicas`` times, under ``<name>.shared``
+      with ``renameByDefault`` (api/config/v1/consts.go
+      DefaultSharedResourceNameSuffix), under its own name without.
+    """
+
+    replicas: int = 1
+    rename_by_default: bool = False
+    mig: tuple[str, ...] = ()
+
+    def per_card(self) -> dict[str, int]:
+        """The devices one card is advertised as, by resource name."""
+        names = [f"mig-{p.replace('+', '.')}" for p in self.mig] or ["gpu"]
+        suffix = ".shared" if self.replicas > 1 and self.rename_by_default else ""
+        devices: dict[str, int] = {}
+        for name in names:
+            resource = f"nvidia.com/{name}{suffix}"
+            devices[resource] = devices.get(resource, 0) + self.replicas
+        return devices
+
+    def resources(self, cards: int) -> dict[str, str]:
+        """What ``cards`` cards are in a node's capacity or allocatable: each
+        of its resource names, "0" for no card (a kubelet restored it from
+        its checkpoint before the plugin registered again)."""
+        return {name: str(n * cards) for name, n in self.per_card().items()}
+
+    @property
+    def resource(self) -> str:
+        """The resource name a workload asks one device of (the first)."""
+        return next(iter(self.per_card()))
+
+
+# Each card one nvidia.com/gpu (no time-slicing, MIG off or strategy "none").
+PLAIN = DevicePlugin()
 
 
 def new_boot_id() -> str:
@@ -120,8 +172,10 @@ def make_node(
     labels: dict[str, str] | None = None,
     address: str = "10.0.0.10",
     gpu_product: str | None = None,
+    device_plugin: DevicePlugin = PLAIN,
 ) -> JsonObj:
-    """A Node as a k3s kubelet registers it (with the NVIDIA device plugin's GPUs)."""
+    """A Node as a k3s kubelet registers it (with the NVIDIA device plugin's
+    GPUs: ``gpus`` cards, advertised as ``device_plugin`` says)."""
     now = now_rfc3339()
     node_labels = {
         "kubernetes.io/hostname": name,
@@ -140,8 +194,12 @@ def make_node(
     }
     allocatable = dict(capacity)
     if gpus:
-        capacity[GPU] = str(gpus)
-        allocatable[GPU] = str(gpus if allocatable_gpus is None else allocatable_gpus)
+        capacity.update(device_plugin.resources(gpus))
+        allocatable.update(
+            device_plugin.resources(
+                gpus if allocatable_gpus is None else allocatable_gpus
+            )
+        )
         if gpu_product:
             node_labels["nvidia.com/gpu.product"] = gpu_product
             node_labels["nvidia.com/gpu.count"] = str(gpus)
@@ -257,6 +315,7 @@ def make_pod(
     owner: JsonObj | None = None,
     gpu_request: int = 0,
     gpu_limit_only: bool = False,
+    gpu_resource: str = GPU,
     empty_dir: bool = False,
     image: str = "registry.example/app:1.0",
     container_name: str = "main",
@@ -264,6 +323,8 @@ def make_pod(
     sandbox_ready: bool | None = None,
     sandbox_condition: str | None = SANDBOX_CONDITION,
     age: float = 0.0,
+    tolerations: list[JsonObj] | None = None,
+    host_network: bool = False,
 ) -> JsonObj:
     """A scheduled pod with kubelet-written status.
 
@@ -275,6 +336,11 @@ def make_pod(
     (``PodHasNetwork`` for 1.25-1.27, None for a kubelet that sets neither).
     ``age``: seconds since the pod was created and its kubelet wrote this
     status (every timestamp is that far in the past).
+    ``tolerations``: its spec.tolerations as written (the emulator's
+    admission adds DefaultTolerationSeconds' two on create).
+    ``host_network``: spec.hostNetwork (with the dnsPolicy charts pair it
+    with, ClusterFirstWithHostNet): its sandbox needs no network plugin, and
+    its IP is the node's.
     """
     if ready is None:
         ready = phase == "Running"
@@ -286,9 +352,9 @@ def make_pod(
         "limits": {"memory": "256Mi"},
     }
     if gpu_request:
-        resources["limits"][GPU] = str(gpu_request)
+        resources["limits"][gpu_resource] = str(gpu_request)
         if not gpu_limit_only:
-            resources["requests"][GPU] = str(gpu_request)
+            resources["requests"][gpu_resource] = str(gpu_request)
     container: JsonObj = {
         "name": container_name,
         "image": image,
@@ -339,6 +405,11 @@ def make_pod(
     }
     if node:
         spec["nodeName"] = node
+    if tolerations:
+        spec["tolerations"] = [dict(t) for t in tolerations]
+    if host_network:
+        spec["hostNetwork"] = True
+        spec["dnsPolicy"] = "ClusterFirstWithHostNet"
 
     def cond(ctype: str, ok: bool, reason: str | None = None) -> JsonObj:
         c: JsonObj = {
@@ -354,7 +425,7 @@ def make_pod(
     started = phase == "Running"
     status: JsonObj = {"phase": phase, "qosClass": "Burstable", "startTime": now}
     if node:
-        status["hostIP"] = "10.0.0.10"
+        status["hostIP"] = HOST_IP
         status["conditions"] = [
             *(
                 [cond(sandbox_condition, sandbox_ready)]
@@ -367,8 +438,9 @@ def make_pod(
             cond("PodScheduled", True),
         ]
         if phase == "Running":
-            status["podIP"] = "10.42.0.17"
-            status["podIPs"] = [{"ip": "10.42.0.17"}]
+            ip = HOST_IP if host_network else "10.42.0.17"
+            status["podIP"] = ip
+            status["podIPs"] = [{"ip": ip}]
         state: JsonObj
         if started:
             state = {"running": {"startedAt": now}}
@@ -407,12 +479,14 @@ def make_pod(
     }
 
 
-def _pod_template(labels: dict[str, str], image: str, gpu_request: int = 0) -> JsonObj:
+def _pod_template(
+    labels: dict[str, str], image: str, gpu_request: int = 0, gpu_resource: str = GPU
+) -> JsonObj:
     resources: JsonObj = {}
     if gpu_request:
         resources = {
-            "limits": {GPU: str(gpu_request)},
-            "requests": {GPU: str(gpu_request)},
+            "limits": {gpu_resource: str(gpu_request)},
+            "requests": {gpu_resource: str(gpu_request)},
         }
     return {
         "metadata": {"labels": dict(labels)},
@@ -459,6 +533,7 @@ def make_replicaset(
     image: str,
     replicas: int = 1,
     gpu_request: int = 0,
+    gpu_resource: str = GPU,
 ) -> JsonObj:
     """A ReplicaSet (as a Deployment would own it)."""
     return {
@@ -468,7 +543,7 @@ def make_replicaset(
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": dict(labels)},
-            "template": _pod_template(labels, image, gpu_request),
+            "template": _pod_template(labels, image, gpu_request, gpu_resource),
         },
         "status": {
             "replicas": replicas,
@@ -591,3 +666,36 @@ def make_namespace(name: str) -> JsonObj:
         "spec": {"finalizers": ["kubernetes"]},
         "status": {"phase": "Active"},
     }
+
+
+# The taint kube-controller-manager's node lifecycle controller keeps on a
+# cordoned node (spec.unschedulable), and what the scheduler's
+# NodeUnschedulable filter checks a pod's tolerations against.
+UNREACHABLE_NO_EXECUTE: Final[JsonObj] = {
+    "key": "node.kubernetes.io/unreachable",
+    "effect": "NoExecute",
+}
+UNSCHEDULABLE_TAINT: Final[JsonObj] = {
+    "key": "node.kubernetes.io/unschedulable",
+    "effect": "NoSchedule",
+}
+
+
+def tolerates(tolerations: list[JsonObj] | None, taint: JsonObj) -> bool:
+    """Whether any toleration tolerates ``taint``: k8s.io/api core/v1
+    toleration.go, ToleratesTaint (an empty effect or key matches all; the
+    operator Exists matches any value, Equal or empty the same value)."""
+    for toleration in tolerations or []:
+        effect = toleration.get("effect") or ""
+        key = toleration.get("key") or ""
+        if effect and effect != taint.get("effect"):
+            continue
+        if key and key != taint.get("key"):
+            continue
+        operator = toleration.get("operator") or "Equal"
+        if operator == "Exists" or (
+            operator == "Equal"
+            and (toleration.get("value") or "") == (taint.get("value") or "")
+        ):
+            return True
+    return False

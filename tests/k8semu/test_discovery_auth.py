@@ -7,8 +7,10 @@ from pathlib import Path
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 import pytest
+import yaml
 
-from . import DEFAULT_USER, GPU_NODE, K8sEmulator
+from . import DEFAULT_USER, GPU_NODE, PRODUCT_RULES, K8sEmulator
+from .auth import rule
 from .client import api_client_for, raw_request, raw_watch, status_of
 
 T = 10  # _request_timeout for every call
@@ -239,3 +241,16 @@ async def test_plain_http(socket_enabled: None, tmp_path: Path) -> None:
         finally:
             await api.close()
     assert [n.metadata.name for n in nodes.items] == [GPU_NODE]
+
+
+def test_the_readmes_cluster_role_is_what_the_product_token_gets() -> None:
+    """The ClusterRole a user applies (README, "Cluster setup") grants exactly
+    the rules the emulator gives the product's token: every test that passes
+    against the emulator passes with what users grant."""
+    readme = Path(__file__).parents[2] / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    block = text.split("### Cluster setup", 1)[1].split("```yaml", 1)[1]
+    documents = list(yaml.safe_load_all(block.split("```", 1)[0]))
+    [role] = [d for d in documents if d["kind"] == "ClusterRole"]
+    granted = {rule(r["verbs"], r["resources"], r["apiGroups"]) for r in role["rules"]}
+    assert granted == set(PRODUCT_RULES)

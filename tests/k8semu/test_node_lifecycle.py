@@ -51,114 +51,20 @@ as a real node. The tests wait on the store's change events, not on sleeps.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
-import contextlib
-from dataclasses import dataclass
 import time
 from typing import Any
-
-import pytest
 
 from tests.support.kubelet import FAST, Kubelet
 from tests.towersim import Tower
 
 from . import GPU, GPU_NODE, K8sEmulator
+from .nodelog import NodeLog, Seen
 from .objects import new_boot_id
-from .store import StoredEvent
 
 UNREACHABLE = {
     ("node.kubernetes.io/unreachable", "NoSchedule"),
     ("node.kubernetes.io/unreachable", "NoExecute"),
 }
-BOUND = 10.0  # seconds any awaited change may take on a loaded machine
-
-
-@dataclass(frozen=True)
-class Seen:
-    """The node as one change left it."""
-
-    at: float
-    ready: str | None
-    boot_id: str
-    capacity: str | None
-    allocatable: str | None
-    taints: frozenset[tuple[str, str]]
-    node: dict[str, Any]
-
-
-class NodeLog:
-    """Every change of the node and every renewal of its Lease, as the
-    emulator's store writes them."""
-
-    def __init__(self, emulator: K8sEmulator, node: str = GPU_NODE) -> None:
-        self.emulator = emulator
-        self.node = node
-        self.seen: list[Seen] = [self._seen(_node(emulator, node))]
-        self.renewals: list[float] = []
-        self._changed = asyncio.Event()
-        emulator.store.listeners.append(self._on)
-
-    def close(self) -> None:
-        self.emulator.store.listeners.remove(self._on)
-
-    @staticmethod
-    def _seen(node: dict[str, Any]) -> Seen:
-        status = node["status"]
-        ready = next(
-            (c["status"] for c in status["conditions"] if c["type"] == "Ready"), None
-        )
-        return Seen(
-            at=time.monotonic(),
-            ready=ready,
-            boot_id=status["nodeInfo"]["bootID"],
-            capacity=status.get("capacity", {}).get(GPU),
-            allocatable=status.get("allocatable", {}).get(GPU),
-            taints=frozenset(
-                (t["key"], t["effect"]) for t in node["spec"].get("taints", [])
-            ),
-            node=node,
-        )
-
-    def _on(self, event: StoredEvent) -> None:
-        new = event.new
-        if new is None or new["metadata"]["name"] != self.node:
-            return
-        if event.resource.kind == "Node":
-            self.seen.append(self._seen(new))
-        elif event.resource.kind == "Lease":
-            self.renewals.append(time.monotonic())
-        self._changed.set()
-
-    @property
-    def last(self) -> Seen:
-        return self.seen[-1]
-
-    async def until(self, done: Callable[[], bool], bound: float = BOUND) -> None:
-        """Until ``done`` holds, woken by each change (and every 20 ms: a
-        kubelet falling silent writes nothing)."""
-        async with asyncio.timeout(bound):
-            while not done():
-                self._changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), 0.02)
-
-
-@pytest.fixture
-def log(emulator: K8sEmulator) -> Iterator[NodeLog]:
-    """The GPU node's changes from now on."""
-    node_log = NodeLog(emulator)
-    yield node_log
-    node_log.close()
-
-
-@pytest.fixture
-async def kubelet(sim: Tower, emulator: K8sEmulator) -> AsyncIterator[Kubelet]:
-    """The gpu-node VM's kubelet at the tests' pace."""
-    stand_in = Kubelet(sim, emulator, **FAST)
-    stand_in.start()
-    yield stand_in
-    await stand_in.stop()
 
 
 def _node(emulator: K8sEmulator, name: str = GPU_NODE) -> dict[str, Any]:

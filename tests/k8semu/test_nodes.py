@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 import pytest
@@ -28,21 +30,39 @@ async def test_node_status_and_gpus(api: client.ApiClient) -> None:
     assert int(node.metadata.resource_version) > 0
 
 
+async def _taints(core: client.CoreV1Api) -> list[str]:
+    """The node's taint keys once the node lifecycle controller's write
+    after a cordon or uncordon has landed (the loop's next turns)."""
+    for _ in range(100):
+        await asyncio.sleep(0)
+    node = await core.read_node(GPU_NODE, _request_timeout=T)
+    return [t.key for t in node.spec.taints or []]
+
+
 async def test_cordon_and_uncordon_with_strategic_merge_patch(
     emulator: K8sEmulator, api: client.ApiClient
 ) -> None:
-    """kubectl's cordon body; the unschedulable taint follows; uncordon removes both."""
+    """kubectl's cordon body; the unschedulable taint follows in a write of
+    the node lifecycle controller's own (doNoScheduleTaintingPass,
+    SwapNodeControllerTaint), not in the cordon's; uncordon, the same."""
     core = client.CoreV1Api(api)
     before = await core.read_node(GPU_NODE, _request_timeout=T)
     cordoned = await core.patch_node(
         GPU_NODE, {"spec": {"unschedulable": True}}, _request_timeout=T
     )
     assert cordoned.spec.unschedulable is True
-    assert [t.key for t in cordoned.spec.taints] == ["node.kubernetes.io/unschedulable"]
+    assert unset(cordoned.spec.taints)
+    assert await _taints(core) == ["node.kubernetes.io/unschedulable"]
+    after = await core.read_node(GPU_NODE, _request_timeout=T)
+    assert int(after.metadata.resource_version) > int(
+        cordoned.metadata.resource_version
+    )
     assert int(cordoned.metadata.resource_version) > int(
         before.metadata.resource_version
     )
-    assert emulator.requests[-1].body == {"spec": {"unschedulable": True}}
+    assert emulator.requests_for(verb="patch")[-1].body == {
+        "spec": {"unschedulable": True}
+    }
     listed = await core.list_node(
         field_selector="spec.unschedulable=true", _request_timeout=T
     )
@@ -52,7 +72,10 @@ async def test_cordon_and_uncordon_with_strategic_merge_patch(
         GPU_NODE, {"spec": {"unschedulable": None}}, _request_timeout=T
     )
     assert unset(uncordoned.spec.unschedulable)
-    assert unset(uncordoned.spec.taints)
+    assert [t.key for t in uncordoned.spec.taints] == [
+        "node.kubernetes.io/unschedulable"
+    ]
+    assert await _taints(core) == []
     assert ready_status(uncordoned) == "True"
 
 
@@ -292,7 +315,7 @@ async def test_uncordon_with_false_is_omitted(api: client.ApiClient) -> None:
         GPU_NODE, {"spec": {"unschedulable": False}}, _request_timeout=T
     )
     assert unset(node.spec.unschedulable)
-    assert unset(node.spec.taints)
+    assert await _taints(core) == []
 
 
 async def test_node_down_marks_its_pods_not_ready(
@@ -316,3 +339,30 @@ async def test_node_down_marks_its_pods_not_ready(
             next(c.status for c in item.status.conditions if c.type == "Ready")
             == "True"
         )
+
+
+async def test_a_write_between_a_read_and_a_patch_conflicts(
+    emulator: K8sEmulator, api: client.ApiClient
+) -> None:
+    """The controller's taint write held until the next read: a client that
+    read the node before it patches with a stale resourceVersion and gets
+    409, as a real one may when the write lands between its read and its
+    patch."""
+    core = client.CoreV1Api(api)
+    emulator.hold_cordon_taint()
+    await core.patch_node(
+        GPU_NODE, {"spec": {"unschedulable": True}}, _request_timeout=T
+    )
+    read = await core.read_node(GPU_NODE, _request_timeout=T)
+    assert unset(read.spec.taints)  # the taint write came just after this read
+    with pytest.raises(ApiException) as err:
+        await core.patch_node(
+            GPU_NODE,
+            {
+                "metadata": {"resourceVersion": read.metadata.resource_version},
+                "spec": {"unschedulable": None},
+            },
+            _request_timeout=T,
+        )
+    assert err.value.status == 409
+    assert await _taints(core) == ["node.kubernetes.io/unschedulable"]
