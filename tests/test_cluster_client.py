@@ -11,10 +11,13 @@ from typing import Any
 
 from kubernetes_asyncio.client import (
     V1Container,
+    V1LabelSelector,
+    V1LabelSelectorRequirement,
     V1ObjectMeta,
     V1Pod,
     V1PodSpec,
     V1ResourceRequirements,
+    V1Toleration,
 )
 import pytest
 import yaml
@@ -34,6 +37,8 @@ from custom_components.gpu_handoff.cluster_client import (
     _pod_gpu_request,
     build_ssl_context,
     parse_kubeconfig,
+    selects,
+    tolerates_cordon,
 )
 from tests.conftest import kubeconfig_text
 from tests.k8semu import CONTROL_PLANE_NODE, GPU, GPU_NODE, K8sEmulator
@@ -288,6 +293,37 @@ async def test_cordon_never_claims_a_cordon_placed_meanwhile(
     assert node["spec"]["unschedulable"] is True
     assert CORDON_ANNOTATION not in (node["metadata"].get("annotations") or {})
     assert [r.status for r in cluster.requests_for(verb="patch")] == [409]
+
+
+async def test_cordon_and_uncordon_survive_the_controllers_taint_write(
+    client: ClusterClient, cluster: K8sEmulator
+) -> None:
+    """The node lifecycle controller writes the cordon's taint a moment after
+    the cordon (and takes it off after the uncordon): when that write lands
+    between our read and our patch, the patch gets 409 and is made again on
+    a fresh read; the node ends as wanted, with the controller's taint."""
+    # the taint added after our cordon lands between the uncordon's read and
+    # its patch
+    cluster.hold_cordon_taint()
+    assert await client.cordon(GPU_NODE, "handoff gaming-1") == CORDON_OWNER_US
+    assert await client.uncordon(GPU_NODE) is True
+    assert [r.status for r in cluster.requests_for(verb="patch")] == [200, 409, 200]
+    # the taint taken off after our uncordon lands between the next cordon's
+    # read and its patch
+    assert await client.cordon(GPU_NODE, "handoff gaming-1") == CORDON_OWNER_US
+    cluster.hold_cordon_taint()
+    assert await client.uncordon(GPU_NODE) is True
+    assert await client.cordon(GPU_NODE, "handoff gaming-1") == CORDON_OWNER_US
+    statuses = [r.status for r in cluster.requests_for(verb="patch")]
+    assert statuses == [200, 409, 200, 200, 200, 409, 200]
+    node = cluster.get("Node", GPU_NODE, "")
+    assert node["spec"]["unschedulable"] is True
+    assert node["metadata"]["annotations"][CORDON_ANNOTATION] == "handoff gaming-1"
+    await asyncio.sleep(0)
+    node = cluster.get("Node", GPU_NODE, "")
+    assert [t["key"] for t in node["spec"]["taints"]] == [
+        "node.kubernetes.io/unschedulable"
+    ]
 
 
 async def test_uncordon_after_the_operator_uncordoned_removes_only_the_mark(
@@ -686,3 +722,86 @@ async def test_a_legacy_ca_is_verified_as_kubectl_verifies_it(
         assert context.check_hostname
         assert not context.verify_flags & ssl.VERIFY_X509_STRICT
         assert context.verify_flags & ssl.VERIFY_X509_PARTIAL_CHAIN
+
+
+@pytest.mark.parametrize(
+    ("toleration", "expected"),
+    [
+        ({"operator": "Exists"}, True),
+        ({"key": "node.kubernetes.io/unschedulable", "operator": "Exists"}, True),
+        ({"key": "node.kubernetes.io/unschedulable"}, True),
+        ({"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}, True),
+        ({"key": "node.kubernetes.io/unschedulable", "effect": "NoExecute"}, False),
+        ({"key": "node.kubernetes.io/unschedulable", "value": "yes"}, False),
+        ({"key": "node.kubernetes.io/unreachable", "operator": "Exists"}, False),
+        ({"key": "node.kubernetes.io/unschedulable", "operator": "Gt"}, False),
+        (None, False),
+    ],
+)
+def test_tolerates_cordon_reads_tolerations_as_the_scheduler_does(
+    toleration: dict[str, str] | None, expected: bool
+) -> None:
+    """NodeUnschedulable's Filter with core/v1 ToleratesTaint's rules (the
+    emulator's twin, tests/k8semu/test_scheduling.py, cites them)."""
+    pod = V1Pod(
+        metadata=V1ObjectMeta(name="p", namespace="ai"),
+        spec=V1PodSpec(
+            containers=[V1Container(name="main")],
+            tolerations=[V1Toleration(**toleration)] if toleration else None,
+        ),
+    )
+    assert tolerates_cordon(pod) is expected
+    assert tolerates_cordon(V1Pod(metadata=V1ObjectMeta(name="p"))) is False
+
+
+def _expression(key: str, operator: str, *values: str) -> V1LabelSelectorRequirement:
+    return V1LabelSelectorRequirement(
+        key=key, operator=operator, values=list(values) or None
+    )
+
+
+@pytest.mark.parametrize(
+    ("selector", "expected"),
+    [
+        (None, False),
+        (V1LabelSelector(), False),  # empty: nothing, as the eviction API reads it
+        (V1LabelSelector(match_labels={"app": "trainer"}), True),
+        (V1LabelSelector(match_labels={"app": "web"}), False),
+        (V1LabelSelector(match_expressions=[_expression("tier", "In", "gpu")]), True),
+        (V1LabelSelector(match_expressions=[_expression("tier", "In", "web")]), False),
+        (V1LabelSelector(match_expressions=[_expression("zone", "In", "a")]), False),
+        (
+            V1LabelSelector(match_expressions=[_expression("tier", "NotIn", "web")]),
+            True,
+        ),
+        (
+            V1LabelSelector(match_expressions=[_expression("tier", "NotIn", "gpu")]),
+            False,
+        ),
+        (V1LabelSelector(match_expressions=[_expression("zone", "NotIn", "a")]), True),
+        (V1LabelSelector(match_expressions=[_expression("app", "Exists")]), True),
+        (V1LabelSelector(match_expressions=[_expression("zone", "Exists")]), False),
+        (
+            V1LabelSelector(match_expressions=[_expression("zone", "DoesNotExist")]),
+            True,
+        ),
+        (
+            V1LabelSelector(match_expressions=[_expression("app", "DoesNotExist")]),
+            False,
+        ),
+        (V1LabelSelector(match_expressions=[_expression("app", "Gt", "1")]), False),
+        (
+            V1LabelSelector(
+                match_labels={"app": "trainer"},
+                match_expressions=[_expression("tier", "In", "gpu", "cpu")],
+            ),
+            True,
+        ),
+    ],
+)
+def test_selects_is_a_label_selector_as_the_eviction_api_reads_it(
+    selector: V1LabelSelector | None, expected: bool
+) -> None:
+    """metav1.LabelSelectorAsSelector and Matches; a nil or empty selector
+    and an invalid operator select nothing (getPodDisruptionBudgets)."""
+    assert selects(selector, {"app": "trainer", "tier": "gpu"}) is expected

@@ -54,6 +54,7 @@ from custom_components.gpu_handoff.cluster_client import (
 from custom_components.gpu_handoff.const import (
     DOMAIN,
     EVENT_CARDS_RETURNED,
+    EVENT_HANDOFF_STEP,
     EVENT_RETURN_SUCCEEDED,
     EVENT_RETURN_UNHEALTHY,
     EVENT_STOP_SUCCEEDED,
@@ -259,14 +260,54 @@ def test_the_stuck_bound(seconds: float, unhealthy: bool) -> None:
     assert verdict.problem is unhealthy
 
 
-@pytest.mark.parametrize(("started", "unhealthy"), [(100, False), (700, True)])
+@pytest.mark.parametrize(
+    ("started", "host_network", "unhealthy"),
+    [(100, False, False), (700, False, True), (100, True, True)],
+)
 def test_a_container_started_meanwhile_means_the_node_starts_containers(
-    started: float, unhealthy: bool
+    started: float, host_network: bool, unhealthy: bool
 ) -> None:
-    """A container that started after the pod began to wait shows the node
-    can start containers: what holds that pod is its own."""
-    verdict = judge(reading(waiting("p", 600), running("other", started)), tower(), NOW)
+    """A container of a pod on the pod network that started after the pod
+    began to wait shows the node can start containers: what holds that pod
+    is its own. One on the host network shows nothing of the kind: its
+    sandbox needs no network plugin (containerd's RunPodSandbox sets up the
+    pod network only for the others; the kubelet's SyncPod starts
+    host-network pods while the runtime's network is not ready), so a
+    crash-looping node exporter starts again and again on a node whose pod
+    network never came."""
+    other = replace(running("other", started), host_network=host_network)
+    verdict = judge(reading(waiting("p", 600), other), tower(), NOW)
     assert verdict.problem is unhealthy
+
+
+def test_a_host_network_pod_can_be_stuck_too() -> None:
+    """A pod on the host network that waits for its sandbox past the bound
+    is stuck all the same (a container runtime that is down holds it too),
+    and named; only its starts prove nothing."""
+    exporter = replace(waiting("node-exporter", 600), host_network=True)
+    verdict = judge(reading(exporter), tower(), NOW)
+    assert [pod.label for pod in verdict.stuck_pods] == ["ai/node-exporter"]
+
+
+def test_the_failures_of_a_pod_are_one_line_however_the_recorder_split_them() -> None:
+    """The kubelet's recorder writes the first nine sandbox failures of a pod
+    as Events of their own (each names another sandbox) and counts the later
+    ones in one combined Event (client-go events_cache.go): the health keeps
+    one event per pod and reason, with every failure counted, the first and
+    last seen, and the latest message."""
+    pod = waiting("llm", 900)
+    single = [
+        replace(failure(pod, count=1, last=800 - 10 * i), message=f"sandbox {i}")
+        for i in range(9)
+    ]
+    combined = replace(
+        failure(pod, count=7, last=20), message="sandbox 15", combined=True
+    )
+    verdict = judge(reading(pod, events=(*single, combined)), tower(), NOW)
+    [event] = verdict.stuck_pods[0].events
+    assert (event.count, event.message, event.combined) == (16, "sandbox 15", True)
+    assert event.last == ago(20)
+    assert event.first == ago(800 + 240)
 
 
 def test_a_slow_image_pull_is_no_stuck_sandbox() -> None:
@@ -568,7 +609,7 @@ async def test_a_ghost_node_is_read_with_its_sandbox_failures(
     reasons stay out."""
     pods = [ghost_pod(cluster, f"ghost-{i}", age=100 * (i + 1)) for i in range(7)]
     cluster.record_event(
-        pods[6], reason="FailedCreatePodSandBox", message=SANDBOX_TIMEOUT
+        pods[6], reason="FailedCreatePodSandBox", message=SANDBOX_TIMEOUT, host=GPU_NODE
     )
     cluster.record_event(pods[6], reason="Scheduled", message="ok", event_type="Normal")
     cluster.record_event(pods[5], reason="FailedMount", message="no such volume")
@@ -758,11 +799,15 @@ async def test_a_device_plugin_that_does_not_come_back_after_a_return(
     stopped = async_capture_events(hass, EVENT_STOP_SUCCEEDED)
     unhealthy = async_capture_events(hass, EVENT_RETURN_UNHEALTHY)
     returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
+    steps = async_capture_events(hass, EVENT_HANDOFF_STEP)
     await _hand_off(hass, entry, sim, cluster)
     kubelet.plugin_delay = None  # the device plugin never registers again
     await switch(hass, "turn_off", SWITCH_1)
     await until(lambda: bool(unhealthy))
     await until(lambda: idle(entry))
+    # the wait for the GPUs shows as a step of its own, after Ready
+    shown = [e.data["step"] for e in steps]
+    assert shown[-3:] == ["waiting_for_node", "waiting_for_gpus", "uncordoning"]
     assert returned == []
     assert [e.data["vm"] for e in stopped] == ["gaming-1"]
     [event] = unhealthy

@@ -53,6 +53,14 @@ def _describers(hass: HomeAssistant) -> dict[str, Any]:
             "waiting for the GPU node's guest agent",
         ),
         (EVENT_HANDOFF_SUCCEEDED, {"kind": "handoff"}, "has its cards and runs"),
+        (
+            EVENT_HANDOFF_SUCCEEDED,
+            {"kind": "handoff", "pods_came_back": ["monitoring/agent-x2"]},
+            (
+                "has its cards and runs; 1 pod(s) came back to the cordoned GPU node "
+                "(they tolerate its cordon) and stopped with it: monitoring/agent-x2"
+            ),
+        ),
         (EVENT_STOP_SUCCEEDED, {"kind": "stop"}, "shut down"),
         (
             EVENT_RETURN_SUCCEEDED,

@@ -91,7 +91,14 @@ def test_every_step_a_switch_can_show_is_translated() -> None:
     shown = strings["entity"]["switch"]["gaming_vm"]["state_attributes"]["step"]
     steps = {
         f"{name}_{role}" for name in AGENT_STEPS.values() for role in ("gpu_node", "vm")
-    } | {STEP_IDLE, "preparing", "draining", "waiting_for_node", "uncordoning"}
+    } | {
+        STEP_IDLE,
+        "preparing",
+        "draining",
+        "waiting_for_node",
+        "waiting_for_gpus",
+        "uncordoning",
+    }
     assert steps == set(shown["state"])
 
 

@@ -29,6 +29,7 @@ from kubernetes_asyncio.client import (
     Configuration,
     CoordinationV1Api,
     CoreV1Api,
+    PolicyV1Api,
     V1DeleteOptions,
     V1Eviction,
     V1ObjectMeta,
@@ -41,12 +42,21 @@ import yaml
 _LOGGER = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT: Final = 15.0
+# The names the NVIDIA device plugin advertises a card's devices under
+# (NVIDIA/k8s-device-plugin README): one nvidia.com/gpu per card; with
+# time-slicing each card `replicas` times, renamed nvidia.com/gpu.shared by
+# renameByDefault; with the mixed MIG strategy one nvidia.com/mig-<profile>
+# per MIG device (a time-sliced one renamed nvidia.com/mig-<profile>.shared).
 GPU_RESOURCE: Final = "nvidia.com/gpu"
+GPU_RESOURCE_SHARED: Final = "nvidia.com/gpu.shared"
+MIG_RESOURCE_PREFIX: Final = "nvidia.com/mig-"
 LEASE_NAMESPACE: Final = "kube-node-lease"
 MIRROR_ANNOTATION: Final = "kubernetes.io/config.mirror"
 # The mark on a Node that says the cordon is GPU Handoff's own: only a cordon
 # carrying it is ever lifted by GPU Handoff (an operator's cordon is theirs).
 CORDON_ANNOTATION: Final = "gpu-handoff.io/cordoned-by"
+# The taint kube-controller-manager keeps on a cordoned node.
+UNSCHEDULABLE_TAINT: Final = "node.kubernetes.io/unschedulable"
 CORDON_OWNER_US: Final = "gpu_handoff"
 CORDON_OWNER_OTHER: Final = "other"
 FINISHED_PHASES: Final = frozenset({"Succeeded", "Failed"})
@@ -59,6 +69,12 @@ HTTP_SERVER_ERROR: Final = 500
 # StatusCause types (their JSON field is "reason") the drain tells apart.
 CAUSE_DISRUPTION_BUDGET: Final = "DisruptionBudget"
 CAUSE_NAMESPACE_TERMINATING: Final = "NamespaceTerminating"
+# The eviction API's 500 for a pod that several budgets select, word for word
+# (pkg/registry/core/pod/storage/eviction.go).
+MULTIPLE_BUDGETS_MESSAGE: Final = (
+    "This pod has more than one PodDisruptionBudget, "
+    "which the eviction subresource does not support."
+)
 PAGE_SIZE: Final = 250
 # kubectl drain's EvictErrorRetryDelay and its wait-for-delete poll.
 EVICTION_RETRY: Final = 5.0
@@ -95,6 +111,12 @@ SANDBOX_EVENT_REASONS: Final = frozenset(
 )
 # A refresh reads the events of at most this many not-yet-started pods.
 EVENT_PODS_MAX: Final = 5
+# What the kubelet's event recorder puts before the message of an event it
+# made of similar ones: from the tenth within ten minutes that differ only in
+# their message (a sandbox failure names its sandbox, a new one each time),
+# they go to one Event, counted there (client-go tools/record/events_cache.go,
+# EventAggregatorByReasonMessageFunc).
+COMBINED_PREFIX: Final = "(combined from similar events): "
 
 
 class ClusterError(Exception):
@@ -153,6 +175,33 @@ class DrainError(ClusterError):
         self.progress = progress
 
 
+class BudgetOverlapError(ClusterRequestError):
+    """500 from the eviction API: more than one PodDisruptionBudget selects
+    the pod (pkg/registry/core/pod/storage/eviction.go refuses it, whatever
+    the budgets allow). Not transient: kubectl drain fails at once on it."""
+
+
+class MultipleBudgetsError(DrainError):
+    """A pod on the node cannot be evicted by anyone while more than one
+    PodDisruptionBudget selects it: the drain fails at once, naming them."""
+
+    def __init__(
+        self, pod: str, budgets: tuple[str, ...], progress: DrainProgress
+    ) -> None:
+        named = (
+            f": {', '.join(budgets)}"
+            if budgets
+            else " (GPU Handoff may not list PodDisruptionBudgets to name them)"
+        )
+        super().__init__(
+            f"{pod} cannot be evicted: the eviction API refuses a pod that more "
+            f"than one PodDisruptionBudget selects{named}; leave one budget per pod",
+            progress,
+        )
+        self.pod = pod
+        self.budgets = budgets
+
+
 class UnmanagedPodsError(DrainError):
     """Pods that nothing would recreate are on the node (no controller, or an
     orphaned DaemonSet pod): kubectl drain refuses them without --force, and so
@@ -183,6 +232,9 @@ class DrainProgress:
     pods_left: int
     evictions_refused: int
     evicted: int
+    # Pods that arrived on the cordoned node after the drain first listed it
+    # and tolerate its cordon ("namespace/name"): not chased (see drain).
+    came_back: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -363,8 +415,11 @@ class NodeView:
     # Whose cordon it is: CORDON_OWNER_US, CORDON_OWNER_OTHER, or None.
     cordon_owner: str | None
     lease_age: float | None
+    # NVIDIA GPU devices under every name they go by (is_gpu_resource):
+    # capacity counts the unhealthy ones too, allocatable only the healthy.
     gpu_capacity: int
     gpu_allocatable: int
+    # What the pods on the node request of them.
     gpu_requested: int
     pods: int
     evictable_pods: int
@@ -392,6 +447,32 @@ def new_boot(view: NodeView, not_boot: str | None) -> bool:
     return not_boot is None or view.boot_id != not_boot
 
 
+def is_gpu_resource(name: str) -> bool:
+    """Whether ``name`` is a resource the NVIDIA device plugin advertises a
+    card's devices under (``nvidia.com/gpu``, ``nvidia.com/gpu.shared``,
+    ``nvidia.com/mig-*``)."""
+    return name in (GPU_RESOURCE, GPU_RESOURCE_SHARED) or name.startswith(
+        MIG_RESOURCE_PREFIX
+    )
+
+
+def gpus_short(view: NodeView, cards: int) -> bool:
+    """Whether the node advertises less than ``cards`` cards: fewer healthy
+    devices than cards, or any device its plugin reports unhealthy.
+
+    Every form the device plugin has gives each card at least one device (a
+    card shared by time-slicing ``replicas`` >= 2 devices, a MIG card one per
+    MIG device), and it registers a resource's devices in one go: so the
+    cards are back once there are as many devices as cards and none is
+    unhealthy. How many devices a card makes is the operator's configuration
+    and is not guessed; a card missing altogether while the others' devices
+    outnumber the cards held is not seen.
+    """
+    return cards > 0 and (
+        view.gpu_allocatable < cards or view.gpu_allocatable < view.gpu_capacity
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class PodStart:
     """How far one pod on the node got towards running its containers, as its
@@ -413,6 +494,10 @@ class PodStart:
     start_time: dt.datetime | None
     # The latest startedAt of any of its containers, running or finished.
     last_container_start: dt.datetime | None
+    # spec.hostNetwork: its sandbox needs no network plugin (containerd sets
+    # up the pod network only for the others; the kubelet starts host-network
+    # pods while the runtime's network is not ready).
+    host_network: bool = False
 
     @property
     def label(self) -> str:
@@ -423,7 +508,9 @@ class PodStart:
 @dataclass(frozen=True, kw_only=True)
 class PodEvent:
     """A Warning event about a pod's sandbox (core/v1 Event, aggregated by
-    the recorder: a repeat raises ``count`` and moves ``last``)."""
+    the recorder: a repeat raises ``count`` and moves ``last``; similar ones
+    are ``combined``, and the message is then the latest's, without the
+    recorder's prefix)."""
 
     namespace: str
     pod: str
@@ -433,6 +520,7 @@ class PodEvent:
     count: int
     first: dt.datetime | None
     last: dt.datetime | None
+    combined: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -453,7 +541,18 @@ def _quantity(value: Any) -> int:
         return 0
 
 
+def _gpu_devices(resources: dict[str, Any] | None) -> int:
+    """The NVIDIA GPU devices in a node's capacity or allocatable."""
+    return sum(
+        _quantity(count)
+        for name, count in (resources or {}).items()
+        if is_gpu_resource(name)
+    )
+
+
 def _pod_gpu_request(pod: Any) -> int:
+    """The NVIDIA GPU devices the pod's containers request, under any name
+    (an extended resource's request defaults to its limit)."""
     total = 0
     for container in pod.spec.containers or []:
         resources = container.resources
@@ -461,7 +560,9 @@ def _pod_gpu_request(pod: Any) -> int:
             continue
         requests = resources.requests or {}
         limits = resources.limits or {}
-        total += _quantity(requests.get(GPU_RESOURCE, limits.get(GPU_RESOURCE, 0)))
+        for name in sorted({*requests, *limits}):
+            if is_gpu_resource(name):
+                total += _quantity(requests.get(name, limits.get(name, 0)))
     return total
 
 
@@ -486,6 +587,54 @@ def is_evictable(pod: Any) -> bool:
     if MIRROR_ANNOTATION in (pod.metadata.annotations or {}):
         return False
     return not _finished(pod)
+
+
+def tolerates_cordon(pod: Any) -> bool:
+    """Whether kube-scheduler may bind the pod to a cordoned node: one of its
+    tolerations tolerates ``node.kubernetes.io/unschedulable:NoSchedule``
+    (the NodeUnschedulable plugin's Filter, with core/v1's ToleratesTaint:
+    an empty effect or key matches all, Exists any value, Equal or no
+    operator the taint's empty value)."""
+    for toleration in (pod.spec.tolerations if pod.spec is not None else None) or []:
+        if toleration.effect and toleration.effect != "NoSchedule":
+            continue
+        if toleration.key and toleration.key != UNSCHEDULABLE_TAINT:
+            continue
+        operator = toleration.operator or "Equal"
+        if operator == "Exists" or (operator == "Equal" and not toleration.value):
+            return True
+    return False
+
+
+def selects(selector: Any, labels: dict[str, str]) -> bool:
+    """metav1.LabelSelectorAsSelector(selector).Matches(labels), where a nil
+    or empty selector matches nothing (as the eviction API reads a budget's)
+    and an invalid one (an unknown operator) matches nothing either."""
+    if selector is None:
+        return False
+    match_labels = selector.match_labels or {}
+    expressions = selector.match_expressions or []
+    if not match_labels and not expressions:
+        return False
+    if any(labels.get(key) != value for key, value in match_labels.items()):
+        return False
+    for expression in expressions:
+        values = expression.values or []
+        present = expression.key in labels
+        match expression.operator:
+            case "In":
+                ok = present and labels[expression.key] in values
+            case "NotIn":
+                ok = not present or labels[expression.key] not in values
+            case "Exists":
+                ok = present
+            case "DoesNotExist":
+                ok = not present
+            case _:
+                return False
+        if not ok:
+            return False
+    return True
 
 
 def is_unmanaged(pod: Any) -> bool:
@@ -584,6 +733,7 @@ def pod_start(pod: Any) -> PodStart:
         creating=status is not None and _creating(status),
         start_time=_aware(status.start_time) if status is not None else None,
         last_container_start=max(starts, default=None),
+        host_network=bool(pod.spec is not None and pod.spec.host_network),
     )
 
 
@@ -599,8 +749,9 @@ def not_started(pod: PodStart) -> bool:
 
 def pod_event(event: Any) -> PodEvent:
     """A pod's event as core/v1 serves it: from the legacy recorder
-    (firstTimestamp, lastTimestamp, count) or from events.k8s.io/v1
-    (eventTime, series.count, series.lastObservedTime)."""
+    (firstTimestamp, lastTimestamp, count; a combined event's message
+    without the recorder's prefix) or from events.k8s.io/v1 (eventTime,
+    series.count, series.lastObservedTime)."""
     series = event.series
     involved = event.involved_object
     first = _aware(event.first_timestamp) or _aware(event.event_time)
@@ -610,15 +761,17 @@ def pod_event(event: Any) -> PodEvent:
         or first
     )
     count = (series.count if series is not None else None) or event.count or 1
+    message = event.message or ""
     return PodEvent(
         namespace=involved.namespace or event.metadata.namespace,
         pod=involved.name or "",
         uid=involved.uid or "",
         reason=event.reason or "",
-        message=event.message or "",
+        message=message.removeprefix(COMBINED_PREFIX),
         count=int(count),
         first=first,
         last=last,
+        combined=message.startswith(COMBINED_PREFIX),
     )
 
 
@@ -692,6 +845,8 @@ def _api_error(err: ApiException) -> ClusterError:
         if CAUSE_DISRUPTION_BUDGET in causes:
             return EvictionRefusedError(message, _retry_after(err, status))
         return ClusterConnectionError(f"{code} {message}", _retry_after(err, status))
+    if code == HTTP_SERVER_ERROR and message == MULTIPLE_BUDGETS_MESSAGE:
+        return BudgetOverlapError(f"{code} {message}")
     if code >= HTTP_SERVER_ERROR or code == 0:
         return ClusterConnectionError(f"{code} {message}", _retry_after(err, status))
     return ClusterRequestError(f"{code} {message}")
@@ -721,6 +876,9 @@ class _DrainState:
     waiting: dict[_PodRef, str] = field(default_factory=dict)
     evicted: int = 0
     report: Callable[[DrainProgress], None] | None = None
+    # uids of the pods the first listing found; None before it
+    listed: set[str] | None = None
+    came_back: list[str] = field(default_factory=list)
 
     def progress(self) -> DrainProgress:
         return DrainProgress(
@@ -729,7 +887,30 @@ class _DrainState:
                 1 for why in self.waiting.values() if why == _REFUSED
             ),
             evicted=self.evicted,
+            came_back=tuple(self.came_back),
         )
+
+    def chased(self, pods: list[Any]) -> list[Any]:
+        """The pods of a listing the drain goes after. The first listing's
+        all; in a later one, a pod that arrived since and tolerates the
+        cordon is left be, as ``kubectl drain`` (which lists once) leaves
+        it: kube-scheduler binds such a pod to the cordoned node again as
+        soon as its controller recreates it, so chasing it never ends. It
+        stops with the node. Other newcomers (a pod replaced under the same
+        name, bound before the cordon) are chased."""
+        if self.listed is None:
+            self.listed = {pod.metadata.uid for pod in pods}
+            return pods
+        chased = []
+        for pod in pods:
+            if pod.metadata.uid in self.listed or not tolerates_cordon(pod):
+                chased.append(pod)
+                continue
+            label = _ref(pod).label
+            if is_evictable(pod) and label not in self.came_back:
+                self.came_back.append(label)
+                self.announce()
+        return chased
 
     def set(self, pod: _PodRef, why: str) -> None:
         if self.waiting.get(pod) != why:
@@ -762,6 +943,7 @@ class ClusterClient:
         self._core = CoreV1Api(api)
         self._apps = AppsV1Api(api)
         self._coordination = CoordinationV1Api(api)
+        self._policy = PolicyV1Api(api)
 
     @classmethod
     async def create(cls, kubeconfig_text: str) -> ClusterClient:
@@ -893,10 +1075,10 @@ class ClusterClient:
         )
 
     async def wait_gpus(
-        self, name: str, count: int, timeout: float, *, not_boot: str | None = None
+        self, name: str, cards: int, timeout: float, *, not_boot: str | None = None
     ) -> NodeView:
-        """Until the Ready node advertises at least ``count`` allocatable
-        ``nvidia.com/gpu`` (its device plugin registered the cards: after a
+        """Until the Ready node advertises ``cards`` cards (``gpus_short``:
+        its device plugin registered them, under whatever names; after a
         kubelet restart they stay at zero until it does, see the kubelet's
         devicemanager GetCapacity); TimeoutError after ``timeout`` seconds.
         Event-driven as ``wait_ready``."""
@@ -906,9 +1088,9 @@ class ClusterClient:
             lambda view: (
                 bool(view.ready)
                 and new_boot(view, not_boot)
-                and view.gpu_allocatable >= count
+                and not gpus_short(view, cards)
             ),
-            f"{name} did not advertise {count} GPU(s) in {timeout:.0f} s",
+            f"{name} did not advertise {cards} GPU(s) in {timeout:.0f} s",
         )
 
     async def _wait_node(
@@ -1000,12 +1182,8 @@ class ClusterClient:
             unschedulable=bool(node.spec.unschedulable) if node.spec else False,
             cordon_owner=cordon_owner(node),
             lease_age=lease_age,
-            gpu_capacity=_quantity((status.capacity or {}).get(GPU_RESOURCE, 0))
-            if status
-            else 0,
-            gpu_allocatable=_quantity((status.allocatable or {}).get(GPU_RESOURCE, 0))
-            if status
-            else 0,
+            gpu_capacity=_gpu_devices(status.capacity) if status else 0,
+            gpu_allocatable=_gpu_devices(status.allocatable) if status else 0,
             gpu_requested=sum(_pod_gpu_request(pod) for pod in running),
             pods=len(running),
             evictable_pods=sum(1 for pod in running if is_evictable(pod)),
@@ -1159,14 +1337,16 @@ class ClusterClient:
         retried every ``retry_interval`` s, transient errors with backoff, and
         evicted pods are waited for until gone; all within ``timeout``. The
         node is listed again once its pods are gone, so a pod replaced under
-        the same name meanwhile is evicted too. On failure the node stays
-        cordoned: the caller decides what to undo.
+        the same name meanwhile is evicted too; a pod that came back to the
+        cordoned node tolerating its cordon is not (``came_back`` names it).
+        On failure the node stays cordoned: the caller decides what to
+        undo.
         """
         deadline = self._deadline(timeout)
         pace = _Pace(deadline, skip_after, retry_interval, poll_interval)
         state = _DrainState(report=progress)
         while True:
-            pods = await self._pods_on(name, deadline)
+            pods = state.chased(await self._pods_on(name, deadline))
             evict, refused = await self._to_evict(
                 pods, force=force, skip_after=skip_after, deadline=deadline
             )
@@ -1227,6 +1407,10 @@ class ClusterClient:
                 # another has its name; the drain lists the node again.
                 state.gone(pod)
                 return
+            except BudgetOverlapError:
+                raise MultipleBudgetsError(
+                    pod.label, await self._budgets_of(pod), state.progress()
+                ) from None
             except EvictionRefusedError as err:
                 state.set(pod, _REFUSED)
                 wait = max(pace.retry_interval, err.retry_after or 0.0)
@@ -1259,6 +1443,30 @@ class ClusterClient:
             pod = fresh
         state.set(pod, "terminating")
         await self._wait_gone(pod, state, pace)
+
+    async def _budgets_of(self, pod: _PodRef) -> tuple[str, ...]:
+        """The PodDisruptionBudgets selecting the pod ("namespace/name"), as
+        the eviction API finds them (getPodDisruptionBudgets: its namespace's
+        budgets whose selector is valid, not empty, and matches its labels);
+        none if they cannot be read (a ClusterRole without the list)."""
+        try:
+            current = await self._call(
+                self._core.read_namespaced_pod, pod.name, pod.namespace
+            )
+            budgets = await self._call(
+                self._policy.list_namespaced_pod_disruption_budget, pod.namespace
+            )
+        except ClusterError as err:
+            _LOGGER.warning("Could not read the budgets of %s: %s", pod.label, err)
+            return ()
+        labels = current.metadata.labels or {}
+        return tuple(
+            sorted(
+                f"{pod.namespace}/{budget.metadata.name}"
+                for budget in budgets.items
+                if budget.spec is not None and selects(budget.spec.selector, labels)
+            )
+        )
 
     async def _wait_gone(self, pod: _PodRef, state: _DrainState, pace: _Pace) -> None:
         """kubectl's waitForDelete: gone when 404 or the UID changed; a pod

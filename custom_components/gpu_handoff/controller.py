@@ -578,6 +578,7 @@ class HandoffController:
         self.coordinator.async_update_listeners()
         returned = follow_up = False
         self.runner.stopped_gpu_node = False
+        self.runner.pods_came_back = ()
         try:
             if settle is not None:
                 # It failed before a restart; what it left is settled now.
@@ -627,7 +628,14 @@ class HandoffController:
         # node that came back without advertising them is reported apart.
         unhealthy = self.runner.returned_unhealthy if returned else None
         if unhealthy is None or kind != "return":
-            self._fire(SUCCEEDED_EVENTS[kind], vm, kind=kind)
+            # Pods that came back to the cordoned node are told, by name.
+            came_back: list[str] = list(self.runner.pods_came_back)
+            self._fire(
+                SUCCEEDED_EVENTS[kind],
+                vm,
+                kind=kind,
+                **({"pods_came_back": came_back} if came_back else {}),
+            )
         if unhealthy is not None:
             self.last_error[vm] = unhealthy.message
             self._fire(

@@ -11,13 +11,21 @@ tells. The GPU node is judged on what it does instead:
   STUCK_BOUND for their sandbox (PodReadyToStartContainers False; on a kubelet
   that does not report it, a container still being created *and* a sandbox
   failure event, since pulling a large image looks the same otherwise), and
-  no container on the node started within that bound (a node that starts
-  containers is no ghost: what holds those pods is theirs). A pod pulling an
-  image slowly has its sandbox: it never counts.
-- ``gpus_missing``: the node has advertised fewer allocatable
-  ``nvidia.com/gpu`` than the cards the GPU node holds (per the tower) for
-  longer than GPUS_BOUND since it became Ready: the device plugin did not
-  register them, or a card is unhealthy (capacity minus allocatable).
+  no container of a pod on the pod network started on the node within that
+  bound (a node that starts those is no ghost: what holds the waiting pods
+  is theirs). A pod on the host network proves nothing: its sandbox needs no
+  network plugin, so on a node whose pod network never came (flannel never
+  wrote its subnet file) the device plugin and a crash-looping node exporter
+  on the host network still start. A pod pulling an image slowly has its
+  sandbox: it never counts. The burst of sandbox failures after a reboot,
+  before the network plugin is ready, lasts seconds: far less than the bound.
+- ``gpus_missing``: for longer than GPUS_BOUND since it became Ready, the
+  node has advertised fewer allocatable NVIDIA GPU devices (under any of
+  their names: ``nvidia.com/gpu``, ``nvidia.com/gpu.shared``,
+  ``nvidia.com/mig-*``) than the cards the GPU node holds (per the tower),
+  as when the device plugin did not register them, or a device its plugin
+  reports unhealthy (capacity above allocatable); see
+  ``cluster_client.gpus_short``.
 
 Nothing is judged while the GPU node is not running or not Ready, while a
 tower job acts on it, or while it carries GPU Handoff's own cordon (a handoff
@@ -26,8 +34,10 @@ drains it; a return lifts the cordon last): an operation has it then.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 import datetime as dt
+import re
 from typing import Final
 
 from .cluster_client import (
@@ -36,6 +46,7 @@ from .cluster_client import (
     NodeView,
     PodEvent,
     PodStart,
+    gpus_short,
     not_started,
 )
 from .protocol import RUNNING, TowerStatus
@@ -53,10 +64,15 @@ NO_PROBLEM: Final = "none"
 # containers cannot start its device plugin either).
 REASONS: Final = (CONTAINERS_NOT_STARTING, GPUS_MISSING)
 
-# What a repair issue shows at most.
+# What a repair issue shows at most (a message long enough for a sandbox
+# failure with flannel's cause whole, its sandbox id shortened).
 PODS_SHOWN: Final = 10
 EVENTS_SHOWN: Final = 5
-MESSAGE_CHARS: Final = 240
+MESSAGE_CHARS: Final = 320
+# A container or sandbox id in a message (64 hex digits), shown as crictl
+# shows it: its first 13 (cri-tools cmd/crictl/util.go truncatedIDLen; crictl
+# takes it as a prefix).
+LONG_ID: Final = re.compile(r"\b([0-9a-f]{13})[0-9a-f]{51}\b")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +144,7 @@ def judge(
     if gpu is None or gpu.state != RUNNING or view.ready is not True:
         return NodeHealth()
     expected = tower.gpus_held_by(tower.gpu_node)
-    short = expected > 0 and view.gpu_allocatable < expected
+    short = gpus_short(view, expected)
     short_since: dt.datetime | None = None
     if short:
         carried = previous.gpus_short_since if previous is not None else None
@@ -177,7 +193,7 @@ def _stuck_pods(reading: NodeReading, now: dt.datetime) -> tuple[StuckPod, ...]:
             since = max(since, reading.ready_since)
         if _seconds(now - since) < STUCK_BOUND:
             continue
-        events = tuple(event for event in reading.events if event.uid == pod.uid)
+        events = _merged(event for event in reading.events if event.uid == pod.uid)
         if pod.sandbox_ready is None and not events:
             continue  # without the condition, this may be an image being pulled
         stuck.append(
@@ -185,13 +201,53 @@ def _stuck_pods(reading: NodeReading, now: dt.datetime) -> tuple[StuckPod, ...]:
         )
     if not stuck:
         return ()
+    # Only a pod on the pod network shows that the node can start what the
+    # stuck pods wait for: a host-network pod's sandbox skips the network
+    # plugin. One that waits still counts as stuck above (a runtime that
+    # is down stops it too), but its starts prove nothing.
     window = now - dt.timedelta(seconds=STUCK_BOUND)
     if any(
-        pod.last_container_start is not None and pod.last_container_start > window
+        not pod.host_network
+        and pod.last_container_start is not None
+        and pod.last_container_start > window
         for pod in reading.pods
     ):
         return ()
     return tuple(sorted(stuck, key=lambda pod: (pod.since, pod.label)))
+
+
+def _merged(events: Iterable[PodEvent]) -> tuple[PodEvent, ...]:
+    """One event per reason: the kubelet's recorder writes a pod's first
+    nine sandbox failures as Events of their own (each names another
+    sandbox) and counts the later ones in one combined Event, so together
+    they are every failure: their counts added, the first and last seen,
+    the latest message. Timestamps have whole seconds: within one, the
+    combined Event is the latest, then the last listed (the API lists a
+    namespace's Events by name, ``<pod>.<hex of the time>``)."""
+    by_reason: dict[str, list[PodEvent]] = {}
+    for event in events:
+        by_reason.setdefault(event.reason, []).append(event)
+    merged: list[PodEvent] = []
+    for same in by_reason.values():
+        latest = max(
+            reversed(same), key=lambda event: (_last_seen(event), event.combined)
+        )
+        firsts = [event.first for event in same if event.first is not None]
+        lasts = [event.last for event in same if event.last is not None]
+        merged.append(
+            replace(
+                latest,
+                count=sum(event.count for event in same),
+                first=min(firsts, default=None),
+                last=max(lasts, default=None),
+                combined=any(event.combined for event in same),
+            )
+        )
+    return tuple(merged)
+
+
+def _last_seen(event: PodEvent) -> dt.datetime:
+    return event.last or event.first or dt.datetime.min.replace(tzinfo=dt.UTC)
 
 
 # --- words for a repair issue ---------------------------------------------------
@@ -203,8 +259,8 @@ def _when(moment: dt.datetime, zone: dt.tzinfo) -> str:
 
 def _plain(text: str) -> str:
     """A cluster's text made safe inside a repair's Markdown: one line, no
-    code fences, bounded."""
-    line = " ".join(text.replace("`", "'").split())
+    code fences, long ids shortened, bounded."""
+    line = LONG_ID.sub(r"\1", " ".join(text.replace("`", "'").split()))
     return line if len(line) <= MESSAGE_CHARS else f"{line[: MESSAGE_CHARS - 1]}…"
 
 
@@ -218,14 +274,13 @@ def describe_pods(health: NodeHealth, zone: dt.tzinfo) -> str:
 
 
 def describe_events(health: NodeHealth, zone: dt.tzinfo) -> str:
-    """The latest sandbox failures recorded for the stuck pods: reason, how
-    often (in parentheses), when last, and the kubelet's message; '-' when
-    there are none."""
+    """The latest sandbox failures recorded for the stuck pods, one line per
+    pod and reason: how often in all (in parentheses, the recorder's
+    combined events included), when last, and the kubelet's latest message;
+    '-' when there are none."""
     events = sorted(
         (event for pod in health.stuck_pods for event in pod.events),
-        key=lambda event: (
-            event.last or event.first or dt.datetime.min.replace(tzinfo=dt.UTC)
-        ),
+        key=_last_seen,
         reverse=True,
     )
     if not events:

@@ -34,6 +34,7 @@ STEPS: Final = {
     "waiting_for_cards_vm": "waiting for the VM's cards",
     "starting_vm": "starting the VM",
     "waiting_for_node": "waiting for the GPU node to join the cluster",
+    "waiting_for_gpus": "waiting for the GPU node's GPUs",
     "uncordoning": "giving the GPU node back to the cluster",
 }
 
@@ -49,6 +50,13 @@ def describe(event: Event) -> str:
             step = str(data.get("step", ""))
             return STEPS.get(step, step.replace("_", " "))
         case "gpu_handoff_handoff_succeeded":
+            came_back = data.get("pods_came_back") or []
+            if came_back:
+                return (
+                    f"has its cards and runs; {len(came_back)} pod(s) came back to "
+                    "the cordoned GPU node (they tolerate its cordon) and "
+                    f"stopped with it: {', '.join(map(str, came_back))}"
+                )
             return "has its cards and runs"
         case "gpu_handoff_stop_succeeded":
             return "shut down"

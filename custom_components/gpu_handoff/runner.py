@@ -25,6 +25,7 @@ from .cluster_client import (
     ClusterError,
     DrainProgress,
     NodeView,
+    gpus_short,
 )
 from .const import PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
 from .health import UnhealthyReturn
@@ -291,6 +292,9 @@ class OperationRunner:
     # stop skipped because someone else had shut it down does not count);
     # its host clears it before each operation.
     stopped_gpu_node: bool = False
+    # The pods the last drain left on the cordoned node because they came
+    # back tolerating its cordon ("namespace/name"); cleared with the above.
+    pods_came_back: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -395,13 +399,21 @@ class OperationRunner:
         owner = await self.cluster.cordon(self.k8s_node, reason)
         self._host.show_cordon(owner)
         check_operator_cordon(owner, settings, self.k8s_node)
-        await self.cluster.drain(
+        progress = await self.cluster.drain(
             self.k8s_node,
             settings.drain_timeout,
             self._host.drain_progress,
             force=settings.evict_unmanaged,
             skip_after=settings.skip_wait,
         )
+        if progress.came_back:
+            self.pods_came_back = progress.came_back
+            _LOGGER.info(
+                "%s: not evicted again, they came back to the cordoned node "
+                "tolerating its cordon and stop with it: %s",
+                self.k8s_node,
+                ", ".join(progress.came_back),
+            )
 
     async def stop(self, vm: str, settings: Settings) -> bool:
         """Stop ``vm``; True when the cards went back to the cluster too."""
@@ -519,9 +531,10 @@ class OperationRunner:
         the GPUs the GPU node holds, then lift our own cordon (a drain's
         cordon survives the node's reboot); an operator's cordon stays.
 
-        Ready is not enough: after a restart the kubelet advertises no
-        ``nvidia.com/gpu`` until the device plugin registers the cards. That
-        wait is bounded (health.GPUS_BOUND); a node still short then is given
+        Ready is not enough: after a restart the kubelet advertises no GPU
+        device (``nvidia.com/gpu``, ``nvidia.com/gpu.shared``,
+        ``nvidia.com/mig-*``) until the device plugin registers the cards
+        (``cluster_client.gpus_short``). That wait is bounded (health.GPUS_BOUND); a node still short then is given
         back all the same (it runs other pods), and ``returned_unhealthy``
         says the cluster did not get its cards back.
 
@@ -551,7 +564,8 @@ class OperationRunner:
                 "Not waiting for the GPUs: the tower did not answer: %s", err
             )
             expected = 0
-        if view.gpu_allocatable < expected:
+        if gpus_short(view, expected):
+            self._host.step("waiting_for_gpus")
             try:
                 view = await self.cluster.wait_gpus(
                     self.k8s_node, expected, health.GPUS_BOUND, not_boot=old_boot
@@ -559,7 +573,7 @@ class OperationRunner:
             except TimeoutError:
                 with contextlib.suppress(ClusterError):
                     view = await self.cluster.node_view(self.k8s_node)
-                if view.gpu_allocatable < expected:
+                if gpus_short(view, expected):
                     self.returned_unhealthy = UnhealthyReturn(
                         reason=health.GPUS_MISSING,
                         expected=expected,

@@ -129,6 +129,9 @@ def gpu_node_attributes(
         "cordoned_by": node.cordon_owner if node is not None else None,
         "pods_left": pods_left(snapshot, drain),
         "evictions_refused": drain.evictions_refused if drain is not None else None,
+        # Pods that came back to the cordoned node tolerating its cordon:
+        # the drain leaves them (they stop with the GPU node).
+        "pods_came_back": list(drain.came_back) if drain is not None else None,
         "node_ready": node.ready if node is not None else None,
         "lease_age": round(node.lease_age, 1)
         if node is not None and node.lease_age is not None
