@@ -72,7 +72,9 @@ def test_stop_already_off_is_success(fake_tower: FakeTower) -> None:
 
 
 def test_agent_timeout_sends_no_stop(fake_tower: FakeTower) -> None:
-    fake_tower.configure(timeouts={"agent": 0.2})
+    # A short shutdown timeout too: a stop sent anyway (the mutant
+    # stop_before_guest_agent) fails here in a second, not in minutes.
+    fake_tower.configure(timeouts={"agent": 0.2, "shutdown": 1.0})
     fake_tower.set_domain("gpu-node", agent_after=10**6)
     job = run_job(fake_tower, queue(fake_tower, "stop", "gpu-node"))
     assert job["state"] == "failed"
