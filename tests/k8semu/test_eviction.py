@@ -95,7 +95,10 @@ async def test_pdb_refuses_with_429(
 
 
 async def test_two_pdbs_is_500(emulator: K8sEmulator, api: client.ApiClient) -> None:
-    """More than one PDB matching the pod: 500 with upstream's message."""
+    """More than one PDB matching the pod: 500 with upstream's message, a
+    Status with no reason (pkg/registry/core/pod/storage/eviction.go: "if
+    len(pdbs) > 1" returns a metav1.Status, Code 500, whatever the budgets
+    allow); kubectl drain retries only 429, so it fails at once."""
     emulator.add_pdb(
         "trainer-too", "ai", match_labels={"app": "trainer"}, max_unavailable=1
     )
