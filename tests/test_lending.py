@@ -284,8 +284,10 @@ def test_an_agent_killed_mid_lend_leaves_the_definition(
     )
     try:
         if moment == "waiting_for_guest_agent":
+            # its first ping went unanswered (this agent gives up after 3 s:
+            # on a loaded machine a second ping may never come)
             sim.wait_until(
-                lambda: len(sim.calls("qemu-agent-command", "gpu-node")) >= 2,
+                lambda: len(sim.calls("qemu-agent-command", "gpu-node")) >= 1,
                 timeout=BOUND,
                 what="that moment",
             )
