@@ -156,7 +156,9 @@ async def test_a_restart_while_a_failed_handoff_settles_finishes_it(
     for that stop; afterwards it still starts the GPU node again, once, and
     reports the failure once."""
     cluster.add_pod("debug", node=GPU_NODE)  # no controller: kubectl refuses
-    sim.set_shutdown_duration("gpu-node", 400.0)  # 4 s at the tests' time scale
+    # a minute at the tests' time scale: the test moves the clock on once it
+    # has looked (a slow machine cannot miss the moment)
+    sim.set_shutdown_duration("gpu-node", 6000.0)
     failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
     returned = async_capture_events(hass, EVENT_RETURN_SUCCEEDED)
     await setup_entry(hass, entry)
@@ -183,6 +185,7 @@ async def test_a_restart_while_a_failed_handoff_settles_finishes_it(
     assert await hass.config_entries.async_unload(entry.entry_id)
     await hass.async_block_till_done()
     await setup_entry(hass, entry)
+    sim.advance(60.0)  # the hook's stop ends
     await until(lambda: bool(returned))
     await until(lambda: idle(entry))
 
