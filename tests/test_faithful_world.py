@@ -45,6 +45,7 @@ from custom_components.gpu_handoff.const import (
     EVENT_CARDS_RETURNED,
     EVENT_HANDOFF_FAILED,
     EVENT_HANDOFF_STARTED,
+    EVENT_HANDOFF_STEP,
 )
 from custom_components.gpu_handoff.protocol import JobKind
 from tests.k8semu import GPU_NODE, K8sEmulator
@@ -60,6 +61,7 @@ from tests.support.stories import (
     play,
     remove_gaming_vm,
     setup_entry,
+    start_by_hand,
     switch,
     until,
 )
@@ -528,3 +530,40 @@ async def test_a_start_by_hand_over_before_home_assistant_looked_is_not_repeated
     assert len(sim.calls("start", "gaming-1")) == 1
     assert not sim.is_running("gaming-1")
     assert hass.states.get(SWITCH_1).state == "off"
+
+
+async def test_a_start_by_hand_while_the_return_waits_for_the_gpus_takes_them(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    kubelet: Kubelet,
+    no_pdb: None,
+) -> None:
+    """Gaming station 1 quits; the GPU node is back and Ready, and the return
+    waits for its device plugin. Someone starts Gaming station 1 again on the
+    tower: libvirt's hook has the GPU node stopped for it, and the device
+    plugin registers just then. The node's Ready and GPUs are only what its
+    kubelet posted: the cards are not back (no cards_returned, our cordon
+    stays), they go to the player who started by hand (found by the soak's
+    start by hand at the GPU wait, seed 8 with lending)."""
+    await setup_entry(hass, entry)
+    await play(hass, entry, sim, 1)
+    kubelet.plugin_delay = None  # until the test registers the GPUs
+    returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
+    failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
+    steps = async_capture_events(hass, EVENT_HANDOFF_STEP)
+
+    await switch(hass, "turn_off", SWITCH_1)
+    await until(lambda: any(e.data["step"] == "waiting_for_gpus" for e in steps), BOUND)
+    refused = start_by_hand(sim, "gaming-1")
+    assert "is in use" in refused.stderr, refused.stderr
+    cluster.set_node_gpus(GPU_NODE, 3)  # the plugin registers as the stop begins
+
+    await until(lambda: sim.is_running("gaming-1"), BOUND)
+    await until(lambda: idle(entry), BOUND)
+    assert returned == []
+    assert [e.data.get("error") for e in failed] == []
+    assert not sim.is_running("gpu-node")
+    assert cordoned(cluster)
+    assert hass.states.get(SWITCH_1).state == "on"

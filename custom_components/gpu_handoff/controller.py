@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
+import datetime as dt
 from enum import StrEnum
 import logging
 from typing import Any, Final
@@ -62,6 +63,7 @@ from .protocol import (
     SHUT_OFF,
     START_FAILED,
     DomainState,
+    HookRequest,
     JobRecord,
     TowerStatus,
 )
@@ -142,6 +144,13 @@ def start_by_hand_asks(
     if hook_job_running and gpu_node_up:
         return StartByHand.HAND_OFF
     return StartByHand.FOLLOW
+
+
+def _recorded_after(request: HookRequest, moment: dt.datetime | None) -> bool:
+    """Whether the tower recorded the start by hand after ``moment`` (its
+    own clock; an unreadable time counts as before)."""
+    recorded = dt_util.parse_datetime(request.time)
+    return moment is not None and recorded is not None and recorded > moment
 
 
 def handoff_store(hass: HomeAssistant, entry_id: str) -> Store[dict[str, Any]]:
@@ -579,6 +588,7 @@ class HandoffController:
         returned = follow_up = False
         self.runner.stopped_gpu_node = False
         self.runner.pods_came_back = ()
+        self.runner.first_job_created = None
         try:
             if settle is not None:
                 # It failed before a restart; what it left is settled now.
@@ -601,11 +611,18 @@ class HandoffController:
             # before it ends (the user turned it off since; or it was the
             # start this handoff made, which libvirtd runs the qemu hook for
             # too, and an agent older than 0.3.1 recorded as a start by
-            # hand): none of them is a request any more.
+            # hand): none of them is a request any more. But a start by hand
+            # the tower recorded after it made a stop's first job came after
+            # that stop: it is the newer request, and stays one.
+            after = (
+                dt_util.parse_datetime(self.runner.first_job_created)
+                if kind == "stop" and self.runner.first_job_created
+                else None
+            )
             self._seen_hook_requests.update(
                 request.key
                 for request in self.coordinator.data.tower.hook_requests
-                if request.domain == vm
+                if request.domain == vm and not _recorded_after(request, after)
             )
         self.operation = None
         self.drain = None

@@ -271,14 +271,23 @@ def serves_free_cards(status: TowerStatus) -> bool:
     return {card_of(address) for address in gpu.cards} == free
 
 
+def gpu_node_undisturbed(status: TowerStatus) -> bool:
+    """Whether the GPU node runs and no tower job may stop it (a start by
+    hand on the tower has libvirt's hook stop it for the player)."""
+    gpu = status.domains.get(status.gpu_node)
+    return (
+        gpu is not None
+        and gpu.state == RUNNING
+        and status.job_for(status.gpu_node) is None
+    )
+
+
 async def lift_own_cordon_if_serving(
     tower: TowerClient, cluster: ClusterClient, k8s_node: str
 ) -> bool:
     """Lift GPU Handoff's own cordon if the GPU node runs and no tower job may
     still stop it; an operator's cordon is never touched. True if lifted."""
-    status = await tower.status()
-    gpu = status.domains.get(status.gpu_node)
-    if gpu is None or gpu.state != RUNNING or status.job_for(status.gpu_node):
+    if not gpu_node_undisturbed(await tower.status()):
         return False
     return await cluster.uncordon(k8s_node)
 
@@ -295,6 +304,9 @@ class OperationRunner:
     # The pods the last drain left on the cordoned node because they came
     # back tolerating its cordon ("namespace/name"); cleared with the above.
     pods_came_back: tuple[str, ...] = ()
+    # When the tower made the first job the operation followed (its clock,
+    # ISO 8601); cleared with the above.
+    first_job_created: str | None = None
 
     def __init__(
         self,
@@ -423,8 +435,7 @@ class OperationRunner:
             done = await self._job(pending.kind, pending.domain)
             if pending.kind is not JobKind.RELEASE:
                 return await self._return_if_nobody_plays(settings)
-            await self._node_back(done)
-            return True
+            return await self._node_back(done)
         status = await self.tower.status()
         others = [
             other
@@ -442,8 +453,7 @@ class OperationRunner:
         # The return begins now (the Handoff state goes to `starting` and
         # only forward from there, whatever the snapshot lags behind).
         self._host.phase(PHASE_RETURNING)
-        await self._node_back(await self._job(JobKind.RELEASE, vm))
-        return True
+        return await self._node_back(await self._job(JobKind.RELEASE, vm))
 
     async def _return_if_nobody_plays(self, settings: Settings) -> bool:
         """After a stop that began while someone else played: if nobody plays
@@ -462,8 +472,7 @@ class OperationRunner:
         if gpu is None or gpu.state != SHUT_OFF or playing:
             return False
         self._host.phase(PHASE_RETURNING)
-        await self._node_back(await self._job(JobKind.RELEASE, None))
-        return True
+        return await self._node_back(await self._job(JobKind.RELEASE, None))
 
     async def return_cards(self, settings: Settings) -> bool:
         """Start the GPU node if it is off, wait until its node is Ready, and
@@ -481,8 +490,7 @@ class OperationRunner:
             gpu = status.domains[status.gpu_node]
             if pending is not None or gpu.state != RUNNING:
                 done = await self._job(JobKind.RELEASE, None)
-        await self._node_back(done)
-        return True
+        return await self._node_back(done)
 
     async def _lend(self, settings: Settings) -> tuple[bool, DoneJob | None]:
         """Have the GPU node run with every free card: as it is if it does
@@ -526,7 +534,7 @@ class OperationRunner:
         if pending is not None:
             await self._job(pending.kind, pending.domain)
 
-    async def _node_back(self, done: DoneJob | None) -> None:
+    async def _node_back(self, done: DoneJob | None) -> bool:
         """Wait until the GPU node's Kubernetes node is Ready and advertises
         the GPUs the GPU node holds, then lift our own cordon (a drain's
         cordon survives the node's reboot); an operator's cordon stays.
@@ -542,6 +550,13 @@ class OperationRunner:
         later boot counts: the node keeps the Ready its old kubelet posted
         until kube-controller-manager's node monitor grace period ends (the
         kubelet of a VM shut down posts nothing), and so do its GPUs.
+
+        The cards are back only if the GPU node still runs when the wait is
+        over, with no tower job acting on it: a start by hand meanwhile (the
+        hook stops the GPU node for that player) has taken them again, and
+        the node's Ready and GPUs are only what its kubelet last posted. Then
+        our cordon stays (the handoff that follows needs it) and the return
+        ends without them: False.
         """
         self.returned_unhealthy = None
         self._host.phase(PHASE_RETURNING)
@@ -584,9 +599,23 @@ class OperationRunner:
                         "%s: %s", self.k8s_node, self.returned_unhealthy.message
                     )
             self._host.show_node(view)
+        try:
+            overtaken = not gpu_node_undisturbed(await self.tower.status())
+        except (TowerConnectionError, AgentCommandError) as err:
+            _LOGGER.warning("Could not read the tower before the uncordon: %s", err)
+            overtaken = False
+        if overtaken:
+            _LOGGER.info(
+                "The cards did not go back: the GPU node is stopping again "
+                "(a start by hand on the tower); %s stays cordoned",
+                self.k8s_node,
+            )
+            self.returned_unhealthy = None
+            return False
         self._host.step("uncordoning")
         if await self.cluster.uncordon(self.k8s_node):
             self._host.show_cordon(None)
+        return True
 
     async def uncordon_if_serving(self) -> None:
         """Roll back our own cordon when the GPU node still runs (it was never
@@ -619,6 +648,8 @@ class OperationRunner:
             job_id = await self._submit(pending)
             await self._host.save_job(replace(pending, job_id=job_id))
         record = await self._follow(job_id)
+        if self.first_job_created is None:
+            self.first_job_created = record.job.created
         await self._host.save_job(None)
         if record.did(StepName.SHUTDOWN, self.gpu_node):
             self.stopped_gpu_node = True
