@@ -7,25 +7,52 @@ a restart, which is an unload and a setup of the same entry), a real sshd
 forcing the real agent, the tower simulator (guests 100x faster than real
 ones) behind a ``virsh`` wrapper that can make libvirt unavailable, the
 Kubernetes API emulator behind a TCP proxy that can make it unreachable, two
-gaming VMs, pods with and without a PodDisruptionBudget, a kubelet stand-in
-(tests/support/kubelet.py: when its VM stops the GPU node's Kubernetes node
-stays Ready until the grace period ends, then Unknown; after each boot it is
-Ready with a new bootID and no GPUs, then the cards once the device plugin
-registered, at delays drawn from the seed) and a ReplicaSet stand-in (evicted
-workload pods come back once the GPU node serves again).
+gaming VMs, a kubelet stand-in (tests/support/kubelet.py: when its VM stops
+the GPU node's Kubernetes node stays Ready until the grace period ends, then
+Unknown; after each boot it is Ready with a new bootID and no GPUs, then the
+cards once the device plugin registered, at delays drawn from the seed) and
+a ReplicaSet stand-in (evicted workload pods come back once the GPU node
+serves again).
+
+The GPU node's pods (the demo cluster's and the soak's own, ``TOLERANT`` and
+``EXPORTER``, added at the start with fixed names: nothing is drawn for them,
+so the plans are the seed's alone): the NVIDIA device plugin and a node
+exporter, DaemonSet pods on the host network (the drain skips them, a boot
+starts them before the pod network is up); two GPU workloads of ReplicaSets,
+one guarded by a PodDisruptionBudget, recreated between cycles once the GPU
+node serves uncordoned; a mirror pod; and a Deployment's pod that tolerates
+the cordon (``node.kubernetes.io/unschedulable:NoSchedule``), for which the
+kubelet stand-in plays the ReplicaSet controller and the scheduler as their
+watches do: once the drain evicts it, its replacement is bound to the
+cordoned node at once, the drain leaves it there (``pods_came_back``) and it
+stops with the node. Every pod but the DaemonSets' and the mirror pod's
+tolerates the unreachable taint for the 300 s admission gives it (3 s at
+the emulator fixture's pace): a GPU node off longer has the taint eviction
+controller delete its pods (Terminating until the kubelet is back).
 
 Each cycle draws, from ``random.Random(f"...:{seed}:{cycle}")`` alone, one
 request and 0-3 faults, each bound to a moment of the operation: ``before``
 the request is sent, while ``draining``, at ``job`` (the drain is done and the
 tower job's request id stored, the job not yet asked for), ``mid_job`` (the
-tower job runs) or at ``node_return`` (waiting for the GPU node's Kubernetes
-node). The operator's shutdown of the GPU node always strikes while
-draining, a gaming VM's removal always while the tower job runs. The same seed
-and cycle give the same request and the same faults at the same moments; a
-moment the operation never reaches leaves its fault unfired ("unreached" in
-the summary), and a fault whose precondition does not hold at its moment
-(nobody else plays, the GPU node is off already) does nothing
-("inapplicable").
+tower job runs), at ``node_return`` (waiting for the GPU node's Kubernetes
+node) or at ``gpu_wait`` (the node is Ready from its new boot, and the
+return waits under GPU Handoff's cordon for the device plugin to register
+the GPUs: the ``waiting_for_gpus`` step; with lending, the restart with the
+free cards after a handoff is such a return too). A handoff's faults are
+drawn among the first four, a return's among all but ``draining``. The
+operator's shutdown of the GPU node always strikes while draining, a gaming
+VM's removal always while the tower job runs, and a player starting while
+the GPUs come back always at ``gpu_wait``: the other gaming VM's switch
+turned on (``player_starts``) or the other gaming VM started by hand on the
+tower (``hand_start``), each a request of the cycle as the plan's own are
+(checked as they are: carried out or reported). The same seed and cycle give
+the same request and the same faults at the same moments; a moment the
+operation never reaches leaves its fault unfired ("unreached" in the
+summary), and a fault whose precondition does not hold at its moment
+(nobody else plays, the GPU node is off already, the VM to start runs
+already) does nothing ("inapplicable"). A request overridden by a later one
+of the cycle (the VM just turned off started again; a gaming VM turned on
+after ``return_cards``) is not judged ("superseded").
 
 Three faults change how libvirt and the guests answer a stop. A slow
 graceful stop (``slow_graceful_stop``) makes the target's (the GPU node's or
@@ -61,6 +88,18 @@ Invariants and how they are observed:
   emulator's store sees every pod of the GPU node start terminating or go;
   each needs an eviction the API server accepted (its recorded requests), and
   no accepted eviction may name a pod nothing recreates (the option is off).
+  The cluster's own deletions are not GPU Handoff's: a pod the taint
+  eviction controller marks (a DisruptionTarget condition, reason
+  DeletionByTaintManager, while the node carries the unreachable NoExecute
+  taint) and later the kubelet finishes is counted
+  (``pods_deleted_by_taint_manager``), not held against it; nor are the
+  operator's forced deletions after its shutdown.
+- ``came_back_evicted``: a pod a drain left because it came back to the
+  cordoned node tolerating the cordon (the ``pods_came_back`` of the event
+  that ends the handoff) was never named by an eviction request of that
+  drain (the API server's record since its ``draining`` step). Counted:
+  ``pods_came_back``, and the returns that waited for the node
+  (``node_waits``) and for its GPUs (``gpu_waits``).
 - ``operator_cordon_lifted``: the same listener sees every change of the
   Node; while the operator's cordon is on, nothing may make it schedulable.
 - ``own_cordon_outlives``: once settled with the GPU node serving (running,
@@ -199,7 +238,8 @@ from custom_components.gpu_handoff.const import (
 )
 from tests.conftest import gaming_subentries, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
-from tests.support.kubelet import NETWORK_DELAY, SANDBOX_RETRY, Kubelet
+from tests.k8semu.objects import UNREACHABLE_NO_EXECUTE, UNSCHEDULABLE_TAINT
+from tests.support.kubelet import NETWORK_DELAY, SANDBOX_RETRY, Kubelet, Workload
 from tests.support.simtower import HOOK_PATH, write_agent_config
 from tests.support.sshd import Sshd
 from tests.support.testdriver import AGENT
@@ -256,8 +296,8 @@ REQUEST_WEIGHTS: Final = (20, 25, 8, 12, 10, 5, 20)
 WITH_VM: Final = frozenset({"on", "off", "hand", "start_handoff"})
 HANDOFF_REQUESTS: Final = frozenset({"on", "both_on", "hand", "start_handoff"})
 HANDOFF_MOMENTS: Final = ("before", "draining", "job", "mid_job")
-RETURN_MOMENTS: Final = ("before", "job", "mid_job", "node_return")
-MOMENTS: Final = ("before", "draining", "job", "mid_job", "node_return")
+RETURN_MOMENTS: Final = ("before", "job", "mid_job", "node_return", "gpu_wait")
+MOMENTS: Final = ("before", "draining", "job", "mid_job", "node_return", "gpu_wait")
 
 FAULTS: Final = (
     "ssh_cut",  # the SSH connection dies (its sshd processes are killed)
@@ -279,10 +319,20 @@ FAULTS: Final = (
     "slow_graceful_stop",  # a graceful stop outlasts libvirt's agent-shutdown wait
     "guest_quits_racing_stop",  # the player shuts down as GPU Handoff's stop arrives
     "libvirtd_restart",  # libvirtd restarts: event streams end, virsh fails or waits
+    "player_starts",  # another gaming VM's switch turned on while the GPUs come back
+    "hand_start",  # a gaming VM started by hand on the tower while the GPUs come back
 )
 # Faults bound to one moment whatever the request: the operator's shutdown
-# strikes while GPU Handoff drains, a removal while the tower job runs.
-FIXED_MOMENTS: Final = {"operator_stop": "draining", "vm_removed": "mid_job"}
+# strikes while GPU Handoff drains, a removal while the tower job runs, a
+# player starting (by the switch or by hand on the tower) while a return
+# waits for the GPUs under GPU Handoff's cordon (a return's, or with lending
+# the restart with the free cards after a handoff).
+FIXED_MOMENTS: Final = {
+    "operator_stop": "draining",
+    "vm_removed": "mid_job",
+    "player_starts": "gpu_wait",
+    "hand_start": "gpu_wait",
+}
 # Faults that only mean something before the stop they change is sent: drawn
 # among these moments (those the request's operation has).
 EARLY_MOMENTS: Final = {
@@ -352,6 +402,27 @@ WORKLOADS: Final = {
 }
 WORKLOAD_NS: Final = "ai"
 PDB: Final = ("trainer", "ai")
+# The soak's own workloads beside the demo cluster's, on the GPU node: a
+# Deployment's ReplicaSet whose pods tolerate the cordon (its replacement
+# comes back to the cordoned node at once, and the drain leaves it: the
+# kubelet stand-in plays the ReplicaSet controller and the scheduler for
+# it), and a DaemonSet's pod on the host network (as the seed's NVIDIA
+# device plugin): a metrics exporter.
+TOLERANT: Final = "metrics-relay-6f7d8c9b5"
+TOLERANT_LABELS: Final = {"app": "metrics-relay", "pod-template-hash": "6f7d8c9b5"}
+TOLERANT_IMAGE: Final = "registry.example/metrics-relay:2.4"
+EXPORTER: Final = "node-exporter"
+EXPORTER_LABELS: Final = {"app.kubernetes.io/name": "node-exporter"}
+EXPORTER_IMAGE: Final = "quay.io/prometheus/node-exporter:v1.9.1"
+MONITORING_NS: Final = "monitoring"
+CORDON_TOLERATION: Final = {
+    "key": UNSCHEDULABLE_TAINT["key"],
+    "operator": "Exists",
+    "effect": "NoSchedule",
+}
+# How the taint eviction controller marks the pods it deletes (a
+# DisruptionTarget condition, then a graceful delete).
+TAINT_MANAGER_REASON: Final = "DeletionByTaintManager"
 
 
 # --- plans ------------------------------------------------------------------------
@@ -417,9 +488,10 @@ def _fault(rng: random.Random, kind: str, moment: str, vm: str | None) -> Fault:
     elif kind == "start_fails":
         params["target"] = vm or rng.choice(GAMING)
         params["reason"] = rng.choice(("disk", "vfio"))
-    elif kind == "player_quits":
-        # The other player: the request's VM is the one that goes on (or
-        # is handed its cards meanwhile).
+    elif kind in ("player_quits", "player_starts", "hand_start"):
+        # The other player: the request's VM is the one that goes on (or is
+        # handed its cards meanwhile), or whose stop ended; the other one
+        # quits, or starts playing while the cards go back.
         params["target"] = (
             next(other for other in GAMING if other != vm) if vm else rng.choice(GAMING)
         )
@@ -824,6 +896,25 @@ def _stamp(epoch: float) -> str:
     return moment.strftime("%H:%M:%S.") + f"{moment.microsecond // 1000:03d}"
 
 
+def _superseded(ask: Ask, asks: list[Ask]) -> bool:
+    """Whether a request sent later in the cycle wants otherwise: the same
+    VM the other way (a player starts again the VM just turned off, by the
+    switch or by hand), or a gaming VM on after a ``return_cards`` (its
+    handoff takes the cards the return gave back)."""
+    if ask.sent_at is None:
+        return False
+    return any(
+        later.sent_at is not None
+        and later.sent_at > ask.sent_at
+        and later.status in ("accepted", "cancelled")
+        and (
+            (later.vm == ask.vm and later.want != ask.want)
+            or (ask.want == "return" and later.want == "on")
+        )
+        for later in asks
+    )
+
+
 def _lock_free(path: Path) -> bool:
     try:
         handle = path.open("a+", encoding="utf-8")
@@ -886,9 +977,11 @@ class ChaosRig:
         recover: bool = True,
         log: Callable[[str], None] | None = None,
         lend: bool = False,
+        plugin_after: tuple[float, float] = DEVICE_PLUGIN_AFTER,
     ) -> None:
         self.hass = hass
         self.lend = lend
+        self.plugin_after = plugin_after
         self.recover = recover
         self.cordon_bound = cordon_bound
         self.cluster = cluster
@@ -949,6 +1042,16 @@ class ChaosRig:
         self._slow_checked: set[tuple[str, int]] = set()  # (job id, step index)
         self._races: list[RaceStop] = []
         self._hook_runs_seen = 0  # the simulator's hook runs read so far
+        # Pods the cluster itself deleted (the taint eviction controller), by
+        # uid, and how many this cycle; where the last drain's requests begin
+        # in the emulator's record; the pods a drain left this cycle.
+        self._cluster_deleted: set[str] = set()
+        self._taint_deleted = 0
+        self._drain_from = 0
+        self._came_back = 0
+        # Returns this cycle that waited for the node, and for its GPUs.
+        self._node_waits = 0
+        self._gpu_waits = 0
 
     # --- life cycle ---------------------------------------------------------------
 
@@ -986,6 +1089,7 @@ class ChaosRig:
         self._boots.append((time.time(), self._boot_id()))
         self.cluster.store.listeners.append(self._on_store)
         self._set_pdb(min_available=0)
+        self._add_own_workloads()
         self.lag.start()
         self._kubelet = asyncio.get_running_loop().create_task(
             self._follow_gpu_node(), name="chaos kubelet"
@@ -1003,6 +1107,54 @@ class ChaosRig:
         assert await self.hass.config_entries.async_setup(self.entry.entry_id)
         await self.hass.async_block_till_done()
         self._instrument()
+
+    def _add_own_workloads(self) -> None:
+        """The soak's workloads beside the demo cluster's on the GPU node: a
+        pod of a Deployment's ReplicaSet tolerating the cordon, and a
+        DaemonSet's pod on the host network (fixed names: nothing drawn)."""
+        tolerant = self.cluster.add_replicaset(
+            TOLERANT, MONITORING_NS, labels=TOLERANT_LABELS, image=TOLERANT_IMAGE
+        )
+        exporter = self.cluster.add_daemonset(
+            EXPORTER, MONITORING_NS, labels=EXPORTER_LABELS, image=EXPORTER_IMAGE
+        )
+        exporter_labels = {**EXPORTER_LABELS, "controller-revision-hash": "7d4c9f8b6"}
+        for owner, suffix, labels, image, spec in (
+            (
+                tolerant,
+                "r2t4k",
+                TOLERANT_LABELS,
+                TOLERANT_IMAGE,
+                {"tolerations": [dict(CORDON_TOLERATION)]},
+            ),
+            (
+                exporter,
+                "5kq8d",
+                exporter_labels,
+                EXPORTER_IMAGE,
+                {"host_network": True},
+            ),
+        ):
+            self._add_gpu_node_pod(
+                f"{owner['metadata']['name']}-{suffix}",
+                labels,
+                owner,
+                image=image,
+                **spec,
+            )
+
+    def _add_gpu_node_pod(
+        self, name: str, labels: dict[str, str], owner: dict[str, Any], **spec: Any
+    ) -> None:
+        """A running pod on the GPU node, in its owner's namespace."""
+        self.cluster.add_pod(
+            name,
+            owner["metadata"]["namespace"],
+            node=GPU_NODE,
+            labels=labels,
+            owner=self.cluster.owner_ref(owner),
+            **spec,
+        )
 
     def _add_entry(self) -> MockConfigEntry:
         kubeconfig = self.cluster.kubeconfig()
@@ -1070,11 +1222,45 @@ class ChaosRig:
         if event.event_type == EVENT_HANDOFF_STEP:
             step = str(data.get("step") or "")
             if step == "draining":
+                self._drain_from = len(self.cluster.requests)
                 self._moment("draining")
             elif step == "waiting_for_node":
+                self._node_waits += 1
                 self._moment("node_return")
+            elif step == "waiting_for_gpus":
+                self._gpu_waits += 1
+                self._moment("gpu_wait")
             elif step != "uncordoning":
                 self._moment("mid_job")
+        if data.get("pods_came_back"):
+            self._check_came_back(event.event_type, data)
+
+    def _check_came_back(self, event_type: str, data: dict[str, Any]) -> None:
+        """``came_back_evicted``: a pod that came back to the cordoned GPU
+        node tolerating its cordon, which the drain left (the event's
+        ``pods_came_back``), was never the object of an eviction request of
+        that drain (the API server's record since its ``draining`` step)."""
+        labels = [str(label) for label in data.get("pods_came_back") or []]
+        self._came_back += len(labels)
+        evictions = [
+            request
+            for request in self.cluster.requests[self._drain_from :]
+            if request.resource == "pods/eviction"
+        ]
+        for label in labels:
+            namespace, _, name = label.partition("/")
+            answers = [
+                request.status
+                for request in evictions
+                if (request.namespace, request.name) == (namespace, name)
+            ]
+            if answers:
+                self._violate(
+                    "came_back_evicted",
+                    f"{label} came back to the cordoned GPU node tolerating its "
+                    f"cordon and was left ({event_type} of {data.get('vm')}), yet "
+                    f"the drain asked to evict it (answered {answers})",
+                )
 
     def _instrument(self) -> None:
         """Know the moment a tower job's request id is stored, before it is
@@ -1139,12 +1325,18 @@ class ChaosRig:
             return
         meta = pod["metadata"]
         uid = meta["uid"]
-        if uid in self._harness_removed:
+        if uid in self._harness_removed or uid in self._cluster_deleted:
             return
         leaving = new is None or (
             meta.get("deletionTimestamp")
             and not (old or {}).get("metadata", {}).get("deletionTimestamp")
         )
+        if leaving and new is not None and self._deleted_by_taint_manager(new):
+            # The cluster's doing, not GPU Handoff's: the node is unreachable
+            # longer than the pod tolerates; its kubelet finishes it once back.
+            self._cluster_deleted.add(uid)
+            self._taint_deleted += 1
+            return
         if leaving and not any(item[3] == uid for item in self._left):
             self._left.append(
                 (
@@ -1156,6 +1348,25 @@ class ChaosRig:
                 )
             )
 
+    def _deleted_by_taint_manager(self, pod: dict[str, Any]) -> bool:
+        """Whether the taint eviction controller marked this pod for deletion:
+        its DisruptionTarget condition says DeletionByTaintManager
+        (addConditionAndDeletePod) and the GPU node carries the unreachable
+        NoExecute taint at that instant."""
+        conditions = (pod.get("status") or {}).get("conditions") or []
+        marked = any(
+            condition.get("type") == "DisruptionTarget"
+            and condition.get("reason") == TAINT_MANAGER_REASON
+            for condition in conditions
+        )
+        taints = (self._node().get("spec") or {}).get("taints") or []
+        unreachable = any(
+            (taint.get("key"), taint.get("effect"))
+            == (UNREACHABLE_NO_EXECUTE["key"], UNREACHABLE_NO_EXECUTE["effect"])
+            for taint in taints
+        )
+        return marked and unreachable
+
     async def _follow_gpu_node(self) -> None:
         """The kubelet stand-in shared with the tests (tests/support/kubelet.py)
         at the rig's pace: the VM stops, the node stays Ready (old bootID,
@@ -1165,7 +1376,13 @@ class ChaosRig:
         after boot, from a generator seeded by the run's seed, in simulated
         seconds scaled as the guests are; the pod network's (a short burst
         of failed sandboxes after each boot) is the stand-in's default,
-        scaled, and draws nothing, so the seeds replay as before."""
+        scaled, and draws nothing, so the seeds replay as before.
+
+        It plays the ReplicaSet controller and the scheduler for the pods
+        that tolerate the cordon (the ReplicaSet's watch: a replacement is
+        bound to the node, cordoned or not, the moment the old pod is marked
+        for deletion); the demo cluster's workloads come back between cycles
+        (``_prepare``)."""
         rng = random.Random(f"gpu-handoff-chaos-kubelet:{self.seed}")  # noqa: S311
         self.cluster.node_monitor_grace_period = NODE_MONITOR_GRACE * TIME_SCALE
         self.cluster.node_monitor_period = NODE_MONITOR_PERIOD * TIME_SCALE
@@ -1175,12 +1392,26 @@ class ChaosRig:
             node=GPU_NODE,
             vm=GPU,
             boot_delay=lambda: rng.uniform(*KUBELET_FIRST_POST) * TIME_SCALE,
-            plugin_delay=lambda: rng.uniform(*DEVICE_PLUGIN_AFTER) * TIME_SCALE,
+            plugin_delay=lambda: rng.uniform(*self.plugin_after) * TIME_SCALE,
             network_delay=NETWORK_DELAY * TIME_SCALE,
             sandbox_retry=SANDBOX_RETRY * TIME_SCALE,
             threaded=True,  # the simulator's state is read off the loop
         )
-        await kubelet.run()
+        kubelet.workloads = [
+            Workload(
+                namespace=MONITORING_NS,
+                owner=TOLERANT,
+                labels=dict(TOLERANT_LABELS),
+                image=TOLERANT_IMAGE,
+                gpus=0,
+                tolerations=(dict(CORDON_TOLERATION),),
+            )
+        ]
+        kubelet.start()
+        try:
+            await asyncio.get_running_loop().create_future()  # until the rig closes
+        finally:
+            await kubelet.stop()
 
     # --- violations -------------------------------------------------------------------
 
@@ -1503,7 +1734,27 @@ class ChaosRig:
             return await self._operator_stop()
         elif kind == "vm_removed":
             await self._remove_vm(str(fault.get("target")))
+        elif kind in ("player_starts", "hand_start"):
+            await self._start_meanwhile(kind, str(fault.get("target")))
         return None
+
+    async def _start_meanwhile(self, kind: str, target: str) -> None:
+        """Someone starts playing on ``target`` while a return waits for the
+        GPUs under GPU Handoff's cordon: its switch turned on
+        (``player_starts``), or ``virsh start`` on the tower (``hand_start``:
+        libvirt runs the agent's hook, and refuses the start while the GPU
+        node holds the cards). A request of this cycle like the plan's own
+        (sent as they are, checked as they are: carried out or reported, and
+        asked for before any handoff to it)."""
+        if await asyncio.to_thread(self.sim.is_running, target):
+            raise InapplicableError(f"{target} is running already")
+        ask = Ask(target, "on", "on" if kind == "player_starts" else "hand")
+        self._asks_sent.append(ask)
+        self._request_tasks.append(
+            asyncio.get_running_loop().create_task(
+                self._send(ask, self.records[-1].plan), name=f"chaos {kind}"
+            )
+        )
 
     def _edge(self, what: str) -> None:
         """A request for the cards back (``return_cards``, a session GPU
@@ -1909,6 +2160,19 @@ class ChaosRig:
         for error in self._listener_errors:
             self._violate("harness_error", error)
         self._listener_errors.clear()
+        # What the cluster did in this world: pods its taint eviction
+        # controller deleted, pods a drain left on the cordoned node, returns
+        # that waited for the node, and for its device plugin.
+        for what, count in (
+            ("pods_deleted_by_taint_manager", self._taint_deleted),
+            ("pods_came_back", self._came_back),
+            ("node_waits", self._node_waits),
+            ("gpu_waits", self._gpu_waits),
+        ):
+            if count:
+                record.observed[what] += count
+        self._taint_deleted = self._came_back = 0
+        self._node_waits = self._gpu_waits = 0
         await self._check_tower_history()
         await self._check_world_history()
         self._check_pods()
@@ -2123,7 +2387,8 @@ class ChaosRig:
         return None
 
     async def _check_asks(self, asks: list[Ask]) -> None:
-        """A request accepted and not fulfilled was reported."""
+        """A request accepted and not fulfilled was reported; one a later
+        request of the cycle overrode (``_superseded``) is not judged."""
         world = await asyncio.to_thread(self.sim.world)
         running = {name for name, dom in world.doms.items() if dom.running}
         for ask in asks:
@@ -2134,6 +2399,9 @@ class ChaosRig:
                         "silent_failure", f"start_handoff answered {response}"
                     )
             if ask.status not in ("accepted", "cancelled"):
+                continue
+            if _superseded(ask, asks):
+                ask.detail = (ask.detail + " superseded").strip()
                 continue
             if ask.want == "on":
                 fulfilled = ask.vm in running
@@ -2475,7 +2743,7 @@ class ChaosRig:
             self._violate(
                 "returned_while_off",
                 f"cards_returned fired ({_stamp(item.epoch)}) while the GPU node's "
-                f"VM was {gpu.state_text(reason=True)}",
+                f"VM was {gpu.state_text(reason=True, t=world.t)}",
                 item.cycle,
             )
             return
@@ -2787,12 +3055,10 @@ class ChaosRig:
             if have:
                 continue
             self._pod_counter += 1
-            self.cluster.add_pod(
+            self._add_gpu_node_pod(
                 f"{replicaset}-c{self.cycle}x{self._pod_counter}",
-                WORKLOAD_NS,
-                node=GPU_NODE,
-                labels=labels,
-                owner=self.cluster.owner_ref(owner_obj),
+                labels,
+                owner_obj,
                 gpu_request=1,
             )
 
@@ -2889,7 +3155,9 @@ class ChaosRig:
             outcomes[record.outcome or "unknown"] += 1
             for ask in record.asks:
                 status = ask.status
-                if ask.status in ("accepted", "cancelled"):
+                if "superseded" in ask.detail:
+                    status = "superseded"
+                elif ask.status in ("accepted", "cancelled"):
                     status = "fulfilled" if "fulfilled" in ask.detail else "failed"
                 asks[status] += 1
         seconds = [record.seconds for record in self.records]
@@ -2952,9 +3220,12 @@ async def run_soak(
     recover: bool = True,
     log: Callable[[str], None] | None = None,
     lend: bool = False,
+    plugin_after: tuple[float, float] = DEVICE_PLUGIN_AFTER,
 ) -> dict[str, Any]:
     """Build the rig, run ``plans`` (or cycles 1..``cycles`` of ``seed``),
-    tear it down; the summary."""
+    tear it down; the summary. ``plugin_after``: the bounds the device
+    plugin's delay after each boot is drawn between (simulated seconds; a
+    test may pin it long, so that every return waits for the GPUs)."""
     rig = ChaosRig(
         hass,
         cluster,
@@ -2966,6 +3237,7 @@ async def run_soak(
         recover=recover,
         log=log,
         lend=lend,
+        plugin_after=plugin_after,
     )
     if plans is None:
         assert cycles is not None
