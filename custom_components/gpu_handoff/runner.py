@@ -582,9 +582,10 @@ class OperationRunner:
         if gpus_short(view, expected):
             self._host.step("waiting_for_gpus")
             try:
-                view = await self.cluster.wait_gpus(
-                    self.k8s_node, expected, health.GPUS_BOUND, not_boot=old_boot
-                )
+                found = await self._gpus_unless_stopped(expected, old_boot)
+                if found is None:
+                    return self._overtaken()
+                view = found
             except TimeoutError:
                 with contextlib.suppress(ClusterError):
                     view = await self.cluster.node_view(self.k8s_node)
@@ -605,17 +606,81 @@ class OperationRunner:
             _LOGGER.warning("Could not read the tower before the uncordon: %s", err)
             overtaken = False
         if overtaken:
-            _LOGGER.info(
-                "The cards did not go back: the GPU node is stopping again "
-                "(a start by hand on the tower); %s stays cordoned",
-                self.k8s_node,
-            )
-            self.returned_unhealthy = None
-            return False
+            return self._overtaken()
         self._host.step("uncordoning")
         if await self.cluster.uncordon(self.k8s_node):
             self._host.show_cordon(None)
         return True
+
+    def _overtaken(self) -> bool:
+        """The return ends without the cards: a tower job stops the GPU node
+        again (a start by hand on the tower); our cordon stays for the
+        handoff that follows."""
+        _LOGGER.info(
+            "The cards did not go back: the GPU node is stopping again "
+            "(a start by hand on the tower); %s stays cordoned",
+            self.k8s_node,
+        )
+        self.returned_unhealthy = None
+        return False
+
+    async def _gpus_unless_stopped(
+        self, cards: int, old_boot: str | None
+    ) -> NodeView | None:
+        """The node once it advertises ``cards`` cards (TimeoutError past
+        health.GPUS_BOUND), or None as soon as a tower job acts on the GPU
+        node: its GPUs cannot come then, and the start by hand that stops it
+        must not wait for the bound."""
+        gpus = asyncio.ensure_future(
+            self.cluster.wait_gpus(
+                self.k8s_node, cards, health.GPUS_BOUND, not_boot=old_boot
+            )
+        )
+        stopping = asyncio.ensure_future(self._until_gpu_node_job())
+        try:
+            await asyncio.wait({gpus, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (gpus, stopping):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(gpus, stopping, return_exceptions=True)
+        if gpus.done() and not gpus.cancelled():
+            return gpus.result()
+        return None
+
+    def _gpu_node_job_active(self) -> bool:
+        """Whether a pushed record shows a tower job acting on the GPU node."""
+        return any(
+            record.job.state.active
+            and (
+                self.gpu_node in record.job.domains
+                or record.job.kind in (JobKind.HANDOFF, JobKind.RELEASE, JobKind.LEND)
+            )
+            for record in self._records.values()
+        )
+
+    async def _until_gpu_node_job(self) -> None:
+        """Until a tower job acts on the GPU node (woken by each push, and
+        every JOB_POLL seconds: another follower clears the same event). A
+        pushed record is confirmed by the tower's status: one whose end was
+        never pushed (a session cut) is dropped, not believed."""
+        while True:
+            if self._gpu_node_job_active():
+                try:
+                    status = await self.tower.status()
+                except TowerConnectionError, AgentCommandError:
+                    status = None
+                if status is not None:
+                    if not gpu_node_undisturbed(status):
+                        return
+                    running = {job.id for job in status.active_jobs}
+                    for job_id, record in list(self._records.items()):
+                        if record.job.state.active and job_id not in running:
+                            self._records.pop(job_id, None)
+            self._pushed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(JOB_POLL):
+                    await self._pushed.wait()
 
     async def uncordon_if_serving(self) -> None:
         """Roll back our own cordon when the GPU node still runs (it was never
