@@ -52,12 +52,10 @@ MUTANTS: tuple[Mutant, ...] = (
                 RUNNER,
                 "        if await self.cluster.uncordon(self.k8s_node):\n"
                 "            self._host.show_cordon(None)\n"
-                "\n"
-                "    async def uncordon_if_serving",
+                "        return True\n",
                 "        if False:\n"
                 "            self._host.show_cordon(None)\n"
-                "\n"
-                "    async def uncordon_if_serving",
+                "        return True\n",
             ),
         ),
         (
@@ -158,9 +156,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 RUNNER,
-                "    if gpu is None or gpu.state != RUNNING or "
-                "status.job_for(status.gpu_node):\n",
-                "    if gpu is None or gpu.state != RUNNING:\n",
+                "        and status.job_for(status.gpu_node) is None\n",
+                "        and True\n",
             ),
         ),
         (
