@@ -784,7 +784,8 @@ async def test_a_start_by_hand_before_the_gpus_come_back_is_handed_over_at_once(
     here), Gaming station 2 is started by hand on the tower. The hook's stop
     shuts the GPU node down before its GPUs register: the return must not
     wait for them (they cannot come) and Gaming station 2 must get its
-    cards within the settle bound."""
+    cards within the settle bound. (Fixed: the return stops waiting for the
+    GPUs as soon as a tower job stops the GPU node.)"""
     plans = [
         Plan(0, 1, "on", "gaming-1"),
         Plan(0, 2, "off", "gaming-1", (_starts("hand_start", "gaming-2"),)),
