@@ -156,8 +156,10 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 RUNNER,
-                "        and status.job_for(status.gpu_node) is None\n",
-                "        and True\n",
+                "    if not gpu_node_undisturbed(await tower.status()):\n",
+                "    status = await tower.status()\n"
+                "    gpu = status.domains.get(status.gpu_node)\n"
+                "    if gpu is None or gpu.state != RUNNING:\n",
             ),
         ),
         (
