@@ -560,6 +560,35 @@ async def test_removing_the_entry_mid_handoff(
     assert sim.calls("shutdown") == []
 
 
+async def test_removing_the_entry_while_its_job_stops_the_gpu_node(
+    hass: HomeAssistant,
+    sim: Tower,
+    sim_sshd: Sshd,
+    cluster: K8sEmulator,
+    kubelet: None,
+    no_pdb: None,
+) -> None:
+    """The entry is removed while the handoff's tower job shuts the GPU node
+    down (the guest takes its time): the GPU node still runs, but the job
+    will stop it, so GPU Handoff's cordon stays (lifting it would send pods
+    to a node going down). The job goes on without Home Assistant."""
+    # Ten minutes at the tests' time scale: it cannot end while the test looks.
+    sim.set_shutdown_duration("gpu-node", 60000.0)
+    entry = add_tower_entry(hass, sim_sshd, cluster, vms=(1,))
+    await setup_entry(hass, entry)
+    await switch(hass, "turn_on", SWITCH_1)
+    await until(lambda: bool(sim.calls("shutdown", "gpu-node")))
+    assert sim.is_running("gpu-node")
+    assert cordoned(cluster)
+    assert await hass.config_entries.async_remove(entry.entry_id)
+    await hass.async_block_till_done()
+    assert sim.is_running("gpu-node")  # still shutting down, its job running
+    assert cordoned(cluster)
+    assert _mark(cluster) is not None
+    sim.advance(600.0)  # the job ends as it would without Home Assistant
+    await until(lambda: sim.is_running("gaming-1"))
+
+
 async def _both_play_then_gaming_2_is_removed(
     hass: HomeAssistant, entry: MockConfigEntry, sim: Tower
 ) -> None:

@@ -165,6 +165,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/test_session_moments.py::test_a_lost_reply_is_looked_up_not_sent_twice",
             "tests/chaos/test_harness.py::test_no_rollback_under_the_hooks_stop_job",
+            "tests/test_cluster_promise.py::test_removing_the_entry_while_its_job_stops_the_gpu_node",
         ),
     ),
     Mutant(
