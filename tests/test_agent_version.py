@@ -18,7 +18,7 @@ import pytest
 from pytest_homeassistant_custom_component.common import MockConfigEntry
 
 from custom_components.gpu_handoff.const import DOMAIN
-from custom_components.gpu_handoff.coordinator import AGENT_VERSION, version_key
+from custom_components.gpu_handoff.session import AGENT_VERSION, version_key
 from tests.conftest import add_tower_entry
 from tests.k8semu import K8sEmulator
 from tests.support.sshd import Sshd
@@ -80,7 +80,7 @@ async def test_another_agent_version_is_reported(
     assert issue.translation_placeholders is not None
     assert issue.translation_placeholders["ours"] == AGENT_VERSION
     assert issue.translation_placeholders["theirs"] != AGENT_VERSION
-    assert entry.runtime_data.coordinator.session_connected
+    assert entry.runtime_data.session.connected
 
 
 async def test_the_agent_this_integration_ships_raises_nothing(
@@ -90,7 +90,7 @@ async def test_the_agent_this_integration_ships_raises_nothing(
 
     assert isinstance(entry, MockConfigEntry)
     await setup_entry(hass, entry)
-    await until(lambda: entry.runtime_data.coordinator.session_connected)
+    await until(lambda: entry.runtime_data.session.connected)
     assert _issue(hass, entry.entry_id) is None
 
 

@@ -24,8 +24,6 @@ import yaml
 
 from custom_components.gpu_handoff.cluster_client import (
     CORDON_ANNOTATION,
-    CORDON_OWNER_OTHER,
-    CORDON_OWNER_US,
     ClusterAuthError,
     ClusterClient,
     ClusterConnectionError,
@@ -39,6 +37,10 @@ from custom_components.gpu_handoff.cluster_client import (
     parse_kubeconfig,
     selects,
     tolerates_cordon,
+)
+from custom_components.gpu_handoff.cluster_model import (
+    CORDON_OWNER_OTHER,
+    CORDON_OWNER_US,
 )
 from tests.conftest import kubeconfig_text
 from tests.k8semu import CONTROL_PLANE_NODE, GPU, GPU_NODE, K8sEmulator

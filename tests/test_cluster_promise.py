@@ -459,7 +459,7 @@ async def test_an_unexpected_error_ends_the_handoff_cleanly(
     assert hit
     controller = entry.runtime_data.controller
     assert controller.requests == {}
-    assert controller.pending is None
+    assert controller.plan is None
     assert hass.states.get(SWITCH_1).state == "off"
     assert hass.states.get(SWITCH_1).attributes["last_error"]
     assert ir.async_get(hass).async_get_issue(
@@ -506,11 +506,11 @@ async def test_the_session_survives_an_unexpected_error(
     """Whatever ends the agent session, it comes back (with backoff) and
     diagnostics says whether it is connected."""
     monkeypatch.setattr(
-        "custom_components.gpu_handoff.coordinator.WATCH_BACKOFF_START", 0.05
+        "custom_components.gpu_handoff.session.WATCH_BACKOFF_START", 0.05
     )
     await setup_entry(hass, entry)
     coordinator = entry.runtime_data.coordinator
-    await until(lambda: coordinator.session_connected)
+    await until(lambda: entry.runtime_data.session.connected)
     original = coordinator.tower.open_session
     calls: list[int] = []
 
@@ -523,7 +523,7 @@ async def test_the_session_survives_an_unexpected_error(
     coordinator.tower.open_session = open_session  # type: ignore[method-assign]
     # End the running session: the next one fails, the one after works.
     await coordinator.tower.close()
-    await until(lambda: len(calls) >= 2 and coordinator.session_connected)
+    await until(lambda: len(calls) >= 2 and entry.runtime_data.session.connected)
     sim.guest_shutdown("gpu-node")
     await until(lambda: hass.states.get(HANDOFF).state == "off")
 
@@ -649,7 +649,7 @@ async def test_a_stop_that_outlives_the_other_player_returns_the_cards(
     sim.set_shutdown_duration("gaming-1", 300.0)  # 3 s here
     await switch(hass, "turn_off", SWITCH_1)
     controller = entry.runtime_data.controller
-    await until(lambda: (controller.pending or {}).get("job") is not None)
+    await until(lambda: controller.pending_job is not None)
     sim.guest_shutdown("gaming-2")
     await until(lambda: bool(returned))
     await until(lambda: idle(entry))
@@ -687,7 +687,7 @@ async def test_removing_a_gaming_vm_mid_handoff_ends_it_safely(
     await hass.async_block_till_done()
     assert entry.state is ConfigEntryState.LOADED
     controller = entry.runtime_data.controller
-    await until(lambda: controller.pending is None and not cordoned(cluster))
+    await until(lambda: controller.plan is None and not cordoned(cluster))
     assert _mark(cluster) is None
     assert controller.desired == set()
     assert sim.is_running("gpu-node")

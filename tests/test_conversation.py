@@ -24,16 +24,16 @@ from pytest_homeassistant_custom_component.common import (
     async_capture_events,
 )
 
+from custom_components.gpu_handoff.assist import (
+    VOICE_ALIASES,
+    spell_number,
+    spoken_forms,
+)
 from custom_components.gpu_handoff.const import (
     DOMAIN,
     EVENT_CARDS_RETURNED,
     EVENT_HANDOFF_FAILED,
     EVENT_HANDOFF_STARTED,
-)
-from custom_components.gpu_handoff.entity import (
-    VOICE_ALIASES,
-    spell_number,
-    spoken_forms,
 )
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.stories import (

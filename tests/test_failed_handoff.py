@@ -167,7 +167,9 @@ async def test_a_restart_while_a_failed_handoff_settles_finishes_it(
     refused = start_by_hand(sim, "gaming-2")
     assert "is in use" in refused.stderr, refused.stderr
     await entry.runtime_data.coordinator.async_refresh()
-    await until(lambda: (controller.pending or {}).get("settle") is not None)
+    await until(
+        lambda: controller.plan is not None and controller.plan.settle is not None
+    )
     stored = await handoff_store(hass, entry.entry_id).async_load()
     assert stored is not None
     # The handoff's own job never ran; the hook's stop is what stopped the
@@ -175,11 +177,11 @@ async def test_a_restart_while_a_failed_handoff_settles_finishes_it(
     [record] = (agent_config.parent / "agent-state/requests").glob("*-gaming-2.json")
     hook_job = json.loads(record.read_text(encoding="utf-8"))["job"]
     assert hook_job is not None
-    assert stored["pending"]["settle"] == {
+    assert stored["plan"]["settle"] == {
         "stopped_by_us": False,
         "hook_job": hook_job,
     }
-    assert stored["pending"]["origin"] == "hook"
+    assert stored["plan"]["origin"] == "hook"
     assert sim.is_running("gpu-node")  # the hook's stop is still under way
 
     assert await hass.config_entries.async_unload(entry.entry_id)
@@ -228,14 +230,17 @@ async def test_a_request_waiting_behind_a_restart_is_carried_out(
     await switch(hass, "turn_off", SWITCH_2)
     await until(
         lambda: (
-            (controller.pending or {}).get("job") is not None
+            controller.plan is not None
+            and controller.plan.job is not None
             and controller.requests.get("gaming-2") == "stop"
         )
     )
     stored = await handoff_store(hass, entry.entry_id).async_load()
     assert stored is not None
-    assert stored["pending"]["vm"] == "gaming-1"
-    assert stored["queued"] == [{"vm": "gaming-2", "kind": "stop"}]
+    assert stored["plan"]["vm"] == "gaming-1"
+    assert stored["queue"] == [
+        {"vm": "gaming-2", "kind": "stop", "origin": "user", "hook_job": None}
+    ]
 
     assert await hass.config_entries.async_unload(entry.entry_id)
     await hass.async_block_till_done()
@@ -250,5 +255,5 @@ async def test_a_request_waiting_behind_a_restart_is_carried_out(
     assert len(returned) == 0  # a stop that returns the cards ends as a stop
     stored = await handoff_store(hass, entry.entry_id).async_load()
     assert stored is not None
-    assert stored["queued"] == []
-    assert stored["pending"] is None
+    assert stored["queue"] == []
+    assert stored["plan"] is None

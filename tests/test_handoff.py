@@ -267,7 +267,7 @@ async def test_requests_while_the_tower_is_away(
         )
     assert err.value.translation_key == "tower_unreachable"
     assert entry.runtime_data.controller.desired == set()
-    assert entry.runtime_data.controller.pending is None
+    assert entry.runtime_data.controller.plan is None
 
 
 async def test_a_second_request_for_the_same_vm(

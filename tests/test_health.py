@@ -42,14 +42,16 @@ from pytest_homeassistant_custom_component.typing import ClientSessionGenerator
 
 from custom_components.gpu_handoff import health
 from custom_components.gpu_handoff.cluster_client import (
-    CORDON_OWNER_OTHER,
-    CORDON_OWNER_US,
     EVENT_PODS_MAX,
     ClusterClient,
     NodeReading,
-    NodeView,
     PodEvent,
     PodStart,
+)
+from custom_components.gpu_handoff.cluster_model import (
+    CORDON_OWNER_OTHER,
+    CORDON_OWNER_US,
+    NodeView,
 )
 from custom_components.gpu_handoff.const import (
     DOMAIN,

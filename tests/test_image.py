@@ -166,7 +166,7 @@ async def test_nothing_is_asked_while_nobody_looks(
     dashboard opening takes one; an old one is taken again."""
     await setup_entry(hass, entry)
     coordinator = entry.runtime_data.coordinator
-    await until(lambda: coordinator.session_connected)
+    await until(lambda: entry.runtime_data.session.connected)
     for minutes in (1, 6, 11):
         async_fire_time_changed(hass, dt_util.utcnow() + timedelta(minutes=minutes))
         await coordinator.async_refresh()
@@ -382,7 +382,7 @@ async def test_capture_over_the_limit_and_unwritable(
     limit_screenshots(agent_config, 1000)
     # The session's agent read its configuration when it started: ask one-shot.
     coordinator = entry.runtime_data.coordinator
-    await until(lambda: coordinator.session_connected)
+    await until(lambda: entry.runtime_data.session.connected)
     assert coordinator.tower.session is not None
     await coordinator.tower.session.close()
     with pytest.raises(HomeAssistantError) as raised:

@@ -551,7 +551,7 @@ async def test_diagnostics_snapshot(
     coordinator = entry.runtime_data.coordinator
     async with asyncio.timeout(10):
         while not (  # noqa: ASYNC110 - the session opens in the background
-            coordinator.session_connected
+            entry.runtime_data.session.connected
             and coordinator.tower.session is not None
             and coordinator.tower.session.status is not None
         ):

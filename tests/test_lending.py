@@ -199,9 +199,10 @@ async def test_a_restart_while_the_gpu_node_restarts_with_fewer_cards(
     await switch(hass, "turn_on", SWITCH_1)
     await until(
         lambda: (
-            (controller.pending or {}).get("kind") == "return"
-            and (controller.pending or {}).get("job") is not None
-            and (controller.pending["job"] or {}).get("job_id") is not None
+            controller.plan is not None
+            and controller.plan.kind == "return"
+            and controller.pending_job is not None
+            and controller.pending_job.job_id is not None
         ),
         BOUND,
     )
@@ -227,8 +228,10 @@ async def test_an_ssh_cut_while_the_gpu_node_restarts(
     await switch(hass, "turn_on", SWITCH_1)
     await until(
         lambda: (
-            (controller.pending or {}).get("kind") == "return"
-            and ((controller.pending or {}).get("job") or {}).get("job_id") is not None
+            controller.plan is not None
+            and controller.plan.kind == "return"
+            and controller.pending_job is not None
+            and controller.pending_job.job_id is not None
         ),
         BOUND,
     )

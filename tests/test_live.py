@@ -82,7 +82,7 @@ async def test_tower_changes_are_pushed(
     assert entry.state is ConfigEntryState.LOADED
     await _state_becomes(hass, HANDOFF, "serving")
     assert hass.states.get("sensor.tower_gpus_lent_to_the_cluster").state == "3"
-    await _until(lambda: entry.runtime_data.coordinator.session_connected)
+    await _until(lambda: entry.runtime_data.session.connected)
 
     sim.guest_shutdown("gpu-node")
     await _state_becomes(hass, HANDOFF, "off")
@@ -98,11 +98,11 @@ async def test_event_stream_comes_back(
     pushed updates flow again."""
     assert await hass.config_entries.async_setup(entry.entry_id)
     await hass.async_block_till_done()
-    coordinator = entry.runtime_data.coordinator
-    await _until(lambda: coordinator.session_connected)
+    session = entry.runtime_data.session
+    await _until(lambda: session.connected)
     sim_sshd.stop()  # ends every session, the stream's too
-    await _until(lambda: not coordinator.session_connected)
+    await _until(lambda: not session.connected)
     sim_sshd.start_again()
-    await _until(lambda: coordinator.session_connected)
+    await _until(lambda: session.connected)
     sim.guest_shutdown("gpu-node")
     await _state_becomes(hass, HANDOFF, "off")

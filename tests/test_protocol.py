@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from custom_components.gpu_handoff.core import PendingJob
 from custom_components.gpu_handoff.models import Snapshot
 from custom_components.gpu_handoff.protocol import (
     PROTOCOL,
@@ -29,7 +30,6 @@ from custom_components.gpu_handoff.protocol import (
     parse_submitted,
     parse_version,
 )
-from custom_components.gpu_handoff.runner import PendingJob
 from custom_components.gpu_handoff.sensor import gpu_node_state
 
 

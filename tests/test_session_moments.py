@@ -219,7 +219,7 @@ async def test_a_cut_mid_job_loses_nothing(
     failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
     await setup_entry(hass, entry)
     coordinator = entry.runtime_data.coordinator
-    await until(lambda: coordinator.session_connected)
+    await until(lambda: entry.runtime_data.session.connected)
     await switch(hass, "turn_on", SWITCH_1)
     controller = entry.runtime_data.controller
     await until(
@@ -239,7 +239,7 @@ async def test_a_cut_mid_job_loses_nothing(
     assert failed == []
     handoffs = [job for job in await _jobs(entry) if job.kind is JobKind.HANDOFF]
     assert [job.id for job in handoffs] == [job_id]
-    await until(lambda: coordinator.session_connected)
+    await until(lambda: entry.runtime_data.session.connected)
     assert coordinator.tower.session is not session
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from custom_components.gpu_handoff.controller import StartByHand, start_by_hand_asks
+from custom_components.gpu_handoff.core import StartByHand, start_by_hand_asks
 from custom_components.gpu_handoff.protocol import DomainState
 
 HAND_OFF, FOLLOW, ENDED = StartByHand.HAND_OFF, StartByHand.FOLLOW, StartByHand.ENDED

@@ -28,9 +28,12 @@ from .const import (
 from .controller import HandoffController, handoff_store
 from .coordinator import GpuHandoffCoordinator, tower_credentials
 from .data import GpuHandoffConfigEntry, GpuHandoffData, signature_of
+from .gaming_vms import GamingVmSync
 from .models import domain_identifier, tower_identifier
+from .repair_sync import RepairSync
 from .runner import lift_own_cordon_if_serving
 from .services import async_setup_services
+from .session import AgentSession
 from .tower_client import TowerClient, TowerError, fingerprint
 
 _LOGGER = logging.getLogger(__name__)
@@ -51,6 +54,10 @@ async def async_setup_entry(hass: HomeAssistant, entry: GpuHandoffConfigEntry) -
     _claim_identity(hass, entry)
     coordinator = await GpuHandoffCoordinator.create(hass, entry)
     entry.async_on_unload(coordinator.async_shutdown)
+    # Before the first refresh: its failure may be a repair, and its status
+    # may remove a subentry before the platforms load.
+    entry.async_on_unload(RepairSync(hass, entry, coordinator).async_start())
+    entry.async_on_unload(GamingVmSync(hass, entry, coordinator).async_start())
     await coordinator.async_config_entry_first_refresh()
     tower_device = dr.async_get(hass).async_get_or_create(
         config_entry_id=entry.entry_id,
@@ -60,11 +67,18 @@ async def async_setup_entry(hass: HomeAssistant, entry: GpuHandoffConfigEntry) -
         model="libvirt tower",
     )
     controller = HandoffController(hass, entry, coordinator)
-    coordinator.job_listener = controller.job_pushed
-    coordinator.session_listener = controller.runner.wake
+    session = AgentSession(
+        hass,
+        entry,
+        coordinator.tower,
+        coordinator,
+        job_listener=controller.job_pushed,
+        session_listener=controller.runner.wake,
+    )
     entry.runtime_data = GpuHandoffData(
         coordinator=coordinator,
         controller=controller,
+        session=session,
         tower_device_id=tower_device.id,
         setup_signature=signature_of(entry),
     )
@@ -74,7 +88,7 @@ async def async_setup_entry(hass: HomeAssistant, entry: GpuHandoffConfigEntry) -
     # once the entities are registered, so their ids never depend on which
     # came first.
     entry.async_create_background_task(
-        hass, coordinator.async_run_session(), f"{entry.title} agent session"
+        hass, session.async_run(), f"{entry.title} agent session"
     )
     await controller.async_start()
     return True
@@ -138,8 +152,8 @@ async def async_remove_config_entry_device(
 ) -> bool:
     """Let the user delete a VM's device once the tower's agent no longer
     manages that VM. The tower and its GPU node belong to the entry, a gaming
-    VM with a subentry goes with its subentry (removed there, or by the
-    coordinator when the agent drops it), and while the entry is not loaded
+    VM with a subentry goes with its subentry (removed there, or when the
+    agent drops it: gaming_vms.py), and while the entry is not loaded
     nothing says what the tower still has: all of those are refused."""
     if entry.state is not ConfigEntryState.LOADED:
         return False

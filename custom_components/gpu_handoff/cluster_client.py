@@ -39,6 +39,14 @@ from kubernetes_asyncio.client import (
 from kubernetes_asyncio.client.exceptions import ApiException
 import yaml
 
+from .cluster_model import (
+    CORDON_OWNER_OTHER,
+    CORDON_OWNER_US,
+    SKIP_WAIT_FOR_DELETE,
+    DrainProgress,
+    NodeView,
+)
+
 _LOGGER = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT: Final = 15.0
@@ -57,8 +65,6 @@ MIRROR_ANNOTATION: Final = "kubernetes.io/config.mirror"
 CORDON_ANNOTATION: Final = "gpu-handoff.io/cordoned-by"
 # The taint kube-controller-manager keeps on a cordoned node.
 UNSCHEDULABLE_TAINT: Final = "node.kubernetes.io/unschedulable"
-CORDON_OWNER_US: Final = "gpu_handoff"
-CORDON_OWNER_OTHER: Final = "other"
 FINISHED_PHASES: Final = frozenset({"Succeeded", "Failed"})
 HTTP_UNAUTHORIZED: Final = 401
 HTTP_FORBIDDEN: Final = 403
@@ -79,10 +85,6 @@ PAGE_SIZE: Final = 250
 # kubectl drain's EvictErrorRetryDelay and its wait-for-delete poll.
 EVICTION_RETRY: Final = 5.0
 GONE_POLL: Final = 1.0
-# kubectl drain's --skip-wait-for-delete-timeout, which GPU Handoff always
-# sets: a pod whose deletionTimestamp passed this long ago sits on a kubelet
-# that no longer reports (a NotReady node) and counts as gone.
-SKIP_WAIT_FOR_DELETE: Final = 60.0
 # Backoff for transient errors (5xx, 429/504 throttling, timeouts, resets).
 RETRY_START: Final = 0.5
 RETRY_MAX: Final = 5.0
@@ -222,19 +224,6 @@ def _some(names: tuple[str, ...] | list[str], most: int = 10) -> str:
     """Names for a message: the first ``most``, then how many more."""
     shown = ", ".join(names[:most])
     return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
-
-
-@dataclass(frozen=True, kw_only=True)
-class DrainProgress:
-    """How far a drain is: pods still on the node, how many of them a
-    PodDisruptionBudget refuses to evict right now, how many are gone."""
-
-    pods_left: int
-    evictions_refused: int
-    evicted: int
-    # Pods that arrived on the cordoned node after the drain first listed it
-    # and tolerate its cordon ("namespace/name"): not chased (see drain).
-    came_back: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -403,36 +392,6 @@ class _ApiClient(ApiClient):
         self.cookie = None  # type: ignore[assignment]
         self.user_agent = "gpu-handoff"
         self.client_side_validation = configuration.client_side_validation
-
-
-@dataclass(frozen=True, kw_only=True)
-class NodeView:
-    """What the integration shows about the GPU node's Kubernetes node."""
-
-    name: str
-    ready: bool | None
-    unschedulable: bool
-    # Whose cordon it is: CORDON_OWNER_US, CORDON_OWNER_OTHER, or None.
-    cordon_owner: str | None
-    lease_age: float | None
-    # NVIDIA GPU devices under every name they go by (is_gpu_resource):
-    # capacity counts the unhealthy ones too, allocatable only the healthy.
-    gpu_capacity: int
-    gpu_allocatable: int
-    # What the pods on the node request of them.
-    gpu_requested: int
-    pods: int
-    evictable_pods: int
-    # GPU Handoff's mark on a node nobody cordons (someone lifted our cordon
-    # with `kubectl uncordon`, which leaves annotations alone): it must go
-    # before anyone cordons the node again, or that cordon would look ours.
-    stale_mark: bool = False
-    # status.nodeInfo.bootID: new at each boot of the node's machine (the
-    # kubelet posts it); None when the node reports none.
-    boot_id: str | None = None
-    # Pods on the node that nothing would recreate (no controller, not a
-    # mirror pod, not finished): a drain refuses them unless forced.
-    unmanaged: tuple[str, ...] = ()
 
 
 def boot_id_of(node: Any) -> str | None:

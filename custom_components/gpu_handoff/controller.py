@@ -13,26 +13,17 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
-import datetime as dt
-from enum import StrEnum
 import logging
-from typing import Any, Final
+from typing import Any
 
 from homeassistant.config_entries import ConfigEntry
 from homeassistant.core import HomeAssistant, callback
 from homeassistant.exceptions import HomeAssistantError, ServiceValidationError
-from homeassistant.helpers import device_registry as dr, issue_registry as ir
 from homeassistant.helpers.storage import Store
 from homeassistant.util import dt as dt_util
 
-from .cluster_client import (
-    CORDON_OWNER_US,
-    SKIP_WAIT_FOR_DELETE,
-    ClusterError,
-    DrainProgress,
-    NodeView,
-    UnmanagedPodsError,
-)
+from .cluster_client import ClusterError, UnmanagedPodsError
+from .cluster_model import SKIP_WAIT_FOR_DELETE, DrainProgress, NodeView
 from .const import (
     CONF_AUTO_RETURN,
     CONF_DOMAIN_NAME,
@@ -47,115 +38,63 @@ from .const import (
     DEFAULT_HANDOFF_WHEN_CORDONED,
     DEFAULT_LEND_FREE_CARDS,
     DOMAIN,
-    EVENT_CARDS_RETURNED,
-    EVENT_HANDOFF_FAILED,
     EVENT_HANDOFF_STARTED,
     EVENT_HANDOFF_STEP,
-    EVENT_HANDOFF_SUCCEEDED,
-    EVENT_RETURN_SUCCEEDED,
-    EVENT_RETURN_UNHEALTHY,
-    EVENT_STOP_SUCCEEDED,
 )
 from .coordinator import GpuHandoffCoordinator
-from .models import domain_identifier
-from .protocol import (
-    RUNNING,
-    SHUT_OFF,
-    START_FAILED,
-    DomainState,
-    HookRequest,
-    JobRecord,
-    TowerStatus,
+from .core import (
+    STORE_VERSION,
+    Kind,
+    Memory,
+    Observed,
+    Origin,
+    Owned,
+    PendingJob,
+    Plan,
+    Request,
+    Settings,
+    Settle,
+    gpu_stopped_by_us,
+    job_stopped_gpu_node,
+    known_desired,
+    lends_after,
+    migrate_store,
+    reconcile,
+    returns_after,
+    settle_hook_job,
+    superseded_hook_requests,
 )
+from .models import OperationView
+from .protocol import RUNNING, JobRecord, TowerStatus
+from .report import Reporter
 from .runner import (
     JobFailedError,
     OperationRunner,
-    PendingJob,
     RunnerError,
-    Settings,
     check_operator_cordon,
     node_holds_cards_of,
 )
-from .tower_client import TowerError
 
 _LOGGER = logging.getLogger(__name__)
 
-STORAGE_VERSION: Final = 1
-# A stored request that libvirt's hook made (a gaming VM started by hand).
-ORIGIN_HOOK: Final = "hook"
-ISSUE_HANDOFF_FAILED: Final = "handoff_failed"
-ISSUE_UNMANAGED_PODS: Final = "unmanaged_pods"
-# The repair each kind of operation raises when it fails (one issue id per VM).
-FAILED_ISSUES: Final = {
-    "handoff": ISSUE_HANDOFF_FAILED,
-    "stop": "stop_failed",
-    "return": "return_failed",
-}
-# The event each kind of operation ends with when it succeeds.
-SUCCEEDED_EVENTS: Final = {
-    "handoff": EVENT_HANDOFF_SUCCEEDED,
-    "stop": EVENT_STOP_SUCCEEDED,
-    "return": EVENT_RETURN_SUCCEEDED,
-}
 # How long a pod may sit terminating past its deletion time before the drain
 # stops waiting for it (its kubelet is not reporting): kubectl's
 # --skip-wait-for-delete-timeout.
 SKIP_WAIT: float = SKIP_WAIT_FOR_DELETE
 
 
-class StartByHand(StrEnum):
-    """What a gaming VM started by hand, as libvirt's hook recorded it, asks
-    of GPU Handoff (see start_by_hand_asks)."""
+class HandoffStore(Store[dict[str, Any]]):
+    """A tower's owned records (core.Owned), migrated from earlier versions."""
 
-    HAND_OFF = "hand_off"
-    FOLLOW = "follow"
-    ENDED = "ended"
-
-
-def start_by_hand_asks(
-    vm: DomainState | None, gpu_node: DomainState | None, *, hook_job_running: bool
-) -> StartByHand:
-    """Decide from the first status that shows the hook's record.
-
-    The hook writes the record at "prepare begin" and submits a stop of the
-    GPU node (which does nothing to one that is off); libvirt keeps the
-    domain locked until that start has failed or its QEMU runs
-    (qemuProcessStart), so the status shows the start's outcome, or what
-    came after it:
-
-    - the start failed (``shut off (failed)``: the GPU node held the cards):
-      HAND_OFF, properly (drain, follow the hook's stop, start the VM), so
-      the player's retry works;
-    - the VM runs while the hook's stop takes a running GPU node down:
-      HAND_OFF too (the node is drained, the stop followed; the VM's start
-      step finds it running);
-    - the VM runs, the GPU node off: it got its cards, nothing is to be
-      handed over; its session is GPU Handoff's to follow (the cards return
-      when it ends): FOLLOW. A handoff job here would start the VM again
-      should it stop before the job's start step;
-    - the VM is off for any other reason, or gone: it ran and ended since:
-      ENDED, nothing to do.
-    """
-    if vm is None or not vm.exists:
-        return StartByHand.ENDED
-    if vm.state == SHUT_OFF:
-        return StartByHand.HAND_OFF if vm.reason == START_FAILED else StartByHand.ENDED
-    gpu_node_up = gpu_node is not None and gpu_node.state not in (SHUT_OFF, None)
-    if hook_job_running and gpu_node_up:
-        return StartByHand.HAND_OFF
-    return StartByHand.FOLLOW
+    async def _async_migrate_func(
+        self, old_major_version: int, old_minor_version: int, old_data: dict[str, Any]
+    ) -> dict[str, Any]:
+        return migrate_store(old_major_version, old_data)
 
 
-def _recorded_after(request: HookRequest, moment: dt.datetime | None) -> bool:
-    """Whether the tower recorded the start by hand after ``moment`` (its
-    own clock; an unreadable time counts as before)."""
-    recorded = dt_util.parse_datetime(request.time)
-    return moment is not None and recorded is not None and recorded > moment
-
-
-def handoff_store(hass: HomeAssistant, entry_id: str) -> Store[dict[str, Any]]:
+def handoff_store(hass: HomeAssistant, entry_id: str) -> HandoffStore:
     """Where a tower's desired state and operation in flight are kept."""
-    return Store(hass, STORAGE_VERSION, f"{DOMAIN}.{entry_id}")
+    return HandoffStore(hass, STORE_VERSION, f"{DOMAIN}.{entry_id}")
 
 
 @dataclass
@@ -170,7 +109,8 @@ class Operation:
 
 
 class HandoffController:
-    """Drives handoffs and returns for one tower."""
+    """Drives handoffs and returns for one tower: the loop around the pure
+    decisions of ``core`` (observe, decide, act, store)."""
 
     def __init__(
         self,
@@ -191,66 +131,88 @@ class HandoffController:
             k8s_node=coordinator.k8s_node,
             host=self,
         )
+        # What is owned and stored (core.Owned): the desired set, the
+        # operation in flight, and whether the GPU node is off because a
+        # tower job of GPU Handoff's shut it down. The requests waiting are
+        # those of ``_requests`` that are not the plan's.
         self.desired: set[str] = set()
-        self.pending: dict[str, Any] | None = None
+        self.plan: Plan | None = None
+        self.gpu_stopped_by_us = False
+        # Requests accepted and not finished (queued or running), by VM. The
+        # switch shows them at once, before any step has run.
+        self._requests: dict[str, Request] = {}
+        self.memory = Memory()
         self.operation: Operation | None = None
         self.drain: DrainProgress | None = None
         self.last_error: dict[str, str] = {}
-        self._seen_hook_requests: set[str] = set()
-        self._returning = False
         self._forgetting = False
-        # Requests accepted and not finished (queued or running): VM -> kind.
-        # The switch shows them at once, before any step has run. Those not
-        # running yet are stored too, so a restart carries them out.
-        self.requests: dict[str, str] = {}
-        # The gaming VMs whose handoff libvirt's hook asked for (started by
-        # hand), and the stop of the GPU node the hook asked for with it
-        # (None: not known, a store written before hook jobs were kept).
-        self._by_hook: dict[str, str | None] = {}
-        # The pods that refused the last lend (a drain refuses pods nothing
-        # recreates): the lend is tried again once they are gone.
-        self.lend_refused: tuple[str, ...] = ()
-        # Whether the GPU node is off because a tower job of GPU Handoff's
-        # shut it down (stored; cleared whenever it is seen running): lending
-        # restarts only such a GPU node after a handoff, never one someone
-        # else shut down.
-        self.gpu_stopped_by_us = False
+        self.report = Reporter(hass, entry, coordinator.k8s_node)
+
+    @property
+    def requests(self) -> dict[str, Kind]:
+        """What each accepted, unfinished request asks for, by VM."""
+        return {vm: request.kind for vm, request in self._requests.items()}
+
+    def owned(self) -> Owned:
+        """What the controller owns now, as it is stored."""
+        running = self.plan.vm if self.plan is not None else None
+        # Only those the tower still keeps (it forgets them after a while).
+        shown = {request.key for request in self.coordinator.data.tower.hook_requests}
+        return Owned(
+            desired=frozenset(self.desired),
+            plan=self.plan,
+            queue=tuple(r for vm, r in self._requests.items() if vm != running),
+            gpu_stopped_by_us=self.gpu_stopped_by_us,
+            seen_hook_requests=self.memory.seen_hook_requests & shown,
+        )
+
+    def observed(self) -> Observed:
+        """The tower and cluster as the last update showed them."""
+        data = self.coordinator.data
+        return Observed(
+            tower=data.tower,
+            node=data.node,
+            configured=frozenset(self.configured_vms),
+            settings=self.settings,
+        )
 
     # --- persistence ---------------------------------------------------------
 
     async def async_start(self) -> None:
         """Load the desired state and resume what an earlier run left."""
-        stored = await self._store.async_load() or {}
-        self.desired = set(stored.get("desired", []))
-        self.pending = stored.get("pending")
-        self.gpu_stopped_by_us = bool(stored.get("gpu_stopped_by_us", False))
+        stored = await self._store.async_load()
+        owned = Owned.from_dict(stored) if stored is not None else Owned()
+        self.desired = set(owned.desired)
+        self.plan = owned.plan
+        self.gpu_stopped_by_us = owned.gpu_stopped_by_us
         status = self.coordinator.data.tower
-        self._seen_hook_requests = {request.key for request in status.hook_requests}
+        seen = owned.seen_hook_requests
+        if seen is None:  # stored by 0.3.x: what the tower shows counts as seen
+            seen = frozenset(request.key for request in status.hook_requests)
+        self.memory = Memory(seen_hook_requests=seen)
         self._forget_unknown_vms()
-        if self.pending is not None:
-            vm, kind = self.pending["vm"], self.pending["kind"]
-            if self.pending.get("origin") == ORIGIN_HOOK:
-                self._by_hook[vm] = self.pending.get("hook_job")
-            if vm == status.gpu_node or vm in self.configured_vms:
-                _LOGGER.info("Resuming the %s of %s after a restart", kind, vm)
-                self._spawn(self._run(vm, kind, resume=True))
+        known = self.configured_vms | {status.gpu_node}
+        if self.plan is not None:
+            request = self.plan.request
+            if request.vm in known:
+                _LOGGER.info(
+                    "Resuming the %s of %s after a restart", request.kind, request.vm
+                )
+                self._spawn(self._run(request, resume=True))
             else:
                 # Its gaming VM was removed meanwhile: end it at a safe point.
                 self._spawn(self._abandon())
         # Requests that waited behind it, in the order they came.
-        for queued in stored.get("queued", []):
-            vm, kind = queued["vm"], queued["kind"]
-            if vm in self.requests or not (
-                vm == status.gpu_node or vm in self.configured_vms
-            ):
+        for request in owned.queue:
+            if request.vm in self._requests or request.vm not in known:
                 continue
             _LOGGER.info(
-                "Carrying out the %s of %s asked for before a restart", kind, vm
+                "Carrying out the %s of %s asked for before a restart",
+                request.kind,
+                request.vm,
             )
-            if queued.get("origin") == ORIGIN_HOOK:
-                self._by_hook[vm] = queued.get("hook_job")
-            self.requests[vm] = kind
-            self._spawn(self._run(vm, kind))
+            self._requests[request.vm] = request
+            self._spawn(self._run(request))
         self._entry.async_on_unload(
             self.coordinator.async_add_listener(self._reconcile)
         )
@@ -262,43 +224,20 @@ class HandoffController:
             str(sub.data[CONF_DOMAIN_NAME]) for sub in self._entry.subentries.values()
         }
 
-    def _forget_unknown_vms(self) -> bool:
+    def _forget_unknown_vms(self) -> None:
         """Drop VMs no longer defined on the tower, or no longer configured
-        and not running, from the desired set (they would block the automatic
-        return forever). A VM removed from GPU Handoff while it plays keeps
-        its session until it stops: then its cards go back."""
-        domains = self.coordinator.data.tower.domains
-        known = {
-            vm
-            for vm in self.desired
-            if (state := domains.get(vm)) is not None
-            and state.exists
-            and (vm in self.configured_vms or state.state == RUNNING)
-        }
-        if known == self.desired:
-            return False
-        _LOGGER.info("Forgetting %s", ", ".join(sorted(self.desired - known)))
-        self.desired = known
-        return True
+        and not running, from the desired set (core.known_desired)."""
+        known = known_desired(
+            frozenset(self.desired),
+            self.coordinator.data.tower.domains,
+            self.configured_vms,
+        )
+        if known != self.desired:
+            _LOGGER.info("Forgetting %s", ", ".join(sorted(self.desired - known)))
+            self.desired = set(known)
 
     async def _save(self) -> None:
-        running = (self.pending or {}).get("vm")
-        queued: list[dict[str, str | None]] = []
-        for vm, kind in self.requests.items():
-            if vm == running:
-                continue
-            item: dict[str, str | None] = {"vm": vm, "kind": kind}
-            if vm in self._by_hook:
-                item |= {"origin": ORIGIN_HOOK, "hook_job": self._by_hook[vm]}
-            queued.append(item)
-        await self._store.async_save(
-            {
-                "desired": sorted(self.desired),
-                "pending": self.pending,
-                "queued": queued,
-                "gpu_stopped_by_us": self.gpu_stopped_by_us,
-            }
-        )
+        await self._store.async_save(self.owned().as_dict())
 
     async def _save_in_background(self) -> None:
         """Save what reconciling learned; a failed write is logged (the next
@@ -323,7 +262,7 @@ class HandoffController:
             raise HomeAssistantError(
                 translation_domain=DOMAIN, translation_key="tower_unreachable"
             )
-        if vm in self.requests:
+        if vm in self._requests:
             raise ServiceValidationError(
                 translation_domain=DOMAIN,
                 translation_key="already_in_progress",
@@ -368,32 +307,32 @@ class HandoffController:
                     translation_key=err.key,
                     translation_placeholders=err.placeholders,
                 ) from err
-        return await self._accept(vm, "handoff")
+        return await self._accept(Request(vm=vm, kind=Kind.HANDOFF))
 
     async def async_turn_off(self, vm: str) -> asyncio.Task[bool]:
         """Shut ``vm`` down gracefully; its cards then go back to the cluster."""
         self._validate(vm)
-        return await self._accept(vm, "stop")
+        return await self._accept(Request(vm=vm, kind=Kind.STOP))
 
-    async def _accept(self, vm: str, kind: str) -> asyncio.Task[bool]:
+    async def _accept(self, request: Request) -> asyncio.Task[bool]:
         """Record the request (the switch shows it at once), store the desired
         state, and run the operation in the background. A request that cannot
         be stored changes nothing and is not left showing."""
         before = set(self.desired)
-        if kind == "handoff":
-            self.desired.add(vm)
+        if request.kind is Kind.HANDOFF:
+            self.desired.add(request.vm)
         else:
-            self.desired.discard(vm)
-        self.requests[vm] = kind
-        self.coordinator.async_update_listeners()
+            self.desired.discard(request.vm)
+        self._requests[request.vm] = request
+        self._publish()
         try:
             await self._save()
         except BaseException:
             self.desired = before
-            del self.requests[vm]
-            self.coordinator.async_update_listeners()
+            del self._requests[request.vm]
+            self._publish()
             raise
-        return self._spawn(self._run(vm, kind))
+        return self._spawn(self._run(request))
 
     async def async_return_cards(self) -> asyncio.Task[bool]:
         """Start the GPU node (once no gaming VM holds its cards) and lift
@@ -402,7 +341,8 @@ class HandoffController:
             raise HomeAssistantError(
                 translation_domain=DOMAIN, translation_key="tower_unreachable"
             )
-        return self._spawn(self._run(self.coordinator.data.tower.gpu_node, "return"))
+        gpu_node = self.coordinator.data.tower.gpu_node
+        return self._spawn(self._run(Request(vm=gpu_node, kind=Kind.RETURN)))
 
     async def _already_playing(self, vm: str) -> bool:
         """Turning on a VM that plays: nothing to do."""
@@ -419,106 +359,32 @@ class HandoffController:
 
     @callback
     def _reconcile(self) -> None:
-        """After each update: notice what happened on the tower. Cards return
-        on an edge (a gaming session GPU Handoff knows of ends), never because
-        the GPU node is seen off: someone may have shut it down on purpose."""
-        if self._lock.locked() or self.pending is not None or self.requests:
+        """After each update, with nothing running or waiting: act on what
+        core.reconcile decides from the observation."""
+        if self._lock.locked() or self.plan is not None or self._requests:
             return
-        data = self.coordinator.data
-        status = data.tower
-        followed = False
-        for request in status.hook_requests:
-            if request.key in self._seen_hook_requests:
-                continue
-            vm = request.domain
-            if (
-                vm not in status.gaming
-                or vm not in self.configured_vms
-                or vm in self.desired
-            ):
-                self._seen_hook_requests.add(request.key)
-                continue
-            asks = start_by_hand_asks(
-                status.domains.get(vm),
-                status.domains.get(status.gpu_node),
-                hook_job_running=any(
-                    job.id == request.job for job in status.active_jobs
-                ),
-            )
-            if asks is StartByHand.ENDED:
-                # Kept unseen: nothing to do as long as the VM stays off;
-                # a request for the VM supersedes it (_run).
-                continue
-            self._seen_hook_requests.add(request.key)
-            self.desired.add(vm)
-            if asks is StartByHand.FOLLOW:
-                _LOGGER.info("%s was started on the tower with its cards", vm)
-                followed = True
-                continue
-            _LOGGER.info("%s was started on the tower; handing its cards over", vm)
-            self._by_hook[vm] = request.job
-            self._spawn(self._persist_and_run(vm, "handoff"))
-            return
-        ended = [
-            vm
-            for vm in sorted(self.desired)
-            if (domain := status.domains.get(vm)) is not None
-            and domain.state == SHUT_OFF
-        ]
-        # The player shut the game down from inside (a VM removed from GPU
-        # Handoff while it played too: its session ends all the same).
-        self.desired.difference_update(ended)
-        changed = self._forget_unknown_vms() or bool(ended) or followed
-        playing = [
-            vm
-            for vm in status.gaming
-            if (d := status.domains.get(vm)) is not None and d.state == RUNNING
-        ]
-        gpu = status.domains.get(status.gpu_node)
-        settings = self.settings
-        auto = settings.auto_return
-        session_ended = bool(ended) and not playing and not self.desired
-        node = data.node
-        # Lending: a player quit while another plays; their cards are free
-        # now, so the GPU node takes them (the return restarts it with every
-        # free card). A lend refused by pods nothing recreates is tried again
-        # once they are gone.
-        lend_again = (
-            settings.lend_free
-            and auto
-            and gpu is not None
-            and (
-                bool(ended)
-                or (
-                    bool(self.lend_refused)
-                    and node is not None
-                    and not set(self.lend_refused) & set(node.unmanaged)
+        result = reconcile(self.observed(), self.owned(), self.memory)
+        self.memory = result.memory
+        for vm in result.followed:
+            _LOGGER.info("%s was started on the tower with its cards", vm)
+        if gone := self.desired - result.desired - set(result.followed):
+            _LOGGER.info("No longer playing: %s", ", ".join(sorted(gone)))
+        self.desired = set(result.desired)
+        if (request := result.run) is not None:
+            if request.by_hook:
+                _LOGGER.info(
+                    "%s was started on the tower; handing its cards over", request.vm
                 )
-            )
-        )
-        # The safety net: our own cordon on a GPU node that serves again (an
-        # operation interrupted between the node's return and the uncordon, a
-        # failed handoff whose rollback could not reach the tower). Whoever
-        # plays: a lending GPU node serves while they do.
-        leftover = (
-            gpu is not None
-            and gpu.state == RUNNING
-            and node is not None
-            and node.ready is True
-            and node.cordon_owner == CORDON_OWNER_US
-            and status.job_for(status.gpu_node) is None
-        )
-        if (session_ended and auto and gpu is not None) or leftover or lend_again:
-            if not self._returning:
-                self._returning = True
-                self._spawn(self._persist_and_run(status.gpu_node, "return"))
+            # Recorded now: the next update finds the controller busy.
+            self._requests[request.vm] = request
+            self._spawn(self._persist_and_run(request))
             return
-        if node is not None and node.stale_mark and not self._forgetting:
+        if result.forget_stale_mark and not self._forgetting:
             self._forgetting = True
             self.hass.async_create_task(
                 self._forget_stale_mark(), f"{DOMAIN} forget stale mark"
             )
-        if changed:
+        if result.changed:
             self.hass.async_create_task(self._save_in_background(), f"{DOMAIN} save")
 
     async def _forget_stale_mark(self) -> None:
@@ -541,224 +407,230 @@ class HandoffController:
         finally:
             self._forgetting = False
 
-    async def _persist_and_run(self, vm: str, kind: str) -> bool:
-        self.requests.setdefault(vm, kind)
+    async def _persist_and_run(self, request: Request) -> bool:
+        self._requests.setdefault(request.vm, request)
         await self._save()
-        return await self._run(vm, kind)
+        return await self._run(request)
 
     # --- running operations ----------------------------------------------------
 
-    async def _run(self, vm: str, kind: str, resume: bool = False) -> bool:
+    async def _run(self, request: Request, resume: bool = False) -> bool:
         """One operation at a time; True when it succeeded."""
-        self.requests.setdefault(vm, kind)
+        self._requests.setdefault(request.vm, request)
         try:
             async with self._lock:
-                succeeded, follow_up = await self._operate(vm, kind, resume)
+                succeeded, follow_up = await self._operate(request, resume)
                 if follow_up:
                     await self._follow_up_return()
                 return succeeded
         finally:
-            self._by_hook.pop(vm, None)
-            if self.requests.get(vm) == kind:
-                del self.requests[vm]
-            if kind == "return":
-                self._returning = False
-            self.coordinator.async_update_listeners()
+            self._request_done(request)
+            self._publish()
 
-    async def _operate(self, vm: str, kind: str, resume: bool) -> tuple[bool, bool]:
+    def _request_done(self, request: Request) -> None:
+        """``request`` ended (another for the same VM may wait behind it)."""
+        current = self._requests.get(request.vm)
+        if current is not None and current.kind is request.kind:
+            del self._requests[request.vm]
+
+    async def _operate(self, request: Request, resume: bool) -> tuple[bool, bool]:
         """Run one operation (the lock held): whether it succeeded, and whether
         the cards must go back to the cluster after it (a return, already
         stored as the next operation)."""
-        if not resume or self.pending is None:
-            self.pending = {"vm": vm, "kind": kind, "job": None}
-            if vm in self._by_hook:
-                self.pending["origin"] = ORIGIN_HOOK
-                self.pending["hook_job"] = self._by_hook[vm]
+        if not resume or self.plan is None:
+            self.plan = Plan(request=request)
             await self._save()
-        settle = self.pending.get("settle")
+        plan = self.plan
+        request, vm, kind = plan.request, plan.vm, plan.kind
         # A return lends again after a refused lend, or says why not.
-        relend = kind == "return" and bool(self.lend_refused)
-        if kind == "return":
-            self.lend_refused = ()
+        relend = kind is Kind.RETURN and bool(self.memory.lend_refused)
+        if kind is Kind.RETURN:
+            self.memory = replace(self.memory, lend_refused=())
         self.operation = Operation(vm, kind, "preparing", dt_util.utcnow().isoformat())
         self.last_error.pop(vm, None)
-        if settle is None:
-            self._fire(EVENT_HANDOFF_STARTED, vm, kind=kind)
-        self.coordinator.async_update_listeners()
+        if plan.settle is None:
+            self.report.fire(EVENT_HANDOFF_STARTED, vm, kind=kind)
+        self._publish()
         returned = follow_up = False
-        self.runner.stopped_gpu_node = False
-        self.runner.pods_came_back = ()
-        self.runner.first_job_created = None
+        # What its jobs did so far (stored: a resumed operation keeps them).
+        self.runner.facts = plan.facts
         try:
-            if settle is not None:
+            if plan.settle is not None:
                 # It failed before a restart; what it left is settled now.
                 self.desired.discard(vm)
-                succeeded, follow_up = False, await self._settle(vm, settle)
+                succeeded, follow_up = False, await self._settle(request, plan.settle)
             else:
-                succeeded, returned, follow_up = await self._attempt(vm, kind)
+                succeeded, returned, follow_up = await self._attempt(request)
         except asyncio.CancelledError:
-            # Home Assistant stops or the entry unloads: keep ``pending`` so
-            # the next start resumes the operation.
+            # Home Assistant stops or the entry unloads: keep the plan so the
+            # next start resumes the operation.
             self.operation = None
             self.drain = None
             raise
+        follow_up = await self._after(request, succeeded=succeeded, follow_up=follow_up)
+        if not succeeded:
+            return False, follow_up
+        # A return succeeds only when the cluster has its cards back.
+        unhealthy = self.runner.returned_unhealthy if returned else None
+        if unhealthy is not None:
+            self.last_error[vm] = unhealthy.message
+        self.report.succeeded(
+            request,
+            gpu_node=self.coordinator.data.tower.gpu_node,
+            returned=returned,
+            relend=relend,
+            unhealthy=unhealthy,
+            came_back=self.runner.facts.pods_came_back,
+        )
+        return True, follow_up
+
+    async def _after(
+        self, request: Request, *, succeeded: bool, follow_up: bool
+    ) -> bool:
+        """After an operation's work: observe afresh, record what its jobs
+        did, decide whether the cards go back (stored as the next plan), and
+        store. True when a return follows."""
         # Fresh state before anything reconciles again: a stale snapshot
         # (say, the cordon just lifted) would start the same work twice.
         await self.coordinator.async_refresh()
-        self._note_gpu_node_stop()
-        if kind in ("handoff", "stop"):
-            # A request for the VM supersedes its starts by hand recorded
-            # before it ends (the user turned it off since; or it was the
-            # start this handoff made, which libvirtd runs the qemu hook for
-            # too, and an agent older than 0.3.1 recorded as a start by
-            # hand): none of them is a request any more. But a start by hand
-            # the tower recorded after it made a stop's first job came after
-            # that stop: it is the newer request, and stays one.
-            after = (
-                dt_util.parse_datetime(self.runner.first_job_created)
-                if kind == "stop" and self.runner.first_job_created
-                else None
-            )
-            self._seen_hook_requests.update(
-                request.key
-                for request in self.coordinator.data.tower.hook_requests
-                if request.domain == vm and not _recorded_after(request, after)
-            )
+        if request.kind in (Kind.HANDOFF, Kind.STOP):
+            await self._supersede(request, succeeded=succeeded)
+        facts = self.runner.facts
+        status = self.coordinator.data.tower
+        self.gpu_stopped_by_us = gpu_stopped_by_us(self.owned(), facts, status)
         self.operation = None
         self.drain = None
-        self.requests.pop(vm, None)
+        self._requests.pop(request.vm, None)
         # Lending: the free cards go back after the last of a burst of
-        # requests, even when that one was a stop that failed (the requests
-        # before it, merged into it, changed what is free).
-        follow_up = follow_up or (
-            (succeeded or kind == "stop") and self._lends_after(vm, kind)
+        # requests (core.lends_after); not lending, after a stop that left
+        # the GPU node GPU Handoff stopped off with nobody playing.
+        owned, waiting, observed = self.owned(), bool(self._requests), self.observed()
+        follow_up = (
+            follow_up
+            or lends_after(
+                request,
+                succeeded=succeeded,
+                facts=facts,
+                owned=owned,
+                waiting=waiting,
+                observed=observed,
+            )
+            or returns_after(
+                request,
+                succeeded=succeeded,
+                facts=facts,
+                owned=owned,
+                waiting=waiting,
+                observed=observed,
+            )
         )
-        self.pending = (
-            {"vm": self.coordinator.data.tower.gpu_node, "kind": "return", "job": None}
-            if follow_up
-            else None
-        )
+        self.plan = self._return_plan() if follow_up else None
         await self._save()
-        if not succeeded:
-            return False, follow_up
-        # A return succeeds only when the cluster has its cards back: a GPU
-        # node that came back without advertising them is reported apart.
-        unhealthy = self.runner.returned_unhealthy if returned else None
-        if unhealthy is None or kind != "return":
-            # Pods that came back to the cordoned node are told, by name.
-            came_back: list[str] = list(self.runner.pods_came_back)
-            self._fire(
-                SUCCEEDED_EVENTS[kind],
-                vm,
-                kind=kind,
-                **({"pods_came_back": came_back} if came_back else {}),
-            )
-        if unhealthy is not None:
-            self.last_error[vm] = unhealthy.message
-            self._fire(
-                EVENT_RETURN_UNHEALTHY,
-                self.coordinator.data.tower.gpu_node,
-                kind=kind,
-                reason=unhealthy.reason,
-                error=unhealthy.message,
-                gpus_expected=unhealthy.expected,
-                gpus_allocatable=unhealthy.allocatable,
-            )
-        elif returned:
-            self._fire(EVENT_CARDS_RETURNED, self.coordinator.data.tower.gpu_node)
-        ir.async_delete_issue(self.hass, DOMAIN, self._issue_id(vm))
-        if kind == "handoff" or relend:
-            # The pods that refused a handoff or a lend are gone (or were
-            # evicted).
-            ir.async_delete_issue(self.hass, DOMAIN, self._unmanaged_issue_id)
-        return True, follow_up
+        return follow_up
 
-    def _lends_after(self, vm: str, kind: str) -> bool:
-        """Whether the free cards go back to the cluster after a handoff or a
-        stop (lending): not while another request waits, whose own end does
-        it (two requests close together cost one GPU node restart). After a
-        handoff only when GPU Handoff stopped the GPU node for it (its job,
-        or libvirt's hook for a start by hand) or the GPU node runs: a GPU
-        node someone else shut down stays off (a stop is a session's end,
-        the edge the cards go back on)."""
-        settings = self.settings
-        if not (
-            kind in ("handoff", "stop")
-            and settings.lend_free
-            and settings.auto_return
-            and not self.requests
-        ):
-            return False
-        if kind == "stop":
-            return True
+    async def _supersede(self, request: Request, *, succeeded: bool) -> None:
+        """The starts by hand a handoff or stop supersedes are dealt with;
+        what their hook's stops of the GPU node did counts as GPU Handoff's
+        (read from their records)."""
         status = self.coordinator.data.tower
-        gpu = status.domains.get(status.gpu_node)
-        return (
-            self.gpu_stopped_by_us
-            or vm in self._by_hook
-            or (gpu is not None and gpu.state == RUNNING)
+        seen = superseded_hook_requests(
+            status.hook_requests,
+            request,
+            self.runner.facts,
+            succeeded=succeeded,
+            running=frozenset(
+                vm for vm, domain in status.domains.items() if domain.state == RUNNING
+            ),
+        )
+        if not self.runner.facts.started_gpu_node:
+            # (A job of the operation's that started the GPU node came after
+            # them: a later stop was not theirs.)
+            await self.runner.read_hook_jobs(
+                hook.job
+                for hook in status.hook_requests
+                if hook.key in seen - self.memory.seen_hook_requests
+                and hook.job is not None
+            )
+        self.memory = replace(
+            self.memory, seen_hook_requests=self.memory.seen_hook_requests | seen
         )
 
-    def _note_gpu_node_stop(self) -> None:
-        """After an operation: whether the GPU node is off because one of our
-        tower jobs shut it down (its job records), or runs again."""
-        status = self.coordinator.data.tower
-        gpu = status.domains.get(status.gpu_node)
-        if self.runner.stopped_gpu_node:
-            self.gpu_stopped_by_us = True
-        if gpu is not None and gpu.state == RUNNING:
-            self.gpu_stopped_by_us = False
+    def _return_plan(self) -> Plan:
+        """The return GPU Handoff decides on after an operation."""
+        gpu_node = self.coordinator.data.tower.gpu_node
+        return Plan(
+            request=Request(vm=gpu_node, kind=Kind.RETURN, origin=Origin.GPU_HANDOFF)
+        )
 
-    async def _attempt(self, vm: str, kind: str) -> tuple[bool, bool, bool]:
+    async def _attempt(self, request: Request) -> tuple[bool, bool, bool]:
         """Do the operation's work: whether it succeeded, whether the cards
         went back to the cluster, and whether they must go back after it."""
+        vm, kind = request.vm, request.kind
         returned = False
         try:
             settings = self.settings
-            if kind == "handoff":
-                await self.runner.handoff(vm, settings)
-            elif kind == "stop":
-                returned = await self.runner.stop(vm, settings)
+            if kind is Kind.HANDOFF:
+                await self.runner.handoff(vm, settings, hook_job=request.hook_job)
+            elif kind is Kind.STOP:
+                returned = await self.runner.stop(
+                    vm, settings, gpu_stopped_by_us=self.gpu_stopped_by_us
+                )
             else:
                 returned = await self.runner.return_cards(settings)
         except Exception as err:  # noqa: BLE001 - every failure must end the operation
             await self._failed(vm, kind, err)
-            if kind == "return":
+            if kind is Kind.RETURN:
                 # A return that drained a lending GPU node and then failed:
                 # our cordon goes if the GPU node still serves.
                 await self.runner.uncordon_if_serving()
-            if kind != "handoff":
+            if kind is not Kind.HANDOFF:
                 return False, False, False
             self.desired.discard(vm)
-            return False, False, await self._settle(vm, None, err)
+            return False, False, await self._settle(request, None, err)
         return True, returned, False
 
-    def _job_stopped_gpu_node(self, err: Exception | None) -> bool:
-        """Whether the failed handoff's own tower job shut the GPU node down:
-        the runner read it from the records of the jobs it followed to their
-        end (a shutdown step skipped because the GPU node was off already did
-        nothing); a job not followed to its end may have (the return that
-        follows reads the tower again)."""
-        if self.runner.stopped_gpu_node or isinstance(err, JobFailedError):
-            return self.runner.stopped_gpu_node
-        return self.pending_job is not None
-
     async def _settle(
-        self, vm: str, settle: dict[str, Any] | None, err: Exception | None = None
+        self, request: Request, settle: Settle | None, err: Exception | None = None
     ) -> bool:
         """Leave what a failed handoff left safe (see the runner's
         ``settle_failed_handoff``), stored first so a restart finishes it.
         True when a return must follow."""
         if settle is None:
-            settle = {
-                "stopped_by_us": self._job_stopped_gpu_node(err),
-                "hook_job": self._by_hook.get(vm),
-            }
-            if self.pending is not None:
-                self.pending = {**self.pending, "job": None, "settle": settle}
+            settle = Settle(
+                stopped_by_us=job_stopped_gpu_node(
+                    self.runner.facts,
+                    job_failed=isinstance(err, JobFailedError),
+                    job_pending=self.pending_job is not None,
+                ),
+                hook_job=settle_hook_job(
+                    request,
+                    self.coordinator.data.tower.hook_requests,
+                    self.memory.seen_hook_requests,
+                ),
+            )
+            if self.plan is not None:
+                self.plan = replace(self.plan, job=None, settle=settle)
                 await self._save()
         return await self.runner.settle_failed_handoff(
-            bool(settle["stopped_by_us"]), self.settings, settle.get("hook_job")
+            settle.stopped_by_us, self.settings, settle.hook_job
+        )
+
+    @callback
+    def _publish(self) -> None:
+        """Show what the controller is doing: every entity reads it from the
+        coordinator's snapshot."""
+        operation = self.operation
+        self.coordinator.async_set_operation(
+            OperationView(
+                requests={vm: r.kind.value for vm, r in self._requests.items()},
+                vm=operation.vm if operation is not None else None,
+                kind=operation.kind if operation is not None else None,
+                step=operation.step if operation is not None else None,
+                phase=operation.phase if operation is not None else None,
+                started=operation.started if operation is not None else None,
+                drain=self.drain,
+                last_error=dict(self.last_error),
+            )
         )
 
     @property
@@ -772,7 +644,7 @@ class HandoffController:
         """The GPU node is at ``phase`` of the running operation."""
         if self.operation is not None and self.operation.phase != phase:
             self.operation.phase = phase
-            self.coordinator.async_update_listeners()
+            self._publish()
 
     def step(self, step: str) -> None:
         """The running operation is at ``step``: an event, and the entities."""
@@ -780,13 +652,15 @@ class HandoffController:
         if operation is None or operation.step == step:
             return
         operation.step = step
-        self._fire(EVENT_HANDOFF_STEP, operation.vm, kind=operation.kind, step=step)
-        self.coordinator.async_update_listeners()
+        self.report.fire(
+            EVENT_HANDOFF_STEP, operation.vm, kind=operation.kind, step=step
+        )
+        self._publish()
 
     def drain_progress(self, progress: DrainProgress) -> None:
         """How far the drain is, shown live."""
         self.drain = progress
-        self.coordinator.async_update_listeners()
+        self._publish()
 
     def show_node(self, view: NodeView) -> None:
         """Show what the runner just learned or did to the node at once, so
@@ -808,14 +682,13 @@ class HandoffController:
     @property
     def pending_job(self) -> PendingJob | None:
         """The tower job the stored operation asked for, if any."""
-        if self.pending is None:
-            return None
-        return PendingJob.from_dict(self.pending.get("job"))
+        return self.plan.job if self.plan is not None else None
 
     async def save_job(self, job: PendingJob | None) -> None:
-        """Store the operation's tower job (before it is asked for)."""
-        if self.pending is not None:
-            self.pending["job"] = job.as_dict() if job is not None else None
+        """Store the operation's tower job (before it is asked for), and
+        what its jobs did so far (once one has ended)."""
+        if self.plan is not None:
+            self.plan = replace(self.plan, job=job, facts=self.runner.facts)
             await self._save()
 
     @callback
@@ -832,139 +705,69 @@ class HandoffController:
         the GPU node); anything else lifts our own cordon if the GPU node
         still serves."""
         async with self._lock:
-            pending = self.pending or {}
-            vm, kind = str(pending.get("vm")), pending.get("kind")
-            self.runner.stopped_gpu_node = False
-            settle = pending.get("settle")
+            if self.plan is None:
+                return
+            plan = self.plan
+            request, vm, kind = plan.request, plan.vm, plan.kind
+            self.runner.facts = plan.facts
             err: Exception | None = None
-            if settle is None:
+            follow_up = False
+            if plan.settle is None:
                 try:
                     await self.runner.finish_job()
                 except Exception as failed:  # noqa: BLE001 - settled below
                     err = failed
                     # Reported as any failed operation is: the request the
                     # user made before the removal did not happen.
-                    await self._failed(vm, str(kind), err)
-            follow_up = False
+                    await self._failed(vm, kind, err)
             await self.coordinator.async_refresh()
-            self._note_gpu_node_stop()
-            if kind == "handoff":
-                domain = self.coordinator.data.tower.domains.get(vm)
-                if err is None and domain is not None and domain.state == RUNNING:
-                    self.desired.add(vm)
-                    follow_up = self._lends_after(vm, kind)
-                else:
-                    self.desired.discard(vm)
-                    follow_up = await self._settle(vm, settle, err)
+            facts = self.runner.facts
+            status = self.coordinator.data.tower
+            self.gpu_stopped_by_us = gpu_stopped_by_us(self.owned(), facts, status)
+            domain = status.domains.get(vm)
+            kept = err is None and domain is not None and domain.state == RUNNING
+            if kind is Kind.HANDOFF and kept:
+                self.desired.add(vm)
+            elif kind is Kind.HANDOFF:
+                self.desired.discard(vm)
+                follow_up = await self._settle(request, plan.settle, err)
             else:
                 await self.runner.uncordon_if_serving()
-                # Lending: the stop freed the VM's cards (or, failed, was
-                # merged with requests that changed what is free).
-                follow_up = kind == "stop" and self._lends_after(vm, kind)
-            gpu = self.coordinator.data.tower.gpu_node
-            self.pending = (
-                {"vm": gpu, "kind": "return", "job": None} if follow_up else None
-            )
+            if kind is not Kind.HANDOFF or kept:
+                # Lending: a handoff that gave the VM its cards, or a stop
+                # that freed them (or, failed, was merged with requests that
+                # changed what is free).
+                follow_up = kind is not Kind.RETURN and lends_after(
+                    request,
+                    succeeded=err is None,
+                    facts=facts,
+                    owned=self.owned(),
+                    waiting=bool(self._requests),
+                    observed=self.observed(),
+                )
+            self.plan = self._return_plan() if follow_up else None
             await self._save()
             if follow_up:
                 await self._follow_up_return()
-                self.coordinator.async_update_listeners()
+                self._publish()
 
     async def _follow_up_return(self) -> None:
         """The cards go back after an operation that left the GPU node off
         (GPU Handoff stopped it), as a return of its own, stored before that
         operation ended (so a restart resumes it). The lock is held."""
-        gpu = self.coordinator.data.tower.gpu_node
-        self.requests.setdefault(gpu, "return")
-        self._returning = True
-        try:
-            await self._operate(gpu, "return", resume=True)
-        finally:
-            self._returning = False
-            if self.requests.get(gpu) == "return":
-                del self.requests[gpu]
-
-    async def _failed(self, vm: str, kind: str, err: Exception) -> None:
-        """Report a failure every way a user may look: the event (automations,
-        the logbook), ``last_error`` (the switch and the sensor), and a repair
-        issue (the notification a user sees without the dashboard: a request
-        made by voice or by an automation fails long after it was accepted)."""
-        code = getattr(err, "code", None) or type(err).__name__
-        message = str(err) or type(err).__name__
-        expected = (
-            HomeAssistantError,
-            TowerError,
-            ClusterError,
-            RunnerError,
-            JobFailedError,
-        )
-        if isinstance(err, expected):
-            _LOGGER.warning("The %s of %s failed: %s", kind, vm, message)
-        else:
-            _LOGGER.error("The %s of %s failed unexpectedly", kind, vm, exc_info=err)
-        if isinstance(err, UnmanagedPodsError):
-            code = ISSUE_UNMANAGED_PODS
-            if kind == "return":
-                self.lend_refused = err.pods
-        self.last_error[vm] = message
-        self._fire(EVENT_HANDOFF_FAILED, vm, kind=kind, error=message, code=code)
-        name = self._device_name(vm)
-        if isinstance(err, UnmanagedPodsError):
-            ir.async_create_issue(
-                self.hass,
-                DOMAIN,
-                self._unmanaged_issue_id,
-                is_fixable=False,
-                is_persistent=False,
-                severity=ir.IssueSeverity.ERROR,
-                translation_key=ISSUE_UNMANAGED_PODS,
-                translation_placeholders={
-                    "vm": name,
-                    "node": self.coordinator.k8s_node,
-                    "pods": ", ".join(err.pods),
-                },
-            )
+        request = self.plan.request if self.plan is not None else None
+        if request is None:
             return
-        ir.async_create_issue(
-            self.hass,
-            DOMAIN,
-            self._issue_id(vm),
-            is_fixable=False,
-            is_persistent=False,
-            severity=ir.IssueSeverity.ERROR,
-            translation_key=FAILED_ISSUES[kind],
-            translation_placeholders={"vm": name, "error": message},
-        )
+        self._requests.setdefault(request.vm, request)
+        try:
+            await self._operate(request, resume=True)
+        finally:
+            self._request_done(request)
 
-    def _device(self, vm: str) -> dr.DeviceEntry | None:
-        """``vm``'s device (the GPU node's or a gaming VM's), if registered."""
-        return dr.async_get(self.hass).async_get_device_by_identifier(
-            domain_identifier(self._entry.entry_id, vm), self._entry.entry_id
-        )
-
-    def _device_name(self, vm: str) -> str:
-        """What the user calls ``vm`` (its device's name, theirs if they
-        renamed it), else its libvirt name."""
-        device = self._device(vm)
-        if device is None:
-            return vm
-        return device.name_by_user or device.name or vm
-
-    @property
-    def _unmanaged_issue_id(self) -> str:
-        return f"{ISSUE_UNMANAGED_PODS}_{self._entry.entry_id}"
-
-    def _issue_id(self, vm: str) -> str:
-        return f"{ISSUE_HANDOFF_FAILED}_{self._entry.entry_id}_{vm}"
-
-    def _fire(self, event: str, vm: str, **data: Any) -> None:
-        device = self._device(vm)
-        self.hass.bus.async_fire(
-            event,
-            {
-                "device_id": device.id if device is not None else None,
-                "config_entry_id": self._entry.entry_id,
-                "vm": vm,
-                **data,
-            },
-        )
+    async def _failed(self, vm: str, kind: Kind, err: Exception) -> None:
+        """Report a failure every way a user may look (report.Reporter), and
+        show it on the switch and the sensor (``last_error``)."""
+        if isinstance(err, UnmanagedPodsError) and kind is Kind.RETURN:
+            self.memory = replace(self.memory, lend_refused=err.pods)
+        self.last_error[vm] = self.report.failed(vm, kind, err)
+        self._publish()

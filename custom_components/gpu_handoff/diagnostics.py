@@ -33,7 +33,7 @@ async def async_get_config_entry_diagnostics(
     coordinator = entry.runtime_data.coordinator
     return {
         "entry": async_redact_data(entry.as_dict(), TO_REDACT),
-        "session_connected": coordinator.session_connected,
+        "session_connected": entry.runtime_data.session.connected,
         "last_update_success": coordinator.last_update_success,
         "snapshot": asdict(coordinator.data),
     }

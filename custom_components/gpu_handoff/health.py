@@ -41,14 +41,13 @@ import re
 from typing import Final
 
 from .cluster_client import (
-    CORDON_OWNER_US,
     NodeReading,
-    NodeView,
     PodEvent,
     PodStart,
     gpus_short,
     not_started,
 )
+from .cluster_model import CORDON_OWNER_US, NodeView
 from .protocol import RUNNING, TowerStatus
 
 # How long a pod may wait for its sandbox, and a node may lack GPUs after it

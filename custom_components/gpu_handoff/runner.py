@@ -11,6 +11,7 @@ nothing is rolled back while a job this side asked for may still run.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 import contextlib
 from dataclasses import dataclass, replace
 import logging
@@ -18,16 +19,17 @@ import secrets
 from typing import Final, Protocol
 
 from . import health
-from .cluster_client import (
-    CORDON_OWNER_OTHER,
-    SKIP_WAIT_FOR_DELETE,
-    ClusterClient,
-    ClusterError,
-    DrainProgress,
-    NodeView,
-    gpus_short,
-)
+from .cluster_client import ClusterClient, ClusterError, gpus_short
+from .cluster_model import CORDON_OWNER_OTHER, DrainProgress, NodeView
 from .const import PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
+from .core import (
+    JobFacts,
+    PendingJob,
+    Settings,
+    returns_after_stop,
+    stop_names,
+    stop_releases,
+)
 from .health import UnhealthyReturn
 from .protocol import (
     REQUESTED_BY_HOOK,
@@ -85,45 +87,6 @@ class JobFailedError(Exception):
 
 
 @dataclass(frozen=True, kw_only=True)
-class PendingJob:
-    """A tower job this side asked for (or is about to): stored first."""
-
-    kind: JobKind
-    domain: str | None
-    request_id: str
-    job_id: str | None = None
-    # The GPU node's bootID when a job that may start it was asked for: the
-    # node is back only when a later boot posts Ready.
-    boot_id: str | None = None
-
-    def as_dict(self) -> dict[str, str | None]:
-        """For storage."""
-        return {
-            "kind": self.kind.value,
-            "domain": self.domain,
-            "request_id": self.request_id,
-            "job_id": self.job_id,
-            "boot_id": self.boot_id,
-        }
-
-    @classmethod
-    def from_dict(cls, data: object) -> PendingJob | None:
-        """From storage (None for anything unreadable)."""
-        if not isinstance(data, dict):
-            return None
-        try:
-            return cls(
-                kind=JobKind(data["kind"]),
-                domain=data.get("domain"),
-                request_id=str(data["request_id"]),
-                job_id=data.get("job_id"),
-                boot_id=data.get("boot_id"),
-            )
-        except KeyError, ValueError:
-            return None
-
-
-@dataclass(frozen=True, kw_only=True)
 class DoneJob:
     """A tower job followed to its end, and the GPU node's bootID before it."""
 
@@ -146,20 +109,6 @@ STARTS_GPU_NODE: Final = frozenset({JobKind.RELEASE, JobKind.LEND})
 def new_request_id() -> str:
     """A request id the agent accepts (and no one else will choose)."""
     return f"ha-{secrets.token_hex(12)}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Settings:
-    """The options an operation follows."""
-
-    drain_timeout: float
-    evict_unmanaged: bool
-    handoff_when_cordoned: bool
-    auto_return: bool
-    skip_wait: float = SKIP_WAIT_FOR_DELETE
-    # Keep lending the cards nobody plays with (the GPU node restarts with
-    # them after a handoff, and again with more when a player stops).
-    lend_free: bool = False
 
 
 class RunnerHost(Protocol):
@@ -297,16 +246,10 @@ class OperationRunner:
 
     # Set by the last return whose GPU node came back short of its GPUs.
     returned_unhealthy: UnhealthyReturn | None = None
-    # Set when a tower job this runner followed shut the GPU node down (a
-    # stop skipped because someone else had shut it down does not count);
-    # its host clears it before each operation.
-    stopped_gpu_node: bool = False
-    # The pods the last drain left on the cordoned node because they came
-    # back tolerating its cordon ("namespace/name"); cleared with the above.
-    pods_came_back: tuple[str, ...] = ()
-    # When the tower made the first job the operation followed (its clock,
-    # ISO 8601); cleared with the above.
-    first_job_created: str | None = None
+    # What the tower jobs of the running operation did (their records) and
+    # the pods its drain left on the cordoned node because they came back
+    # tolerating its cordon; its host starts each operation with new ones.
+    facts: JobFacts = JobFacts()
 
     def __init__(
         self,
@@ -336,9 +279,19 @@ class OperationRunner:
 
     # --- operations ----------------------------------------------------------
 
-    async def handoff(self, vm: str, settings: Settings) -> None:
+    async def handoff(
+        self, vm: str, settings: Settings, *, hook_job: str | None = None
+    ) -> None:
         """Give ``vm`` its cards: drain and stop the GPU node if it holds them,
-        then start ``vm``. A failure leaves the rest to ``settle_failed_handoff``."""
+        then start ``vm``. A failure leaves the rest to ``settle_failed_handoff``.
+        A handoff for a start by hand (``hook_job``: the stop of the GPU node
+        libvirt's hook asked for) reads that job's record too: whether the
+        GPU node is off because of it is what it says, not a guess."""
+        await self._hand_over(vm, settings)
+        if hook_job is not None:
+            await self._read_hook_job(hook_job)
+
+    async def _hand_over(self, vm: str, settings: Settings) -> None:
         pending = self._host.pending_job
         if pending is not None:
             # Resume: the stored job, whatever the tower looks like now.
@@ -354,6 +307,23 @@ class OperationRunner:
             await self._drain(f"handoff to {vm}", settings)
             self._host.phase(PHASE_STOPPING)
         await self._job(JobKind.HANDOFF if node_holds else JobKind.START, vm)
+
+    async def read_hook_jobs(self, job_ids: Iterable[str]) -> None:
+        """Add what these jobs of libvirt's hook did to the operation's facts
+        (the starts by hand it supersedes: their stops of the GPU node were
+        asked for GPU Handoff, and count as its own)."""
+        for job_id in sorted(set(job_ids)):
+            await self._read_hook_job(job_id)
+
+    async def _read_hook_job(self, job_id: str) -> None:
+        """Add what the hook's job did to the operation's facts (followed to
+        its end); a tower that cannot say leaves them as they are."""
+        try:
+            record = await self._follow(job_id)
+        except (TowerConnectionError, AgentCommandError) as err:
+            _LOGGER.warning("Could not read the hook's job %s: %s", job_id, err)
+            return
+        self.facts = self.facts.with_record(record, self.gpu_node)
 
     async def settle_failed_handoff(
         self, stopped_by_us: bool, settings: Settings, hook_job: str | None = None
@@ -381,6 +351,8 @@ class OperationRunner:
                     hook_job = job.id
             if hook_job is not None:
                 record = await self._follow(hook_job)
+                # What it did counts as the operation's (core.returns_after).
+                self.facts = self.facts.with_record(record, self.gpu_node)
                 stopped_by_us = stopped_by_us or record.did(
                     StepName.SHUTDOWN, self.gpu_node
                 )
@@ -419,7 +391,7 @@ class OperationRunner:
             skip_after=settings.skip_wait,
         )
         if progress.came_back:
-            self.pods_came_back = progress.came_back
+            self.facts = replace(self.facts, pods_came_back=progress.came_back)
             _LOGGER.info(
                 "%s: not evicted again, they came back to the cordoned node "
                 "tolerating its cordon and stop with it: %s",
@@ -427,49 +399,49 @@ class OperationRunner:
                 ", ".join(progress.came_back),
             )
 
-    async def stop(self, vm: str, settings: Settings) -> bool:
-        """Stop ``vm``; True when the cards went back to the cluster too."""
+    async def stop(
+        self, vm: str, settings: Settings, *, gpu_stopped_by_us: bool = False
+    ) -> bool:
+        """Stop ``vm``; True when the cards went back to the cluster too
+        (``gpu_stopped_by_us``: the GPU node is off because a tower job of
+        GPU Handoff's shut it down; see core.stop_releases)."""
         pending = self._host.pending_job
         if pending is not None:
             # Resume the job the stored operation asked for.
             done = await self._job(pending.kind, pending.domain)
             if pending.kind is not JobKind.RELEASE:
-                return await self._return_if_nobody_plays(settings)
+                return await self._return_if_nobody_plays(
+                    vm, settings, gpu_stopped_by_us
+                )
             return await self._node_back(done)
         status = await self.tower.status()
-        others = [
-            other
-            for other in status.gaming
-            if other != vm
-            and (d := status.domains.get(other)) is not None
-            and d.state == RUNNING
-        ]
-        if others or not settings.auto_return or settings.lend_free:
-            # (Lending: the GPU node may run with some cards already; the
-            # return that follows restarts it with every free card.)
-            await self._job(JobKind.STOP, vm)
-            return await self._return_if_nobody_plays(settings)
+        named = stop_names(status, vm)
+        if not stop_releases(status, vm, settings, gpu_stopped_by_us=gpu_stopped_by_us):
+            if named is not None:
+                await self._job(JobKind.STOP, named)
+            return await self._return_if_nobody_plays(vm, settings, gpu_stopped_by_us)
         # Nobody else plays: stop the VM and start the GPU node in one job.
         # The return begins now (the Handoff state goes to `starting` and
         # only forward from there, whatever the snapshot lags behind).
         self._host.phase(PHASE_RETURNING)
-        return await self._node_back(await self._job(JobKind.RELEASE, vm))
+        return await self._node_back(await self._job(JobKind.RELEASE, named))
 
-    async def _return_if_nobody_plays(self, settings: Settings) -> bool:
-        """After a stop that began while someone else played: if nobody plays
-        now (they quit meanwhile, or the view the stop began with lagged), the
-        gaming session GPU Handoff knew of has ended, so the cards go back
-        now, as they would have in one job. Lending: the controller's return
-        does it. True when they went back."""
+    async def _return_if_nobody_plays(
+        self, vm: str, settings: Settings, gpu_stopped_by_us: bool
+    ) -> bool:
+        """After a stop that began while someone else played: the cards go
+        back now if core.returns_after_stop says so. True when they went
+        back."""
         if not settings.auto_return or settings.lend_free:
             return False
         status = await self.tower.status()
-        gpu = status.domains.get(status.gpu_node)
-        playing = any(
-            (domain := status.domains.get(vm)) is not None and domain.state == RUNNING
-            for vm in status.gaming
-        )
-        if gpu is None or gpu.state != SHUT_OFF or playing:
+        if not returns_after_stop(
+            status,
+            vm,
+            settings,
+            facts=self.facts,
+            gpu_stopped_by_us=gpu_stopped_by_us,
+        ):
             return False
         self._host.phase(PHASE_RETURNING)
         return await self._node_back(await self._job(JobKind.RELEASE, None))
@@ -713,11 +685,8 @@ class OperationRunner:
             job_id = await self._submit(pending)
             await self._host.save_job(replace(pending, job_id=job_id))
         record = await self._follow(job_id)
-        if self.first_job_created is None:
-            self.first_job_created = record.job.created
+        self.facts = self.facts.with_record(record, self.gpu_node)
         await self._host.save_job(None)
-        if record.did(StepName.SHUTDOWN, self.gpu_node):
-            self.stopped_gpu_node = True
         if record.job.state is JobState.FAILED:
             raise JobFailedError(record)
         # What the job did, shown before the next step (a push may lag it).

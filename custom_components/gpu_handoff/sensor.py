@@ -13,27 +13,25 @@ from homeassistant.components.sensor import (
     SensorStateClass,
 )
 from homeassistant.const import EntityCategory, UnitOfTime
-from homeassistant.core import HomeAssistant
+from homeassistant.core import HomeAssistant, callback
 from homeassistant.helpers import entity_registry as er
 from homeassistant.helpers.entity_platform import AddConfigEntryEntitiesCallback
 
-from .cluster_client import CORDON_OWNER_US, DrainProgress
-from .const import CONF_GPU_NODE, PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
-from .data import GpuHandoffConfigEntry
-from .entity import (
+from .assist import (
     GPU_NODE_SPOKEN,
-    ClusterBacked,
-    GpuHandoffEntity,
     async_expose_to_assist_once,
     async_offer_voice_aliases,
     device_name,
-    gaming_vms,
     is_english,
     spoken_forms,
     unique_names,
 )
+from .cluster_model import CORDON_OWNER_US
+from .const import CONF_GPU_NODE, PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
+from .data import GpuHandoffConfigEntry, GpuHandoffData
+from .entity import ClusterBacked, GpuHandoffEntity, gaming_vms
 from .models import Snapshot
-from .protocol import RUNNING, JobKind, StepName, TowerStatus
+from .protocol import RUNNING, DomainState, JobKind, StepName, TowerStatus
 
 PARALLEL_UPDATES = 0
 
@@ -107,17 +105,16 @@ def gpu_node_state(snapshot: Snapshot, phase: str | None = None) -> str:
     return "cordoned" if node.unschedulable else "serving"
 
 
-def pods_left(snapshot: Snapshot, drain: DrainProgress | None) -> int | None:
+def pods_left(snapshot: Snapshot) -> int | None:
     """Pods a drain still has to move: live during a drain, else the node's."""
-    if drain is not None:
+    if (drain := snapshot.operation.drain) is not None:
         return drain.pods_left
     return snapshot.node.evictable_pods if snapshot.node is not None else None
 
 
-def gpu_node_attributes(
-    snapshot: Snapshot, drain: DrainProgress | None = None
-) -> dict[str, Any]:
+def gpu_node_attributes(snapshot: Snapshot) -> dict[str, Any]:
     """Drain progress, guest-agent readiness, card ownership, node health."""
+    drain = snapshot.operation.drain
     tower = snapshot.tower
     vm = tower.domains.get(tower.gpu_node)
     node = snapshot.node
@@ -127,7 +124,7 @@ def gpu_node_attributes(
         "guest_agent_ready": vm.agent_ready if vm is not None else None,
         "cordoned": node.unschedulable if node is not None else None,
         "cordoned_by": node.cordon_owner if node is not None else None,
-        "pods_left": pods_left(snapshot, drain),
+        "pods_left": pods_left(snapshot),
         "evictions_refused": drain.evictions_refused if drain is not None else None,
         # Pods that came back to the cordoned node tolerating its cordon:
         # the drain leaves them (they stop with the GPU node).
@@ -194,9 +191,14 @@ def cards_by_device(tower: TowerStatus) -> list[dict[str, Any]]:
 class GpuHandoffSensorDescription(SensorEntityDescription, ClusterBacked):
     """A sensor and how it reads the snapshot of its domain."""
 
-    value_fn: Callable[
-        [Snapshot, str | None, DrainProgress | None], str | int | float | None
-    ]
+    value_fn: Callable[[Snapshot], str | int | float | None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class VmSensorDescription(SensorEntityDescription):
+    """A sensor of one VM and how it reads that VM's state."""
+
+    value_fn: Callable[[DomainState | None], str | None]
 
 
 GPU_NODE_SENSOR = SensorEntityDescription(
@@ -206,16 +208,12 @@ GPU_NODE_SENSOR = SensorEntityDescription(
     options=GPU_NODE_STATES,
 )
 
-VM_STATE_SENSOR = GpuHandoffSensorDescription(
+VM_STATE_SENSOR = VmSensorDescription(
     key="vm_state",
     translation_key="vm_state",
     device_class=SensorDeviceClass.ENUM,
     options=VM_STATES,
-    value_fn=lambda snapshot, domain, _drain: (
-        vm.state
-        if (vm := snapshot.tower.domains.get(domain or "")) is not None and vm.exists
-        else "missing"
-    ),
+    value_fn=lambda vm: vm.state if vm is not None and vm.exists else "missing",
 )
 
 TOWER_SENSORS: Final = (
@@ -223,9 +221,7 @@ TOWER_SENSORS: Final = (
         key="gpus_lent",
         translation_key="gpus_lent",
         state_class=SensorStateClass.MEASUREMENT,
-        value_fn=lambda snapshot, _domain, _drain: snapshot.tower.gpus_held_by(
-            snapshot.tower.gpu_node
-        ),
+        value_fn=lambda snapshot: snapshot.tower.gpus_held_by(snapshot.tower.gpu_node),
     ),
 )
 
@@ -235,7 +231,7 @@ NODE_SENSORS: Final = (
         translation_key="gpus_in_use",
         needs_cluster=True,
         state_class=SensorStateClass.MEASUREMENT,
-        value_fn=lambda snapshot, _domain, _drain: (
+        value_fn=lambda snapshot: (
             snapshot.node.gpu_requested if snapshot.node is not None else None
         ),
     ),
@@ -244,7 +240,7 @@ NODE_SENSORS: Final = (
         translation_key="pods_left",
         needs_cluster=True,
         state_class=SensorStateClass.MEASUREMENT,
-        value_fn=lambda snapshot, _domain, drain: pods_left(snapshot, drain),
+        value_fn=pods_left,
     ),
     GpuHandoffSensorDescription(
         key="lease_age",
@@ -254,7 +250,7 @@ NODE_SENSORS: Final = (
         native_unit_of_measurement=UnitOfTime.SECONDS,
         entity_category=EntityCategory.DIAGNOSTIC,
         entity_registry_enabled_default=False,
-        value_fn=lambda snapshot, _domain, _drain: (
+        value_fn=lambda snapshot: (
             round(snapshot.node.lease_age, 1)
             if snapshot.node is not None and snapshot.node.lease_age is not None
             else None
@@ -275,13 +271,13 @@ async def async_setup_entry(
         [
             *(GpuHandoffSensor(data, d) for d in TOWER_SENSORS),
             GpuNodeStateSensor(data, GPU_NODE_SENSOR, gpu_node),
-            GpuHandoffSensor(data, VM_STATE_SENSOR, gpu_node),
+            VmStateSensor(data, VM_STATE_SENSOR, gpu_node),
             *(GpuHandoffSensor(data, d, gpu_node) for d in NODE_SENSORS),
         ]
     )
     for subentry_id, domain in gaming_vms(entry):
         async_add_entities(
-            [GpuHandoffSensor(data, VM_STATE_SENSOR, domain)],
+            [VmStateSensor(data, VM_STATE_SENSOR, domain)],
             config_subentry_id=subentry_id,
         )
 
@@ -294,9 +290,18 @@ class GpuHandoffSensor(GpuHandoffEntity, SensorEntity):
     @property
     def native_value(self) -> str | int | float | None:
         """The value."""
-        return self.entity_description.value_fn(
-            self.coordinator.data, self.domain, self.controller.drain
-        )
+        return self.entity_description.value_fn(self.coordinator.data)
+
+
+class VmStateSensor(GpuHandoffEntity, SensorEntity):
+    """A VM's libvirt state."""
+
+    entity_description: VmSensorDescription
+
+    @property
+    def native_value(self) -> str | None:
+        """The value."""
+        return self.entity_description.value_fn(self.vm)
 
 
 class GpuNodeStateSensor(GpuHandoffEntity, SensorEntity):
@@ -328,25 +333,39 @@ class GpuNodeStateSensor(GpuHandoffEntity, SensorEntity):
         )
         async_expose_to_assist_once(hass, self.entity_id)
 
-    @property
-    def native_value(self) -> str:
+    def __init__(
+        self, data: GpuHandoffData, description: SensorEntityDescription, domain: str
+    ) -> None:
+        """Start from the snapshot as it is."""
+        super().__init__(data, description, domain)
+        self._attr_native_value = self._next_state()
+
+    @callback
+    def _handle_coordinator_update(self) -> None:
+        """Each new snapshot moves the state (reading it changes nothing)."""
+        self._attr_native_value = self._next_state()
+        super()._handle_coordinator_update()
+
+    def _next_state(self) -> str:
         """The GPU node's place in the handoff cycle: through an operation it
         only moves forward (a snapshot that lags, or a push that overtakes
         another, never shows an earlier state again)."""
-        state = gpu_node_state(self.coordinator.data, self.controller.current_phase)
-        operation = self.controller.operation
-        phase = self.controller.current_phase
+        snapshot = self.coordinator.data
+        operation = snapshot.operation
+        phase = operation.phase
+        state = gpu_node_state(snapshot, phase)
         order = RETURN_ORDER if phase == PHASE_RETURNING else HANDOFF_ORDER
-        if operation is None or phase is None or state not in order:
+        if operation.started is None or phase is None or state not in order:
             self._ratchet = None
             return state
         rank = order.index(state)
-        if self._ratchet is not None and self._ratchet[0] is operation:
+        which = (operation.started, operation.vm)
+        if self._ratchet is not None and self._ratchet[0] == which:
             rank = max(rank, self._ratchet[1])
-        self._ratchet = (operation, rank)
+        self._ratchet = (which, rank)
         return order[rank]
 
     @property
     def extra_state_attributes(self) -> Mapping[str, Any]:
         """Drain progress (live during a drain), agent, cards, node health."""
-        return gpu_node_attributes(self.coordinator.data, self.controller.drain)
+        return gpu_node_attributes(self.coordinator.data)

@@ -10,14 +10,9 @@ from homeassistant.core import HomeAssistant
 from homeassistant.helpers import entity_registry as er
 from homeassistant.helpers.entity_platform import AddConfigEntryEntitiesCallback
 
+from .assist import async_offer_voice_aliases, is_english, spoken_forms
 from .data import GpuHandoffConfigEntry
-from .entity import (
-    GpuHandoffEntity,
-    async_offer_voice_aliases,
-    gaming_vms,
-    is_english,
-    spoken_forms,
-)
+from .entity import GpuHandoffEntity, gaming_vms
 from .protocol import SHUT_OFF
 
 # Requests go to the controller, which serialises them per tower.
@@ -68,7 +63,7 @@ class GamingVmSwitch(GpuHandoffEntity, SwitchEntity):
     def is_on(self) -> bool:
         """The requested state from the moment a request is accepted (queued
         behind another operation too) until it ends; else the VM's."""
-        requested = self.controller.requests.get(self.domain or "")
+        requested = self.coordinator.data.operation.requests.get(self.domain or "")
         if requested is not None:
             return requested == "handoff"
         vm = self.vm
@@ -79,13 +74,12 @@ class GamingVmSwitch(GpuHandoffEntity, SwitchEntity):
     @property
     def extra_state_attributes(self) -> Mapping[str, Any]:
         """The current step of an operation on this VM, and the last error."""
-        controller = self.controller
-        operation = controller.operation
+        operation = self.coordinator.data.operation
         return {
             "step": operation.step
-            if operation is not None and operation.vm == self.domain
+            if operation.step is not None and operation.vm == self.domain
             else STEP_IDLE,
-            "last_error": controller.last_error.get(self.domain or ""),
+            "last_error": operation.last_error.get(self.domain or ""),
         }
 
     async def async_turn_on(self, **kwargs: Any) -> None:

@@ -28,12 +28,12 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_SUCCEEDED,
     EVENT_RETURN_UNHEALTHY,
 )
-from custom_components.gpu_handoff.coordinator import ISSUE_NODE_HEALTH
 from custom_components.gpu_handoff.health import (
     CONTAINERS_NOT_STARTING,
     NO_PROBLEM,
     STUCK_BOUND,
 )
+from custom_components.gpu_handoff.repair_sync import ISSUE_NODE_HEALTH
 from tests.k8semu import K8sEmulator
 from tests.support.box_tower import LIBVIRTD
 from tests.support.kubelet import Kubelet

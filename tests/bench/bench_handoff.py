@@ -154,7 +154,7 @@ async def test_refresh_and_idle(
     await setup_entry(hass, entry)
     coordinator = entry.runtime_data.coordinator
     tower: TowerClient = coordinator.tower
-    await until(lambda: coordinator.session_connected, BOUND, poll=0.05)
+    await until(lambda: entry.runtime_data.session.connected, BOUND, poll=0.05)
     session = tower.session
     assert session is not None
     await asyncio.sleep(SETTLE)
@@ -195,7 +195,7 @@ async def test_refresh_and_idle(
 
     monkeypatch.setattr(TowerClient, "open_session", no_session)
     await session.close()
-    await until(lambda: not coordinator.session_connected, BOUND, poll=0.05)
+    await until(lambda: not entry.runtime_data.session.connected, BOUND, poll=0.05)
     await asyncio.sleep(SETTLE)
     starts_old, virsh = len(rig.agent_starts()), await _virsh_count(rig.sim)
     await asyncio.sleep(IDLE_WINDOW)
@@ -245,7 +245,7 @@ async def test_push(
     await setup_entry(hass, entry)
     coordinator = entry.runtime_data.coordinator
     controller = entry.runtime_data.controller
-    await until(lambda: coordinator.session_connected, BOUND, poll=0.05)
+    await until(lambda: entry.runtime_data.session.connected, BOUND, poll=0.05)
     session = coordinator.tower.session
     assert session is not None
     entity = "sensor.gaming_station_2_vm_state"
@@ -354,7 +354,7 @@ async def test_overhead(
         await setup_entry(hass, entry)
         coordinator = entry.runtime_data.coordinator
         controller = entry.runtime_data.controller
-        await until(lambda: coordinator.session_connected, BOUND, poll=0.05)
+        await until(lambda: entry.runtime_data.session.connected, BOUND, poll=0.05)
         handed = async_capture_events(hass, EVENT_HANDOFF_SUCCEEDED)
         stopped = async_capture_events(hass, EVENT_STOP_SUCCEEDED)
         failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)

@@ -2112,7 +2112,7 @@ class ChaosRig:
         controller = self.entry.runtime_data.controller
         if (
             controller.operation is not None
-            or controller.pending is not None
+            or controller.plan is not None
             or controller.requests
         ):
             return False
@@ -2121,7 +2121,7 @@ class ChaosRig:
         # Home Assistant has taken up every start by hand the tower recorded
         # (after an SSH cut it learns of them when its session is back).
         recorded = await asyncio.to_thread(self._hook_request_keys)
-        return recorded <= controller._seen_hook_requests
+        return recorded <= controller.memory.seen_hook_requests
 
     def _hook_request_keys(self) -> set[str]:
         """The keys (HookRequest.key) of the hook's request records."""
@@ -2199,8 +2199,8 @@ class ChaosRig:
         else:
             if controller.operation is not None:
                 busy.append(f"operation {self._phase_text()}")
-            if controller.pending is not None:
-                busy.append(f"pending {controller.pending}")
+            if controller.plan is not None:
+                busy.append(f"plan {controller.plan}")
             if controller.requests:
                 busy.append(f"requests {controller.requests}")
         jobs = self._active_job_files()
@@ -2215,8 +2215,8 @@ class ChaosRig:
                     busy.append(
                         f"its job {job.job_id} is {stored.get('state')} on the tower"
                     )
-            coordinator = self.entry.runtime_data.coordinator
-            busy.append(f"session connected: {coordinator.session_connected}")
+            session = self.entry.runtime_data.session
+            busy.append(f"session connected: {session.connected}")
         return f"not idle {self.settle_bound:.0f} s after the cycle began: " + (
             "; ".join(busy) or "?"
         )

@@ -144,8 +144,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 CONTROLLER,
-                "self._spawn(self._run(vm, kind, resume=True))",
-                "self._spawn(self._run(vm, kind, resume=False))",
+                "self._spawn(self._run(request, resume=True))",
+                "self._spawn(self._run(request, resume=False))",
             ),
         ),
         ("tests/test_session_moments.py::test_a_restart_mid_job_follows_the_same_job",),
@@ -319,8 +319,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 CONTROLLER,
-                'for queued in stored.get("queued", []):',
-                "for queued in []:",
+                "for request in owned.queue:",
+                "for request in ():",
             ),
         ),
         (
@@ -337,8 +337,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 CONTROLLER,
-                "        if node is not None and node.stale_mark and not self._forgetting:",
-                "        if node is not None and node.stale_mark and self._forgetting:",
+                "        if result.forget_stale_mark and not self._forgetting:",
+                "        if result.forget_stale_mark and self._forgetting:",
             ),
         ),
         (
@@ -354,8 +354,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 CONTROLLER,
-                '(succeeded or kind == "stop") and self._lends_after(vm, kind)',
-                "False",
+                "            or lends_after(\n",
+                "            or False and lends_after(\n",
             ),
         ),
         ("tests/test_lending.py::test_one_player_leaves_the_cluster_two_cards",),

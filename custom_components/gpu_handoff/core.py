@@ -1,0 +1,810 @@
+"""The controller's typed state and its decisions: pure functions, no I/O.
+
+No Home Assistant, no asyncio, no clients: what the controller owns (the
+desired set, the requests waiting, the operation in flight) is typed here,
+and every choice it makes from what the tower and the cluster report is a
+function of those records and of the observation. The controller around it
+holds the lock, storage, events and repairs; the runner does the work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+import datetime as dt
+from enum import StrEnum
+from typing import Any, Final
+
+from .cluster_model import CORDON_OWNER_US, SKIP_WAIT_FOR_DELETE, NodeView
+from .protocol import (
+    RUNNING,
+    SHUT_OFF,
+    START_FAILED,
+    DomainState,
+    HookRequest,
+    JobKind,
+    JobRecord,
+    StepName,
+    TowerStatus,
+)
+
+# The version of the stored records (1: the dicts of 0.3.x, migrated).
+STORE_VERSION: Final = 2
+
+
+class Kind(StrEnum):
+    """What an operation does."""
+
+    HANDOFF = "handoff"
+    STOP = "stop"
+    RETURN = "return"
+
+
+class Origin(StrEnum):
+    """Who asked for an operation."""
+
+    USER = "user"  # a switch, an action, a voice command, an automation
+    HOOK = "hook"  # libvirt's hook: a gaming VM started by hand on the tower
+    GPU_HANDOFF = "gpu_handoff"  # a return GPU Handoff decided on itself
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """The options an operation follows."""
+
+    drain_timeout: float
+    evict_unmanaged: bool
+    handoff_when_cordoned: bool
+    auto_return: bool
+    skip_wait: float = SKIP_WAIT_FOR_DELETE
+    # Keep lending the cards nobody plays with (the GPU node restarts with
+    # them after a handoff, and again with more when a player stops).
+    lend_free: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class PendingJob:
+    """A tower job this side asked for (or is about to): stored first."""
+
+    kind: JobKind
+    domain: str | None
+    request_id: str
+    job_id: str | None = None
+    # The GPU node's bootID when a job that may start it was asked for: the
+    # node is back only when a later boot posts Ready.
+    boot_id: str | None = None
+
+    def as_dict(self) -> dict[str, str | None]:
+        """For storage."""
+        return {
+            "kind": self.kind.value,
+            "domain": self.domain,
+            "request_id": self.request_id,
+            "job_id": self.job_id,
+            "boot_id": self.boot_id,
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> PendingJob | None:
+        """From storage (None for anything unreadable)."""
+        if not isinstance(data, dict):
+            return None
+        try:
+            return cls(
+                kind=JobKind(data["kind"]),
+                domain=data.get("domain"),
+                request_id=str(data["request_id"]),
+                job_id=data.get("job_id"),
+                boot_id=data.get("boot_id"),
+            )
+        except KeyError, ValueError:
+            return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """An accepted request for one VM (or, a return, for the GPU node)."""
+
+    vm: str
+    kind: Kind
+    origin: Origin = Origin.USER
+    # The stop of the GPU node libvirt's hook asked for with a start by hand
+    # (None: none, or not known: a store written before hook jobs were kept).
+    hook_job: str | None = None
+
+    @property
+    def by_hook(self) -> bool:
+        """Whether libvirt's hook asked for it (a start by hand)."""
+        return self.origin is Origin.HOOK
+
+    def as_dict(self) -> dict[str, str | None]:
+        """For storage."""
+        return {
+            "vm": self.vm,
+            "kind": self.kind.value,
+            "origin": self.origin.value,
+            "hook_job": self.hook_job,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Request:
+        """From storage."""
+        return cls(
+            vm=str(data["vm"]),
+            kind=Kind(data["kind"]),
+            origin=Origin(data.get("origin") or Origin.USER),
+            hook_job=data.get("hook_job"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobFacts:
+    """What the tower jobs an operation followed to their end did, from their
+    records (never inferred from a later status); stored with the plan, so a
+    restart between a job's end and the operation's does not forget it."""
+
+    # When the first of them was created (the tower's clock).
+    first_created: str | None = None
+    # The last thing they did to the GPU node was to shut it down (a step
+    # skipped because it was off already did nothing; a later start undoes
+    # it: a GPU node off after that was shut down by someone else).
+    stopped_gpu_node: bool = False
+    # A job started the GPU node.
+    started_gpu_node: bool = False
+    # The domains a job's shutdown step shut down.
+    shut_down: frozenset[str] = frozenset()
+    # Pods that came back to the cordoned node during the drain.
+    pods_came_back: tuple[str, ...] = ()
+
+    def with_record(self, record: JobRecord, gpu_node: str) -> JobFacts:
+        """These facts and what ``record`` says its job did, step by step."""
+        facts = replace(self, first_created=self.first_created or record.job.created)
+        for step in record.steps:
+            if not record.did(step.name, step.domain):
+                continue
+            if step.name is StepName.SHUTDOWN:
+                facts = replace(
+                    facts,
+                    shut_down=facts.shut_down | {step.domain},
+                    stopped_gpu_node=facts.stopped_gpu_node or step.domain == gpu_node,
+                )
+            elif step.domain == gpu_node and step.name in STARTS:
+                facts = replace(facts, stopped_gpu_node=False, started_gpu_node=True)
+        return facts
+
+    def as_dict(self) -> dict[str, Any]:
+        """For storage."""
+        return {
+            "first_created": self.first_created,
+            "stopped_gpu_node": self.stopped_gpu_node,
+            "started_gpu_node": self.started_gpu_node,
+            "shut_down": sorted(self.shut_down),
+            "pods_came_back": list(self.pods_came_back),
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> JobFacts:
+        """From storage (none: nothing known)."""
+        if not isinstance(data, Mapping):
+            return cls()
+        return cls(
+            first_created=data.get("first_created"),
+            stopped_gpu_node=bool(data.get("stopped_gpu_node")),
+            started_gpu_node=bool(data.get("started_gpu_node")),
+            shut_down=frozenset(data.get("shut_down", ())),
+            pods_came_back=tuple(data.get("pods_came_back", ())),
+        )
+
+
+# The steps that start a domain.
+STARTS: Final = frozenset({StepName.START, StepName.START_FREE})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settle:
+    """A failed handoff, to be left safe: whether its own tower job shut the
+    GPU node down (the job records say), and the hook's stop to follow."""
+
+    stopped_by_us: bool
+    hook_job: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The operation in flight, stored before each step so a restart resumes
+    it: the request, the tower job it asked for, and (a handoff that failed)
+    what is left to settle."""
+
+    request: Request
+    job: PendingJob | None = None
+    settle: Settle | None = None
+    facts: JobFacts = JobFacts()
+
+    @property
+    def vm(self) -> str:
+        """The VM it is for."""
+        return self.request.vm
+
+    @property
+    def kind(self) -> Kind:
+        """What it does."""
+        return self.request.kind
+
+    def as_dict(self) -> dict[str, Any]:
+        """For storage."""
+        return {
+            **self.request.as_dict(),
+            "job": self.job.as_dict() if self.job is not None else None,
+            "settle": (
+                {
+                    "stopped_by_us": self.settle.stopped_by_us,
+                    "hook_job": self.settle.hook_job,
+                }
+                if self.settle is not None
+                else None
+            ),
+            "facts": self.facts.as_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """From storage."""
+        settle = data.get("settle")
+        return cls(
+            request=Request.from_dict(data),
+            job=PendingJob.from_dict(data.get("job")),
+            settle=(
+                Settle(
+                    stopped_by_us=bool(settle.get("stopped_by_us")),
+                    hook_job=settle.get("hook_job"),
+                )
+                if isinstance(settle, Mapping)
+                else None
+            ),
+            facts=JobFacts.from_dict(data.get("facts")),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Owned:
+    """What the controller owns and stores: the gaming VMs that should play,
+    the operation in flight, the requests waiting behind it in the order
+    they came, and whether the GPU node is off because a tower job of GPU
+    Handoff's shut it down (lending restarts only such a GPU node)."""
+
+    desired: frozenset[str] = frozenset()
+    plan: Plan | None = None
+    queue: tuple[Request, ...] = ()
+    gpu_stopped_by_us: bool = False
+    # The starts by hand the tower recorded that GPU Handoff dealt with
+    # (their keys); None: not known (a store written by 0.3.x: every start
+    # by hand the tower shows at the next start counts as dealt with).
+    seen_hook_requests: frozenset[str] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """For storage (version STORE_VERSION)."""
+        return {
+            "desired": sorted(self.desired),
+            "plan": self.plan.as_dict() if self.plan is not None else None,
+            "queue": [request.as_dict() for request in self.queue],
+            "gpu_stopped_by_us": self.gpu_stopped_by_us,
+            "seen_hook_requests": (
+                sorted(self.seen_hook_requests)
+                if self.seen_hook_requests is not None
+                else None
+            ),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Owned:
+        """From storage (version STORE_VERSION)."""
+        plan = data.get("plan")
+        seen = data.get("seen_hook_requests")
+        return cls(
+            desired=frozenset(data.get("desired", ())),
+            plan=Plan.from_dict(plan) if isinstance(plan, Mapping) else None,
+            queue=tuple(Request.from_dict(item) for item in data.get("queue", ())),
+            gpu_stopped_by_us=bool(data.get("gpu_stopped_by_us", False)),
+            seen_hook_requests=frozenset(seen) if seen is not None else None,
+        )
+
+
+def migrate_store(version: int, data: Mapping[str, Any]) -> dict[str, Any]:
+    """Stored records of an earlier version, as STORE_VERSION stores them.
+
+    Version 1 (0.3.x) kept the operation as ``pending`` (a dict with vm,
+    kind, job, and for a start by hand ``origin: hook`` and ``hook_job``;
+    ``settle`` once a handoff had failed) and the waiting requests as
+    ``queued`` (vm, kind, and the same two for a start by hand).
+    """
+    if version >= STORE_VERSION:
+        return dict(data)
+    pending = data.get("pending")
+    return {
+        "desired": list(data.get("desired", [])),
+        "plan": dict(pending) if isinstance(pending, Mapping) else None,
+        "queue": [dict(item) for item in data.get("queued", [])],
+        "gpu_stopped_by_us": bool(data.get("gpu_stopped_by_us", False)),
+        "seen_hook_requests": None,
+    }
+
+
+# --- decisions ------------------------------------------------------------------
+
+
+class StartByHand(StrEnum):
+    """What a gaming VM started by hand, as libvirt's hook recorded it, asks
+    of GPU Handoff (see start_by_hand_asks)."""
+
+    HAND_OFF = "hand_off"
+    FOLLOW = "follow"
+    ENDED = "ended"
+
+
+def start_by_hand_asks(
+    vm: DomainState | None, gpu_node: DomainState | None, *, hook_job_running: bool
+) -> StartByHand:
+    """Decide from the first status that shows the hook's record.
+
+    The hook writes the record at "prepare begin" and submits a stop of the
+    GPU node (which does nothing to one that is off); libvirt keeps the
+    domain locked until that start has failed or its QEMU runs
+    (qemuProcessStart), so the status shows the start's outcome, or what
+    came after it:
+
+    - the start failed (``shut off (failed)``: the GPU node held the cards):
+      HAND_OFF, properly (drain, follow the hook's stop, start the VM), so
+      the player's retry works;
+    - the VM runs while the hook's stop takes a running GPU node down:
+      HAND_OFF too (the node is drained, the stop followed; the VM's start
+      step finds it running);
+    - the VM runs, the GPU node off: it got its cards, nothing is to be
+      handed over; its session is GPU Handoff's to follow (the cards return
+      when it ends): FOLLOW. A handoff job here would start the VM again
+      should it stop before the job's start step;
+    - the VM is off for any other reason, or gone: it ran and ended since:
+      ENDED, nothing to do.
+    """
+    if vm is None or not vm.exists:
+        return StartByHand.ENDED
+    if vm.state == SHUT_OFF:
+        return StartByHand.HAND_OFF if vm.reason == START_FAILED else StartByHand.ENDED
+    gpu_node_up = gpu_node is not None and gpu_node.state not in (SHUT_OFF, None)
+    if hook_job_running and gpu_node_up:
+        return StartByHand.HAND_OFF
+    return StartByHand.FOLLOW
+
+
+def known_desired(
+    desired: frozenset[str], domains: Mapping[str, DomainState], configured: set[str]
+) -> frozenset[str]:
+    """The desired set without VMs no longer defined on the tower, or no
+    longer configured and not running (they would block the automatic return
+    forever). A VM removed from GPU Handoff while it plays keeps its session
+    until it stops: then its cards go back."""
+    return frozenset(
+        vm
+        for vm in desired
+        if (state := domains.get(vm)) is not None
+        and state.exists
+        and (vm in configured or state.state == RUNNING)
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observed:
+    """The tower and the cluster as the last update (or push) showed them."""
+
+    tower: TowerStatus
+    node: NodeView | None
+    configured: frozenset[str]
+    settings: Settings
+
+
+@dataclass(frozen=True, kw_only=True)
+class Memory:
+    """What the controller remembers between updates: the starts by hand
+    it has dealt with (stored with the owned records, so one recorded while
+    Home Assistant was down is dealt with after it starts), and the pods
+    that refused the last lend (not stored)."""
+
+    seen_hook_requests: frozenset[str] = frozenset()
+    lend_refused: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reconciled:
+    """What an update asks of an idle controller."""
+
+    desired: frozenset[str]
+    memory: Memory
+    # The operation to run now (a handoff for a start by hand, or a return).
+    run: Request | None = None
+    # GPU Handoff's mark on a node nobody cordons is to be removed.
+    forget_stale_mark: bool = False
+    # The desired set changed (to be stored).
+    changed: bool = False
+    # Gaming VMs whose start by hand GPU Handoff now follows (they play).
+    followed: tuple[str, ...] = field(default=())
+
+
+def _hook_request_asks(
+    observed: Observed, desired: frozenset[str], request: HookRequest
+) -> StartByHand | None:
+    """What one start by hand asks (None: nothing, ever: not ours to act on;
+    nor of a VM GPU Handoff gave its cards to that plays: its session is
+    followed already. One of a VM it wants to play that does not run is a
+    player's start that failed: it is handed over)."""
+    status = observed.tower
+    vm = request.domain
+    if vm not in status.gaming or vm not in observed.configured:
+        return None
+    domain = status.domains.get(vm)
+    if vm in desired and domain is not None and domain.state == RUNNING:
+        return None
+    return start_by_hand_asks(
+        status.domains.get(vm),
+        status.domains.get(status.gpu_node),
+        hook_job_running=any(job.id == request.job for job in status.active_jobs),
+    )
+
+
+def _starts_by_hand(observed: Observed, owned: Owned, memory: Memory) -> Reconciled:
+    """The starts by hand the tower recorded and nothing dealt with yet."""
+    desired, seen = set(owned.desired), set(memory.seen_hook_requests)
+    followed: list[str] = []
+    for request in observed.tower.hook_requests:
+        if request.key in seen:
+            continue
+        asks = _hook_request_asks(observed, frozenset(desired), request)
+        if asks is StartByHand.ENDED:
+            # Kept unseen: nothing to do as long as the VM stays off; a
+            # request for the VM supersedes it (superseded_hook_requests).
+            continue
+        seen.add(request.key)
+        if asks is None:
+            continue
+        desired.add(request.domain)
+        if asks is StartByHand.FOLLOW and not _lends_on_follow(observed):
+            followed.append(request.domain)
+            continue
+        return Reconciled(
+            desired=frozenset(desired),
+            memory=replace(memory, seen_hook_requests=frozenset(seen)),
+            run=Request(
+                vm=request.domain,
+                kind=Kind.HANDOFF,
+                origin=Origin.HOOK,
+                hook_job=request.job,
+            ),
+            changed=True,
+            followed=tuple(followed),
+        )
+    return Reconciled(
+        desired=frozenset(desired),
+        memory=replace(memory, seen_hook_requests=frozenset(seen)),
+        changed=bool(followed),
+        followed=tuple(followed),
+    )
+
+
+def _lends_on_follow(observed: Observed) -> bool:
+    """Lending, a start by hand followed with the GPU node off is handed
+    over all the same: the VM plays already, but the hook's job record says
+    whether it shut the GPU node down for it (then the GPU node comes back
+    with the free cards) or found it off (someone else shut it down: it
+    stays off)."""
+    status, settings = observed.tower, observed.settings
+    gpu = status.domains.get(status.gpu_node)
+    return (
+        settings.lend_free
+        and settings.auto_return
+        and gpu is not None
+        and gpu.state == SHUT_OFF
+    )
+
+
+def _return_asked(
+    observed: Observed, desired: frozenset[str], ended: bool, memory: Memory
+) -> bool:
+    """Whether the cards go back to the cluster now: the session GPU Handoff
+    knew of ended (automatic return), a player quit while another plays
+    (lending: their cards are free), a refused lend's pods are gone, or our
+    own cordon is left on a GPU node that serves again (an operation
+    interrupted between the node's return and the uncordon, a failed handoff
+    whose rollback could not reach the tower). Never because the GPU node is
+    seen off: someone may have shut it down on purpose."""
+    status, node, settings = observed.tower, observed.node, observed.settings
+    gpu = status.domains.get(status.gpu_node)
+    if gpu is None:
+        return False
+    playing = any(
+        (domain := status.domains.get(vm)) is not None and domain.state == RUNNING
+        for vm in status.gaming
+    )
+    session_ended = ended and not playing and not desired
+    lend_again = (
+        settings.lend_free
+        and settings.auto_return
+        and (
+            ended
+            or (
+                bool(memory.lend_refused)
+                and node is not None
+                and not set(memory.lend_refused) & set(node.unmanaged)
+            )
+        )
+    )
+    leftover = (
+        gpu.state == RUNNING
+        and node is not None
+        and node.ready is True
+        and node.cordon_owner == CORDON_OWNER_US
+        and status.job_for(status.gpu_node) is None
+    )
+    return (session_ended and settings.auto_return) or leftover or lend_again
+
+
+def reconcile(observed: Observed, owned: Owned, memory: Memory) -> Reconciled:
+    """What an update asks of a controller with nothing running or waiting:
+    a start by hand to hand the cards over for (or to follow), a session
+    that ended (the player shut the game down from inside; a VM removed from
+    GPU Handoff while it played ends its session all the same), the cards to
+    go back, a stale cordon mark to remove."""
+    found = _starts_by_hand(observed, owned, memory)
+    if found.run is not None:
+        return found
+    status = observed.tower
+    ended = {
+        vm
+        for vm in found.desired
+        if (domain := status.domains.get(vm)) is not None and domain.state == SHUT_OFF
+    }
+    remaining = known_desired(
+        found.desired - ended, status.domains, set(observed.configured)
+    )
+    changed = found.changed or remaining != found.desired
+    if _return_asked(observed, remaining, bool(ended), found.memory):
+        return replace(
+            found,
+            desired=remaining,
+            changed=changed,
+            run=Request(
+                vm=status.gpu_node, kind=Kind.RETURN, origin=Origin.GPU_HANDOFF
+            ),
+        )
+    node = observed.node
+    return replace(
+        found,
+        desired=remaining,
+        changed=changed,
+        forget_stale_mark=node is not None and node.stale_mark,
+    )
+
+
+def lends_after(
+    request: Request,
+    *,
+    succeeded: bool,
+    facts: JobFacts,
+    owned: Owned,
+    waiting: bool,
+    observed: Observed,
+) -> bool:
+    """Whether the free cards go back to the cluster after a handoff or a
+    stop (lending): not while another request waits, whose own end does it
+    (two requests close together cost one GPU node restart). Only when GPU
+    Handoff stopped the GPU node (its job, or libvirt's hook for a start by
+    hand: their records say so) or the GPU node runs, or (a stop) when the
+    stop ended a session (its job shut the VM down: the edge the cards go
+    back on) or failed (the requests merged into it changed what is free).
+    A GPU node someone else shut down stays off: a stop of a VM that did not
+    run ends no session, and a hook's stop that found the GPU node off (the
+    operator shut it down first) did nothing."""
+    settings = observed.settings
+    if not (
+        request.kind in (Kind.HANDOFF, Kind.STOP)
+        and settings.lend_free
+        and settings.auto_return
+        and not waiting
+    ):
+        return False
+    if request.kind is Kind.STOP:
+        if not succeeded or request.vm in facts.shut_down:
+            return True
+    elif not succeeded:
+        return False
+    status = observed.tower
+    gpu = status.domains.get(status.gpu_node)
+    return (
+        owned.gpu_stopped_by_us
+        or facts.stopped_gpu_node
+        or (gpu is not None and gpu.state == RUNNING)
+    )
+
+
+def _playing(status: TowerStatus, besides: str | None = None) -> bool:
+    return any(
+        (domain := status.domains.get(vm)) is not None and domain.state == RUNNING
+        for vm in status.gaming
+        if vm != besides
+    )
+
+
+def stop_releases(
+    status: TowerStatus, vm: str, settings: Settings, *, gpu_stopped_by_us: bool
+) -> bool:
+    """Whether a stop of ``vm`` is one tower job that also starts the GPU
+    node (a release): nobody else plays, the cards go back automatically and
+    are not lent (lending: the return that follows restarts the GPU node
+    with every free card), and the GPU node is GPU Handoff's to start: the
+    stop ends a session (``vm`` runs), or the GPU node runs, or a tower job
+    of GPU Handoff's shut it down. A stop of a VM that does not run ends no
+    session: a GPU node someone else shut down stays off."""
+    if _playing(status, besides=vm) or not settings.auto_return or settings.lend_free:
+        return False
+    domain = status.domains.get(vm)
+    gpu = status.domains.get(status.gpu_node)
+    return (
+        (domain is not None and domain.state == RUNNING)
+        or (gpu is not None and gpu.state == RUNNING)
+        or gpu_stopped_by_us
+    )
+
+
+def stop_names(status: TowerStatus, vm: str) -> str | None:
+    """The VM a stop's tower job names: ``vm``, unless it is shut off when
+    the stop begins. A job that named it anyway would shut down a start by
+    hand made after the request (a player's retry) and then, releasing,
+    start the GPU node under the hook's stop for it: nothing is to be
+    stopped."""
+    domain = status.domains.get(vm)
+    return None if domain is not None and domain.state == SHUT_OFF else vm
+
+
+def returns_after_stop(
+    status: TowerStatus,
+    vm: str,
+    settings: Settings,
+    *,
+    facts: JobFacts,
+    gpu_stopped_by_us: bool,
+) -> bool:
+    """After a stop that began while someone else played: whether the cards
+    go back now, as they would have in one job: nobody plays any more (they
+    quit meanwhile, or the view the stop began with lagged), the GPU node is
+    off, the cards go back automatically and are not lent (lending: the
+    controller's return does it), and the stop ended a session (its job
+    shut ``vm`` down) or GPU Handoff shut the GPU node down."""
+    if not settings.auto_return or settings.lend_free or _playing(status):
+        return False
+    gpu = status.domains.get(status.gpu_node)
+    return (
+        gpu is not None
+        and gpu.state == SHUT_OFF
+        and (vm in facts.shut_down or gpu_stopped_by_us)
+    )
+
+
+def returns_after(
+    request: Request,
+    *,
+    succeeded: bool,
+    facts: JobFacts,
+    owned: Owned,
+    waiting: bool,
+    observed: Observed,
+) -> bool:
+    """Whether the cards go back after a stop (not lending: lends_after
+    decides then) or a failed handoff, once nobody plays and the GPU node
+    GPU Handoff stopped is off: their own jobs return them when they can
+    (stop_releases, returns_after_stop, settle_failed_handoff); this is for
+    a GPU node libvirt's hook stopped for a start by hand they supersede
+    (the player's start failed, and the request is the last word)."""
+    settings, status = observed.settings, observed.tower
+    stop = request.kind is Kind.STOP and succeeded and not settings.lend_free
+    failed_handoff = request.kind is Kind.HANDOFF and not succeeded
+    if (
+        not (stop or failed_handoff)
+        or waiting
+        or not settings.auto_return
+        or _playing(status)
+    ):
+        return False
+    gpu = status.domains.get(status.gpu_node)
+    return (
+        gpu is not None
+        and gpu.state == SHUT_OFF
+        and (owned.gpu_stopped_by_us or facts.stopped_gpu_node)
+    )
+
+
+def gpu_stopped_by_us(owned: Owned, facts: JobFacts, tower: TowerStatus) -> bool:
+    """After an operation: whether the GPU node is off because one of our
+    tower jobs shut it down (its job records), cleared once it runs again."""
+    gpu = tower.domains.get(tower.gpu_node)
+    if gpu is not None and gpu.state == RUNNING:
+        return False
+    return owned.gpu_stopped_by_us or facts.stopped_gpu_node
+
+
+def _recorded_after(request: HookRequest, moment: dt.datetime | None) -> bool:
+    """Whether the tower recorded the start by hand after ``moment`` (its
+    own clock; an unreadable time counts as before)."""
+    recorded = _parse_time(request.time)
+    return moment is not None and recorded is not None and recorded > moment
+
+
+def _parse_time(value: str | None) -> dt.datetime | None:
+    """An ISO 8601 time (None when unreadable)."""
+    if not value:
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=dt.UTC)
+
+
+def superseded_hook_requests(
+    requests: Iterable[HookRequest],
+    request: Request,
+    facts: JobFacts,
+    *,
+    succeeded: bool = True,
+    running: frozenset[str] = frozenset(),
+) -> set[str]:
+    """The starts by hand a finished handoff or stop of ``request.vm``
+    supersedes: those recorded before it ends (the user turned it off since;
+    or it was the start this handoff made, which libvirtd runs the qemu hook
+    for too, and an agent older than 0.3.1 recorded as a start by hand).
+
+    But a start by hand the tower recorded after a stop made its first job
+    came after that stop: it is the newer request, and stays one. And while
+    the VM runs, a stop (which left it off, or found it off) or a handoff
+    that failed (neither it nor its job started it) supersedes none: a
+    player started it on the tower since, and its session is to be followed.
+    One whose VM does not run after a failed handoff is superseded all the
+    same: it may be the failed start of the handoff's own job (an agent
+    older than 0.3.1).
+    """
+    if request.vm in running and (request.kind is Kind.STOP or not succeeded):
+        return set()
+    stop = request.kind is Kind.STOP
+    after = _parse_time(facts.first_created) if stop else None
+    return {
+        hook.key
+        for hook in requests
+        if hook.domain == request.vm and not _recorded_after(hook, after)
+    }
+
+
+def settle_hook_job(
+    request: Request, hook_requests: Iterable[HookRequest], seen: frozenset[str]
+) -> str | None:
+    """The hook's stop of the GPU node a failed handoff settles after: the
+    one its start by hand asked for, or (a request of the user's) the one
+    of the newest start by hand of its VM not dealt with yet (a player
+    started it on the tower meanwhile: the hook stopped the GPU node for
+    it, and the failed handoff supersedes it; what that stop did counts as
+    GPU Handoff's)."""
+    if request.hook_job is not None:
+        return request.hook_job
+    jobs = [
+        hook.job
+        for hook in hook_requests
+        if hook.domain == request.vm and hook.key not in seen and hook.job is not None
+    ]
+    return jobs[-1] if jobs else None
+
+
+def job_stopped_gpu_node(
+    facts: JobFacts, *, job_failed: bool, job_pending: bool
+) -> bool:
+    """Whether a failed handoff's own tower job shut the GPU node down: the
+    records of the jobs followed to their end say (a shutdown step skipped
+    because the GPU node was off already did nothing); a job not followed to
+    its end may have (the return that follows reads the tower again)."""
+    if facts.stopped_gpu_node or job_failed:
+        return facts.stopped_gpu_node
+    return job_pending

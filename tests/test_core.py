@@ -1,0 +1,674 @@
+"""The controller's typed records and pure decisions (``core``): every case
+of what an idle controller does after an update, when the free cards go
+back after an operation, what a job record says it did, and the stored
+records with their migration from the dicts 0.3.x stored (files written by
+that code: tests/fixtures/store_v1). The stories around them run through
+Home Assistant, the agent and the cluster emulator (tests/test_handoff.py,
+tests/test_lending.py, tests/test_failed_handoff.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+import json
+from pathlib import Path
+from typing import Any
+
+from homeassistant.core import HomeAssistant
+import pytest
+
+from custom_components.gpu_handoff.cluster_model import CORDON_OWNER_US, NodeView
+from custom_components.gpu_handoff.controller import handoff_store
+from custom_components.gpu_handoff.core import (
+    STORE_VERSION,
+    JobFacts,
+    Kind,
+    Memory,
+    Observed,
+    Origin,
+    Owned,
+    PendingJob,
+    Plan,
+    Request,
+    Settings,
+    Settle,
+    gpu_stopped_by_us,
+    job_stopped_gpu_node,
+    lends_after,
+    migrate_store,
+    reconcile,
+    returns_after,
+    returns_after_stop,
+    settle_hook_job,
+    stop_names,
+    stop_releases,
+    superseded_hook_requests,
+)
+from custom_components.gpu_handoff.protocol import (
+    DomainState,
+    HookRequest,
+    Job,
+    JobKind,
+    JobRecord,
+    JobState,
+    JobStep,
+    StepName,
+    TowerStatus,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "store_v1"
+SETTINGS = Settings(
+    drain_timeout=60,
+    evict_unmanaged=False,
+    handoff_when_cordoned=False,
+    auto_return=True,
+)
+LENDING = replace(SETTINGS, lend_free=True)
+
+
+def domain(name: str, state: str = "running", reason: str | None = None) -> DomainState:
+    return DomainState(
+        name=name,
+        title=name,
+        role="gpu_node" if name == "gpu-node" else "gaming",
+        exists=True,
+        state=state,
+        reason=reason,
+        agent_channel=True,
+        agent_ready=None,
+        hostdevs=(),
+    )
+
+
+def job(kind: JobKind, domain_name: str | None, job_id: str = "j1") -> Job:
+    return Job(
+        id=job_id,
+        kind=kind,
+        domain=domain_name,
+        state=JobState.RUNNING,
+        step=None,
+        request_id=None,
+        requested_by="hook",
+        created="2026-12-02T05:00:00.000+00:00",
+        finished=None,
+        error=None,
+    )
+
+
+def tower(
+    gpu: str = "running",
+    g1: str = "shut_off",
+    g2: str = "shut_off",
+    *,
+    hooks: tuple[HookRequest, ...] = (),
+    jobs: tuple[Job, ...] = (),
+) -> TowerStatus:
+    return TowerStatus(
+        uri="qemu:///system",
+        gpu_node="gpu-node",
+        gaming=("gaming-1", "gaming-2"),
+        domains={
+            "gpu-node": domain("gpu-node", gpu),
+            "gaming-1": domain("gaming-1", g1, "failed" if g1 == "failed" else None),
+            "gaming-2": domain("gaming-2", g2),
+        },
+        cards=(),
+        findings=(),
+        hook_requests=hooks,
+        active_jobs=jobs,
+        virsh_calls=1,
+    )
+
+
+def node(**changes: Any) -> NodeView:
+    return replace(
+        NodeView(
+            name="gpu-node",
+            ready=True,
+            unschedulable=False,
+            cordon_owner=None,
+            lease_age=1.0,
+            gpu_capacity=2,
+            gpu_allocatable=2,
+            gpu_requested=0,
+            pods=0,
+            evictable_pods=0,
+        ),
+        **changes,
+    )
+
+
+def observed(
+    status: TowerStatus, view: NodeView | None = None, settings: Settings = SETTINGS
+) -> Observed:
+    return Observed(
+        tower=status,
+        node=view if view is not None else node(),
+        configured=frozenset({"gaming-1", "gaming-2"}),
+        settings=settings,
+    )
+
+
+def hook(
+    vm: str = "gaming-1", time: str = "2026-12-02T05:00:00.000+00:00"
+) -> HookRequest:
+    return HookRequest(
+        domain=vm, operation="prepare", addresses=(), time=time, job="j1", error=None
+    )
+
+
+# --- an idle controller after an update -------------------------------------------
+
+
+def test_nothing_to_do() -> None:
+    result = reconcile(observed(tower()), Owned(), Memory())
+    assert (result.run, result.changed, result.forget_stale_mark) == (
+        None,
+        False,
+        False,
+    )
+    assert result.desired == frozenset()
+
+
+def test_a_start_by_hand_that_failed_is_handed_over() -> None:
+    """The start failed (the GPU node held the cards): a handoff for the hook."""
+    start = hook()
+    result = reconcile(
+        observed(
+            tower(g1="failed", jobs=(job(JobKind.STOP, "gpu-node"),), hooks=(start,))
+        ),
+        Owned(),
+        Memory(),
+    )
+    assert result.run == Request(
+        vm="gaming-1", kind=Kind.HANDOFF, origin=Origin.HOOK, hook_job="j1"
+    )
+    assert result.desired == {"gaming-1"}
+    assert start.key in result.memory.seen_hook_requests
+
+
+def test_a_start_by_hand_with_its_cards_is_followed() -> None:
+    start = hook()
+    result = reconcile(
+        observed(tower(gpu="shut_off", g1="running", hooks=(start,))), Owned(), Memory()
+    )
+    assert (result.run, result.followed, result.changed) == (None, ("gaming-1",), True)
+    assert result.desired == {"gaming-1"}
+
+
+def test_a_start_by_hand_that_ended_stays_unseen() -> None:
+    """Nothing to do while the VM stays off; a request for it supersedes it."""
+    result = reconcile(observed(tower(hooks=(hook(),))), Owned(), Memory())
+    assert result.run is None
+    assert result.memory.seen_hook_requests == frozenset()
+
+
+def test_a_start_by_hand_of_a_vm_gpu_handoff_does_not_manage_is_ignored() -> None:
+    status = tower(g1="failed", hooks=(hook(),))
+    result = reconcile(
+        replace(observed(status), configured=frozenset({"gaming-2"})), Owned(), Memory()
+    )
+    assert result.run is None
+    assert hook().key in result.memory.seen_hook_requests
+
+
+def test_the_session_ends_and_the_cards_go_back() -> None:
+    result = reconcile(
+        observed(tower(gpu="shut_off")),
+        Owned(desired=frozenset({"gaming-1"})),
+        Memory(),
+    )
+    assert result.run == Request(
+        vm="gpu-node", kind=Kind.RETURN, origin=Origin.GPU_HANDOFF
+    )
+    assert result.desired == frozenset()
+
+
+def test_without_automatic_return_the_session_end_is_only_noted() -> None:
+    result = reconcile(
+        observed(tower(gpu="shut_off"), settings=replace(SETTINGS, auto_return=False)),
+        Owned(desired=frozenset({"gaming-1"})),
+        Memory(),
+    )
+    assert (result.run, result.changed, result.desired) == (None, True, frozenset())
+
+
+def test_one_player_quits_while_another_plays() -> None:
+    """No return (someone plays); lending, the freed cards go back."""
+    owned = Owned(desired=frozenset({"gaming-1", "gaming-2"}))
+    status = tower(gpu="shut_off", g2="running")
+    assert reconcile(observed(status), owned, Memory()).run is None
+    lend = reconcile(observed(status, settings=LENDING), owned, Memory())
+    assert lend.run is not None
+    assert lend.run.kind is Kind.RETURN
+
+
+def test_a_gpu_node_seen_off_is_never_a_reason_to_return() -> None:
+    """Someone may have shut it down on purpose."""
+    assert reconcile(observed(tower(gpu="shut_off")), Owned(), Memory()).run is None
+
+
+def test_our_cordon_left_on_a_serving_gpu_node_is_lifted_by_a_return() -> None:
+    ours = node(unschedulable=True, cordon_owner=CORDON_OWNER_US)
+    assert reconcile(observed(tower(), ours), Owned(), Memory()).run is not None
+    # Not while a tower job may still stop it, nor before it is Ready.
+    busy = tower(jobs=(job(JobKind.HANDOFF, "gaming-1"),))
+    assert reconcile(observed(busy, ours), Owned(), Memory()).run is None
+    unready = replace(ours, ready=False)
+    assert reconcile(observed(tower(), unready), Owned(), Memory()).run is None
+
+
+def test_a_refused_lend_is_tried_again_once_its_pods_are_gone() -> None:
+    memory = Memory(lend_refused=("default/debug",))
+    still = node(unmanaged=("default/debug",))
+    assert reconcile(observed(tower(), still, LENDING), Owned(), memory).run is None
+    assert (
+        reconcile(observed(tower(), node(), LENDING), Owned(), memory).run is not None
+    )
+
+
+def test_a_stale_mark_is_forgotten() -> None:
+    result = reconcile(observed(tower(), node(stale_mark=True)), Owned(), Memory())
+    assert result.forget_stale_mark
+
+
+def test_a_vm_gone_from_the_tower_leaves_the_desired_set() -> None:
+    status = tower(g1="running")
+    status = replace(
+        status,
+        domains={
+            **status.domains,
+            "gaming-1": replace(status.domains["gaming-1"], exists=False),
+        },
+    )
+    result = reconcile(
+        observed(status), Owned(desired=frozenset({"gaming-1"})), Memory()
+    )
+    assert (result.desired, result.changed) == (frozenset(), True)
+
+
+# --- after an operation -----------------------------------------------------------------
+
+
+STOP = Request(vm="gaming-2", kind=Kind.STOP)
+HANDOFF = Request(vm="gaming-2", kind=Kind.HANDOFF)
+HOOK_HANDOFF = replace(HANDOFF, origin=Origin.HOOK, hook_job="h")
+
+
+@pytest.mark.parametrize(
+    ("request_", "succeeded", "facts", "owned", "gpu", "lends"),
+    [
+        # A stop that ended a session frees its cards.
+        (
+            STOP,
+            True,
+            JobFacts(shut_down=frozenset({"gaming-2"})),
+            Owned(),
+            "shut_off",
+            True,
+        ),
+        # A failed stop: the requests merged into it changed what is free.
+        (STOP, False, JobFacts(), Owned(), "shut_off", True),
+        # A stop of a VM that did not run ends no session: a GPU node
+        # someone else shut down stays off...
+        (STOP, True, JobFacts(), Owned(), "shut_off", False),
+        # ...one GPU Handoff stopped, or one that runs, takes the free cards.
+        (STOP, True, JobFacts(), Owned(gpu_stopped_by_us=True), "shut_off", True),
+        (STOP, True, JobFacts(), Owned(), "running", True),
+        # A handoff lends when GPU Handoff stopped the GPU node for it.
+        (HANDOFF, True, JobFacts(stopped_gpu_node=True), Owned(), "shut_off", True),
+        # A start by hand: the hook's job record says whether it shut the
+        # GPU node down (the operator may have, before it).
+        (
+            HOOK_HANDOFF,
+            True,
+            JobFacts(stopped_gpu_node=True),
+            Owned(),
+            "shut_off",
+            True,
+        ),
+        (HOOK_HANDOFF, True, JobFacts(), Owned(), "shut_off", False),
+        (HANDOFF, True, JobFacts(), Owned(), "shut_off", False),
+        (HANDOFF, False, JobFacts(stopped_gpu_node=True), Owned(), "shut_off", False),
+        (
+            Request(vm="gpu-node", kind=Kind.RETURN),
+            True,
+            JobFacts(),
+            Owned(),
+            "running",
+            False,
+        ),
+    ],
+)
+def test_when_the_free_cards_go_back(
+    request_: Request,
+    succeeded: bool,
+    facts: JobFacts,
+    owned: Owned,
+    gpu: str,
+    lends: bool,
+) -> None:
+    seen = observed(tower(gpu=gpu), settings=LENDING)
+    assert (
+        lends_after(
+            request_,
+            succeeded=succeeded,
+            facts=facts,
+            owned=owned,
+            waiting=False,
+            observed=seen,
+        )
+        is lends
+    )
+    # Never while another request waits (its own end does it), nor without
+    # lending.
+    assert not lends_after(
+        request_,
+        succeeded=succeeded,
+        facts=facts,
+        owned=owned,
+        waiting=True,
+        observed=seen,
+    )
+    assert not lends_after(
+        request_,
+        succeeded=succeeded,
+        facts=facts,
+        owned=owned,
+        waiting=False,
+        observed=observed(tower(gpu=gpu)),
+    )
+
+
+def _record(*steps: tuple[StepName, str, str]) -> JobRecord:
+    return JobRecord(
+        job=replace(
+            job(JobKind.HANDOFF, "gaming-1"), created="2026-12-02T05:00:00.000+00:00"
+        ),
+        steps=tuple(
+            JobStep(
+                name=name,
+                domain=name_of,
+                started="s",
+                finished="f",
+                result=result,
+                detail=None,
+            )
+            for name, name_of, result in steps
+        ),
+    )
+
+
+def test_what_a_job_record_says_it_did() -> None:
+    """A shutdown step skipped (the domain was off already) did nothing."""
+    did = JobFacts().with_record(
+        _record(
+            (StepName.SHUTDOWN, "gpu-node", "ok"), (StepName.START, "gaming-1", "ok")
+        ),
+        "gpu-node",
+    )
+    assert did.stopped_gpu_node
+    assert did.shut_down == {"gpu-node"}
+    assert did.first_created == "2026-12-02T05:00:00.000+00:00"
+    skipped = JobFacts().with_record(
+        _record((StepName.SHUTDOWN, "gpu-node", "skipped")), "gpu-node"
+    )
+    assert not skipped.stopped_gpu_node
+    assert skipped.shut_down == frozenset()
+
+
+def test_whether_the_gpu_node_is_off_because_of_gpu_handoff() -> None:
+    stopped = JobFacts(stopped_gpu_node=True)
+    assert gpu_stopped_by_us(Owned(), stopped, tower(gpu="shut_off"))
+    assert gpu_stopped_by_us(
+        Owned(gpu_stopped_by_us=True), JobFacts(), tower(gpu="shut_off")
+    )
+    # Cleared once it runs again.
+    assert not gpu_stopped_by_us(Owned(gpu_stopped_by_us=True), stopped, tower())
+
+
+def test_whether_a_failed_handoffs_job_stopped_the_gpu_node() -> None:
+    stopped = JobFacts(stopped_gpu_node=True)
+    assert job_stopped_gpu_node(stopped, job_failed=True, job_pending=False)
+    assert not job_stopped_gpu_node(JobFacts(), job_failed=True, job_pending=True)
+    # A job not followed to its end may have.
+    assert job_stopped_gpu_node(JobFacts(), job_failed=False, job_pending=True)
+    assert not job_stopped_gpu_node(JobFacts(), job_failed=False, job_pending=False)
+
+
+def test_which_starts_by_hand_a_request_supersedes() -> None:
+    before = hook("gaming-1", "2026-12-02T04:59:00.000+00:00")
+    after = hook("gaming-1", "2026-12-02T05:01:00.000+00:00")
+    other = hook("gaming-2", "2026-12-02T04:59:00.000+00:00")
+    facts = JobFacts(first_created="2026-12-02T05:00:00.000+00:00")
+    stop = Request(vm="gaming-1", kind=Kind.STOP)
+    # A start by hand recorded after a stop's first job is the newer request.
+    assert superseded_hook_requests((before, after, other), stop, facts) == {before.key}
+    handoff = Request(vm="gaming-1", kind=Kind.HANDOFF)
+    assert superseded_hook_requests((before, after, other), handoff, facts) == {
+        before.key,
+        after.key,
+    }
+    unreadable = hook("gaming-1", "yesterday")
+    assert superseded_hook_requests((unreadable,), stop, facts) == {unreadable.key}
+    # While the VM runs, a stop or a failed handoff supersedes none: a
+    # player started it on the tower since.
+    running = frozenset({"gaming-1"})
+    assert not superseded_hook_requests((before,), stop, facts, running=running)
+    assert not superseded_hook_requests(
+        (before,), handoff, facts, succeeded=False, running=running
+    )
+    # One whose VM does not run after a failed handoff goes all the same.
+    assert superseded_hook_requests((before,), handoff, facts, succeeded=False) == {
+        before.key
+    }
+
+
+def test_which_start_by_hand_a_failed_handoff_settles_after() -> None:
+    started = replace(hook("gaming-1", "2026-12-02T05:00:00.000+00:00"), job="h2")
+    seen = replace(hook("gaming-1", "2026-12-02T04:00:00.000+00:00"), job="h1")
+    user = Request(vm="gaming-1", kind=Kind.HANDOFF)
+    assert settle_hook_job(user, (seen, started), frozenset({seen.key})) == "h2"
+    assert settle_hook_job(user, (seen,), frozenset({seen.key})) is None
+    by_hook = replace(user, origin=Origin.HOOK, hook_job="h0")
+    assert settle_hook_job(by_hook, (started,), frozenset()) == "h0"
+
+
+def test_what_a_stop_names() -> None:
+    """A VM shut off when the stop begins is not named: the job would shut a
+    later start by hand down."""
+    assert stop_names(tower(g1="running"), "gaming-1") == "gaming-1"
+    assert stop_names(tower(), "gaming-1") is None
+    assert stop_names(tower(g1="paused"), "gaming-1") == "gaming-1"
+
+
+def test_when_a_stop_releases() -> None:
+    seen = tower(gpu="shut_off", g1="running")
+    assert stop_releases(seen, "gaming-1", SETTINGS, gpu_stopped_by_us=False)
+    # A VM that does not run ends no session: an operator's shutdown stays.
+    off = tower(gpu="shut_off")
+    assert not stop_releases(off, "gaming-1", SETTINGS, gpu_stopped_by_us=False)
+    assert stop_releases(off, "gaming-1", SETTINGS, gpu_stopped_by_us=True)
+    assert stop_releases(tower(), "gaming-1", SETTINGS, gpu_stopped_by_us=False)
+    # Someone else plays, no automatic return, or lending: a plain stop.
+    both = tower(gpu="shut_off", g1="running", g2="running")
+    assert not stop_releases(both, "gaming-1", SETTINGS, gpu_stopped_by_us=True)
+    manual = replace(SETTINGS, auto_return=False)
+    assert not stop_releases(seen, "gaming-1", manual, gpu_stopped_by_us=True)
+    assert not stop_releases(seen, "gaming-1", LENDING, gpu_stopped_by_us=True)
+
+
+def test_when_the_cards_go_back_after_a_stop_that_began_while_another_played() -> None:
+    ended = JobFacts(shut_down=frozenset({"gaming-1"}))
+    off = tower(gpu="shut_off")
+    assert returns_after_stop(
+        off, "gaming-1", SETTINGS, facts=ended, gpu_stopped_by_us=False
+    )
+    assert returns_after_stop(
+        off, "gaming-1", SETTINGS, facts=JobFacts(), gpu_stopped_by_us=True
+    )
+    assert not returns_after_stop(
+        off, "gaming-1", SETTINGS, facts=JobFacts(), gpu_stopped_by_us=False
+    )
+    assert not returns_after_stop(
+        tower(gpu="shut_off", g2="running"),
+        "gaming-1",
+        SETTINGS,
+        facts=ended,
+        gpu_stopped_by_us=True,
+    )
+    assert not returns_after_stop(
+        off, "gaming-1", LENDING, facts=ended, gpu_stopped_by_us=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("request_", "succeeded", "stopped", "gpu", "g2", "back"),
+    [
+        # A stop, not lending: the GPU node GPU Handoff (or the hook for a
+        # start by hand it superseded) stopped comes back.
+        (STOP, True, True, "shut_off", "shut_off", True),
+        (STOP, True, False, "shut_off", "shut_off", False),
+        (STOP, False, True, "shut_off", "shut_off", False),
+        # A failed handoff likewise.
+        (HANDOFF, False, True, "shut_off", "shut_off", True),
+        (HANDOFF, True, True, "shut_off", "shut_off", False),
+        # Not while someone plays, nor when the GPU node runs.
+        (STOP, True, True, "shut_off", "running", False),
+        (STOP, True, True, "running", "shut_off", False),
+    ],
+)
+def test_when_the_cards_go_back_after_a_request(
+    request_: Request, succeeded: bool, stopped: bool, gpu: str, g2: str, back: bool
+) -> None:
+    seen = observed(tower(gpu=gpu, g2=g2))
+    facts = JobFacts(stopped_gpu_node=stopped)
+    decided = {"succeeded": succeeded, "facts": facts, "owned": Owned()}
+    assert returns_after(request_, waiting=False, observed=seen, **decided) is back
+    assert not returns_after(request_, waiting=True, observed=seen, **decided)
+
+
+def test_lending_a_start_by_hand_followed_with_the_gpu_node_off_is_handed_over() -> (
+    None
+):
+    """The VM plays already; the hook's record decides about the GPU node."""
+    start = hook()
+    status = tower(gpu="shut_off", g1="running", hooks=(start,))
+    result = reconcile(observed(status, settings=LENDING), Owned(), Memory())
+    assert result.run == Request(
+        vm="gaming-1", kind=Kind.HANDOFF, origin=Origin.HOOK, hook_job="j1"
+    )
+
+
+def test_a_failed_start_by_hand_of_a_vm_gpu_handoff_wants_is_handed_over() -> None:
+    """Still in the desired set (its session's end not seen yet), the VM's
+    new start by hand failed: a player wants it, the handoff follows."""
+    start = hook()
+    status = tower(g1="failed", jobs=(job(JobKind.STOP, "gpu-node"),), hooks=(start,))
+    result = reconcile(
+        observed(status), Owned(desired=frozenset({"gaming-1"})), Memory()
+    )
+    assert result.run is not None
+    assert result.run.kind is Kind.HANDOFF
+    # One that plays is followed already: nothing to do.
+    playing = tower(gpu="shut_off", g1="running", hooks=(start,))
+    quiet = reconcile(
+        observed(playing), Owned(desired=frozenset({"gaming-1"})), Memory()
+    )
+    assert quiet.run is None
+    assert start.key in quiet.memory.seen_hook_requests
+
+
+def test_job_records_in_order() -> None:
+    """A start of the GPU node after a stop undoes it: a GPU node off after
+    that was shut down by someone else."""
+    facts = JobFacts().with_record(
+        _record(
+            (StepName.SHUTDOWN, "gpu-node", "ok"), (StepName.START, "gpu-node", "ok")
+        ),
+        "gpu-node",
+    )
+    assert not facts.stopped_gpu_node
+    assert facts.started_gpu_node
+    assert JobFacts.from_dict(facts.as_dict()) == facts
+    assert JobFacts.from_dict(None) == JobFacts()
+
+
+# --- stored records --------------------------------------------------------------------
+
+
+def test_the_records_round_trip() -> None:
+    owned = Owned(
+        desired=frozenset({"gaming-1"}),
+        plan=Plan(
+            request=Request(
+                vm="gaming-2", kind=Kind.HANDOFF, origin=Origin.HOOK, hook_job="h"
+            ),
+            job=PendingJob(kind=JobKind.HANDOFF, domain="gaming-2", request_id="ha-1"),
+            settle=Settle(stopped_by_us=True, hook_job="h"),
+        ),
+        queue=(Request(vm="gaming-1", kind=Kind.STOP),),
+        gpu_stopped_by_us=True,
+    )
+    assert Owned.from_dict(json.loads(json.dumps(owned.as_dict()))) == owned
+
+
+def _v1(name: str) -> dict[str, Any]:
+    stored: dict[str, Any] = json.loads((FIXTURES / f"{name}.json").read_text())
+    assert stored["version"] == 1
+    return stored
+
+
+def test_a_failed_handoff_stored_by_0_3_is_migrated() -> None:
+    stored = _v1("settle")
+    owned = Owned.from_dict(migrate_store(1, stored["data"]))
+    hook_job = stored["data"]["pending"]["hook_job"]
+    assert owned.plan == Plan(
+        request=Request(
+            vm="gaming-2", kind=Kind.HANDOFF, origin=Origin.HOOK, hook_job=hook_job
+        ),
+        settle=Settle(stopped_by_us=False, hook_job=hook_job),
+    )
+    assert (owned.desired, owned.queue, owned.gpu_stopped_by_us) == (
+        frozenset(),
+        (),
+        False,
+    )
+
+
+def test_a_stop_with_a_request_waiting_stored_by_0_3_is_migrated() -> None:
+    stored = _v1("queued")
+    owned = Owned.from_dict(migrate_store(1, stored["data"]))
+    assert owned.plan is not None
+    assert owned.plan.job is not None
+    assert owned.plan.request == Request(vm="gaming-1", kind=Kind.STOP)
+    assert owned.plan.job.job_id == stored["data"]["pending"]["job"]["job_id"]
+    assert owned.queue == (Request(vm="gaming-2", kind=Kind.STOP),)
+    assert owned.gpu_stopped_by_us
+
+
+def test_a_lend_stored_by_0_3_is_migrated() -> None:
+    stored = _v1("return")
+    owned = Owned.from_dict(migrate_store(1, stored["data"]))
+    assert owned.plan is not None
+    assert owned.plan.job is not None
+    assert owned.plan.kind is Kind.RETURN
+    assert owned.plan.job.kind is JobKind.LEND
+    assert owned.plan.job.boot_id == stored["data"]["pending"]["job"]["boot_id"]
+    assert owned.desired == {"gaming-1"}
+
+
+async def test_home_assistant_migrates_the_stored_file(
+    hass: HomeAssistant, hass_storage: dict[str, Any]
+) -> None:
+    """The store written by 0.3.x loads as the current records, through
+    Home Assistant's own storage (which keeps the migrated version)."""
+    stored = _v1("queued")
+    hass_storage["gpu_handoff.ENTRY_ID"] = stored
+    store = handoff_store(hass, "ENTRY_ID")
+    data = await store.async_load()
+    assert data is not None
+    assert Owned.from_dict(data) == Owned.from_dict(migrate_store(1, stored["data"]))
+    await store.async_save(data)
+    assert hass_storage["gpu_handoff.ENTRY_ID"]["version"] == STORE_VERSION
+    # A current store is read as it is.
+    assert migrate_store(STORE_VERSION, data) == data
