@@ -1,0 +1,219 @@
+"""Every interleaving of up to ``depth`` events, breadth first, each state
+once (the model's states are immutable and hashed whole): the steps that
+happen on their own (the controller's, a tower job's, the node's) cost
+nothing, so each event is followed by every order of them. The invariants
+the chaos soak checks are checked after every step, and at every state
+where nothing happens on its own any more; the first violation of each
+invariant is kept with the shortest sequence that reaches it."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+import time
+
+from custom_components.gpu_handoff.protocol import RUNNING
+
+from .model import Ctl, InvariantError, Model, State
+from .world import GPU, VMS, World
+
+
+@dataclass
+class Found:
+    """A violation and the shortest sequence of steps that reaches it."""
+
+    invariant: str
+    detail: str
+    steps: tuple[str, ...]
+
+    @property
+    def events(self) -> int:
+        return sum(1 for step in self.steps if " " in step or step in EVENTS)
+
+
+# Events without an argument (those with one name their VM).
+EVENTS = frozenset(
+    {
+        "return_cards",
+        "operator_stops_gpu_node",
+        "operator_cordons",
+        "operator_uncordons",
+        "bare_pod",
+        "bare_pod_gone",
+        "next_start_fails",
+        "gpu_node_ignores_shutdown",
+        "home_assistant_restarts",
+    }
+)
+
+
+@dataclass
+class Result:
+    depth: int
+    states: int = 0
+    seconds: float = 0.0
+    found: dict[str, Found] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "depth": self.depth,
+            "states": self.states,
+            "seconds": round(self.seconds, 2),
+            "violations": [
+                {"invariant": f.invariant, "detail": f.detail, "steps": list(f.steps)}
+                for f in self.found.values()
+            ],
+        }
+
+
+def settled(model: Model, state: State) -> None:
+    """What must hold once nothing happens on its own any more."""
+    world, ctl = state.world, state.ctl
+    playing = world.playing()
+    if world.gpu != RUNNING and not playing and not world.off_by_operator:
+        raise InvariantError("half_state", "the GPU node is off and no gaming VM runs")
+    if world.gpu == RUNNING and world.ready and world.our_cordon():
+        raise InvariantError(
+            "own_cordon_outlives",
+            "GPU Handoff's cordon is still on the GPU node, which serves again",
+        )
+    for vm in VMS:
+        if world.running(vm) != (vm in ctl.desired):
+            raise InvariantError(
+                "switch_disagrees",
+                f"{vm} {'runs' if world.running(vm) else 'is off'} but GPU Handoff "
+                f"{'wants' if vm in ctl.desired else 'does not want'} it to play",
+            )
+    if model.lend and playing and not ctl.errors:
+        free = world.free()
+        lent = world.lent if world.gpu == RUNNING else frozenset()
+        if lent != free and not (world.gpu != RUNNING and world.off_by_operator):
+            raise InvariantError(
+                "cards_not_lent",
+                f"the GPU node runs with {sorted(lent)}, the free cards are "
+                f"{sorted(free)}, and no failure was reported",
+            )
+
+
+def explore(
+    model: Model, depth: int, start: State | None = None, *, limit: int = 5_000_000
+) -> Result:
+    """Every state reachable with at most ``depth`` events."""
+    began = time.monotonic()
+    result = Result(depth=depth)
+    root = start or State(World(), _ctl())
+    best: dict[State, int] = {root: 0}
+    parent: dict[State, tuple[State, str] | None] = {root: None}
+    queue: deque[tuple[State, int]] = deque([(root, 0)])
+    while queue:
+        state, used = queue.popleft()
+        if best.get(state, depth + 1) < used:
+            continue
+        steps, broken = _successors(model, state, used, depth, result, parent)
+        quiet = not broken
+        for label, nxt, cost in steps:
+            quiet = quiet and cost == 1
+            total = used + cost
+            if total >= best.get(nxt, depth + 1):
+                continue
+            best[nxt] = total
+            parent[nxt] = (state, label)
+            if cost == 0:
+                queue.appendleft((nxt, total))
+            else:
+                queue.append((nxt, total))
+        if quiet:
+            try:
+                settled(model, state)
+            except InvariantError as err:
+                _keep(result, err, _path(parent, state))
+        if len(best) > limit:
+            raise RuntimeError(f"more than {limit} states at depth {depth}")
+    result.states = len(best)
+    result.seconds = time.monotonic() - began
+    return result
+
+
+def _ctl() -> Ctl:
+    return Ctl(booting=False)
+
+
+def _successors(
+    model: Model,
+    state: State,
+    used: int,
+    depth: int,
+    result: Result,
+    parent: dict[State, tuple[State, str] | None],
+) -> tuple[list[tuple[str, State, int]], bool]:
+    """The steps from ``state`` (events only within the depth), and whether
+    a step broke an invariant (the state is then not a settled one)."""
+    broken = False
+    steps: list[tuple[str, State, int]] = []
+    generators = [(model.free_steps, 0)]
+    if used < depth:
+        generators.append((model.events, 1))
+    for generate, cost in generators:
+        try:
+            for label, nxt in generate(state):
+                steps.append((label, nxt, cost))
+        except InvariantError as err:
+            _keep(result, err, (*_path(parent, state), _label_of(err)))
+            broken = True
+    return steps, broken
+
+
+def _label_of(err: InvariantError) -> str:
+    return f"<{err.invariant}>"
+
+
+def _keep(result: Result, err: InvariantError, steps: tuple[str, ...]) -> None:
+    if err.invariant not in result.found:
+        result.found[err.invariant] = Found(err.invariant, err.detail, steps)
+
+
+def _path(
+    parent: dict[State, tuple[State, str] | None], state: State
+) -> tuple[str, ...]:
+    steps: list[str] = []
+    link = parent.get(state)
+    while link is not None:
+        state, label = link
+        steps.append(label)
+        link = parent.get(state)
+    return tuple(reversed(steps))
+
+
+def replay(model: Model, steps: list[str] | tuple[str, ...]) -> State:
+    """Take ``steps`` (labels as ``explore`` reports them) from the start,
+    then every step that may come next: raises the InvariantError one of them,
+    or the state they reach, breaks."""
+    state = State(World(), _ctl())
+    for label in steps:
+        options = dict(model.free_steps(state)) | dict(model.events(state))
+        if label not in options:
+            raise KeyError(f"{label!r} cannot happen at this point")
+        state = options[label]
+    if not list(model.free_steps(state)):
+        settled(model, state)
+    list(model.events(state))
+    return state
+
+
+def as_test(found: Found, *, lend: bool) -> str:
+    """The violation as a ready-to-run test (for tests/explorer/test_found.py)."""
+    name = f"test_{found.invariant}{'_lending' if lend else ''}"
+    steps = "".join(
+        f"            {step!r},\n" for step in found.steps if not step.startswith("<")
+    )
+    return (
+        f"def {name}() -> None:\n"
+        f'    """Found by the explorer: {found.detail}."""\n'
+        f"    replay(\n"
+        f"        {'LENDING' if lend else 'MODEL'},\n"
+        f"        [\n{steps}        ],\n"
+        f"    )\n"
+    )
+
+
+__all__ = ["GPU", "Found", "Result", "as_test", "explore", "replay", "settled"]
