@@ -424,6 +424,11 @@ def test_whether_the_gpu_node_is_off_because_of_gpu_handoff() -> None:
     )
     # Cleared once it runs again.
     assert not gpu_stopped_by_us(Owned(gpu_stopped_by_us=True), stopped, tower())
+    # Or once the operation started it: off again, someone else stopped it.
+    started = JobFacts(started_gpu_node=True)
+    assert not gpu_stopped_by_us(
+        Owned(gpu_stopped_by_us=True), started, tower(gpu="shut_off")
+    )
 
 
 def test_whether_a_failed_handoffs_job_stopped_the_gpu_node() -> None:

@@ -725,6 +725,11 @@ def gpu_stopped_by_us(owned: Owned, facts: JobFacts, tower: TowerStatus) -> bool
     gpu = tower.domains.get(tower.gpu_node)
     if gpu is not None and gpu.state == RUNNING:
         return False
+    if facts.started_gpu_node:
+        # The operation started it since: off now, someone else stopped it
+        # (libvirt's hook for a start by hand, the operator), unless a later
+        # job of its own did.
+        return facts.stopped_gpu_node
     return owned.gpu_stopped_by_us or facts.stopped_gpu_node
 
 
