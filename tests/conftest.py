@@ -201,8 +201,10 @@ def no_pdb(cluster: K8sEmulator) -> None:
 def entry(
     hass: HomeAssistant, sim_sshd: Sshd, cluster: K8sEmulator, kubelet: None
 ) -> MockConfigEntry:
-    """A tower with both gaming VMs; a short drain timeout."""
-    return add_tower_entry(hass, sim_sshd, cluster, vms=(1, 2), drain_timeout=2)
+    """A tower with both gaming VMs; a short drain timeout (a budget that
+    refuses fails the handoff in seconds), with room for a loaded machine's
+    kubelet stand-in to finish the pods it evicts."""
+    return add_tower_entry(hass, sim_sshd, cluster, vms=(1, 2), drain_timeout=5)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
