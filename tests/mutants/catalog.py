@@ -16,6 +16,7 @@ from dataclasses import dataclass
 AGENT = "custom_components/gpu_handoff/tower/gpu_handoff.py"
 RUNNER = "custom_components/gpu_handoff/runner.py"
 CONTROLLER = "custom_components/gpu_handoff/controller.py"
+CORE = "custom_components/gpu_handoff/core.py"
 CLUSTER = "custom_components/gpu_handoff/cluster_client.py"
 CONFIG_FLOW = "custom_components/gpu_handoff/config_flow.py"
 SENSOR = "custom_components/gpu_handoff/sensor.py"
@@ -304,6 +305,13 @@ MUTANTS: tuple[Mutant, ...] = (
                 RUNNER,
                 "            return (\n                stopped_by_us\n",
                 "            return (\n                False\n                and stopped_by_us\n",
+            ),
+            # The decision after the operation returns them too (a stop of
+            # the GPU node by libvirt's hook read from its record).
+            Patch(
+                CORE,
+                "    failed_handoff = request.kind is Kind.HANDOFF and not succeeded\n",
+                "    failed_handoff = False\n",
             ),
         ),
         (
