@@ -85,7 +85,6 @@ class Ctl:
     facts: JobFacts = field(default_factory=JobFacts)
     succeeded: bool = False
     follow_up: bool = False
-    returned: bool = False
     old_boot: int | None = None
     errors: frozenset[str] = frozenset()
     dirty: bool = True
@@ -428,7 +427,7 @@ class Model:
         if world.gpu != RUNNING or world.job_on_gpu():
             return State(world, _done(ctl, succeeded=True))  # overtaken
         world = _uncordon(world)
-        return State(world, _done(replace(ctl, returned=True), succeeded=True))
+        return State(world, _done(ctl, succeeded=True))
 
     def _stage_settle(self, world: World, ctl: Ctl, request: Request) -> State | None:
         """settle_failed_handoff: follow the hook's stop, then leave the GPU
@@ -617,7 +616,6 @@ def _begin(ctl: Ctl, request: Request, queue: tuple[Request, ...]) -> Ctl:
         facts=JobFacts(),
         succeeded=False,
         follow_up=False,
-        returned=False,
         old_boot=None,
     )
 

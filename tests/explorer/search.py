@@ -15,7 +15,7 @@ import time
 from custom_components.gpu_handoff.protocol import RUNNING
 
 from .model import Ctl, InvariantError, Model, State
-from .world import GPU, VMS, World
+from .world import VMS, World
 
 
 @dataclass
@@ -25,26 +25,6 @@ class Found:
     invariant: str
     detail: str
     steps: tuple[str, ...]
-
-    @property
-    def events(self) -> int:
-        return sum(1 for step in self.steps if " " in step or step in EVENTS)
-
-
-# Events without an argument (those with one name their VM).
-EVENTS = frozenset(
-    {
-        "return_cards",
-        "operator_stops_gpu_node",
-        "operator_cordons",
-        "operator_uncordons",
-        "bare_pod",
-        "bare_pod_gone",
-        "next_start_fails",
-        "gpu_node_ignores_shutdown",
-        "home_assistant_restarts",
-    }
-)
 
 
 @dataclass
@@ -214,6 +194,3 @@ def as_test(found: Found, *, lend: bool) -> str:
         f"        [\n{steps}        ],\n"
         f"    )\n"
     )
-
-
-__all__ = ["GPU", "Found", "Result", "as_test", "explore", "replay", "settled"]
