@@ -32,6 +32,7 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
 )
+from tests.conftest import add_tower_entry
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.sshd import Sshd
 from tests.support.stories import (
@@ -202,6 +203,37 @@ async def test_started_by_hand_on_the_tower(
     await until(lambda: sim.is_running("gaming-2"))
     await until(lambda: idle(entry))
     assert not sim.is_running("gpu-node")
+
+
+async def test_a_drain_stops_waiting_once_the_hook_shut_the_gpu_node_down(
+    hass: HomeAssistant,
+    sim_sshd: Sshd,
+    sim: Tower,
+    cluster: K8sEmulator,
+    kubelet: None,
+    no_pdb: None,
+) -> None:
+    """A start by hand: libvirt's hook shuts the GPU node down while Home
+    Assistant drains it. Pods still terminating when the GPU node goes off
+    can never finish there (a kubelet that is down deletes nothing: they stay
+    Terminating, as on a real cluster, until kubectl's
+    --skip-wait-for-delete-timeout of 60 s or the drain timeout), so the
+    drain stops waiting for them and the player gets the cards at once."""
+    entry = add_tower_entry(hass, sim_sshd, cluster, vms=(1, 2), drain_timeout=300)
+    for name in ("llm-inference-5d9c8b7f6-q4w8z", "trainer-7c6d5e4f3-m2n9v"):
+        cluster.set_pod_stop_seconds(name, "ai", 25.0)  # within their 30 s grace
+    sim.set_shutdown_duration("gpu-node", 150.0)  # 1.5 s here: the drain begins first
+    await setup_entry(hass, entry)
+    succeeded = async_capture_events(hass, EVENT_HANDOFF_SUCCEEDED)
+    start_by_hand(sim, "gaming-2")
+    await entry.runtime_data.coordinator.async_refresh()
+    await until(lambda: sim.is_running("gaming-2"))
+    await until(lambda: idle(entry))
+    assert [event.data["vm"] for event in succeeded] == ["gaming-2"]
+    assert not sim.is_running("gpu-node")
+    left = cluster.get("Pod", "llm-inference-5d9c8b7f6-q4w8z", "ai")
+    assert left is not None
+    assert left["metadata"].get("deletionTimestamp")  # still Terminating there
 
 
 async def test_actions(

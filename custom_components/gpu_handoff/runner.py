@@ -11,7 +11,7 @@ nothing is rolled back while a job this side asked for may still run.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 import contextlib
 from dataclasses import dataclass, replace
 import logging
@@ -231,6 +231,17 @@ def gpu_node_undisturbed(status: TowerStatus) -> bool:
     )
 
 
+def gpu_node_disturbed(status: TowerStatus) -> bool:
+    """Whether the GPU node is off, or a tower job may stop it."""
+    return not gpu_node_undisturbed(status)
+
+
+def gpu_node_off(status: TowerStatus) -> bool:
+    """Whether the GPU node is shut off (or gone)."""
+    gpu = status.domains.get(status.gpu_node)
+    return gpu is None or gpu.state == SHUT_OFF
+
+
 async def lift_own_cordon_if_serving(
     tower: TowerClient, cluster: ClusterClient, k8s_node: str
 ) -> bool:
@@ -269,12 +280,14 @@ class OperationRunner:
         self._records: dict[str, JobRecord] = {}
         self._shown: dict[str, int] = {}  # steps shown, by job id
         self._pushed = asyncio.Event()
+        self._pushes = 0  # records pushed so far
 
     # --- pushed job progress ---------------------------------------------------
 
     def job_pushed(self, record: JobRecord) -> None:
         """A job record the session pushed (any job; the follower picks its own)."""
         self._records[record.job.id] = record
+        self._pushes += 1
         self._pushed.set()
 
     # --- operations ----------------------------------------------------------
@@ -383,13 +396,27 @@ class OperationRunner:
         owner = await self.cluster.cordon(self.k8s_node, reason)
         self._host.show_cordon(owner)
         check_operator_cordon(owner, settings, self.k8s_node)
-        progress = await self.cluster.drain(
-            self.k8s_node,
-            settings.drain_timeout,
-            self._host.drain_progress,
-            force=settings.evict_unmanaged,
-            skip_after=settings.skip_wait,
+        progress = await self._first(
+            self.cluster.drain(
+                self.k8s_node,
+                settings.drain_timeout,
+                self._host.drain_progress,
+                force=settings.evict_unmanaged,
+                skip_after=settings.skip_wait,
+            ),
+            self._until_tower(gpu_node_off),
         )
+        if progress is None:
+            # The GPU node went off meanwhile (libvirt's hook stops it for a
+            # start by hand; or its operator did): the pods left on it can
+            # never finish terminating (a kubelet that is down deletes
+            # nothing), so waiting for them would only hold the player up.
+            _LOGGER.info(
+                "%s: the GPU node shut off during the drain; pods still on it "
+                "stop with it",
+                self.k8s_node,
+            )
+            return
         if progress.came_back:
             self.facts = replace(self.facts, pods_came_back=progress.came_back)
             _LOGGER.info(
@@ -603,56 +630,68 @@ class OperationRunner:
         health.GPUS_BOUND), or None as soon as a tower job acts on the GPU
         node: its GPUs cannot come then, and the start by hand that stops it
         must not wait for the bound."""
-        gpus = asyncio.ensure_future(
+        return await self._first(
             self.cluster.wait_gpus(
                 self.k8s_node, cards, health.GPUS_BOUND, not_boot=old_boot
-            )
+            ),
+            self._until_tower(gpu_node_disturbed),
         )
-        stopping = asyncio.ensure_future(self._until_gpu_node_job())
+
+    @staticmethod
+    async def _first[T](work: Awaitable[T], until: Awaitable[None]) -> T | None:
+        """``work``'s result, or None as soon as ``until`` ends first (``work``
+        is cancelled then); an error of ``work`` is raised."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(until)
         try:
-            await asyncio.wait({gpus, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (gpus, stopping):
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(gpus, stopping, return_exceptions=True)
-        if gpus.done() and not gpus.cancelled():
-            return gpus.result()
+            for each in (task, stop):
+                if not each.done():
+                    each.cancel()
+            await asyncio.gather(task, stop, return_exceptions=True)
+        if task.done() and not task.cancelled():
+            return task.result()
         return None
 
-    def _gpu_node_job_active(self) -> bool:
-        """Whether a pushed record shows a tower job acting on the GPU node."""
-        return any(
-            record.job.state.active
-            and (
-                self.gpu_node in record.job.domains
-                or record.job.kind in (JobKind.HANDOFF, JobKind.RELEASE, JobKind.LEND)
-            )
-            for record in self._records.values()
-        )
-
-    async def _until_gpu_node_job(self) -> None:
-        """Until a tower job acts on the GPU node (woken by each push, and
-        every JOB_POLL seconds: another follower clears the same event). A
-        pushed record is confirmed by the tower's status: one whose end was
-        never pushed (a session cut) is dropped, not believed."""
+    async def _until_tower(self, seen: Callable[[TowerStatus], bool]) -> None:
+        """Until the tower's status is ``seen``. It is read at once, after
+        every push (a job that began and ended between two looks is still
+        seen: the GPU node it stopped is off), every JOB_POLL seconds while no
+        session pushes, and every JOB_SILENCE seconds while one does (a push
+        may be lost with a session cut)."""
+        loop = asyncio.get_running_loop()
         while True:
-            if self._gpu_node_job_active():
-                try:
-                    status = await self.tower.status()
-                except TowerConnectionError, AgentCommandError:
-                    status = None
-                if status is not None:
-                    if not gpu_node_undisturbed(status):
-                        return
-                    running = {job.id for job in status.active_jobs}
-                    for job_id, record in list(self._records.items()):
-                        if record.job.state.active and job_id not in running:
-                            self._records.pop(job_id, None)
-            self._pushed.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(JOB_POLL):
-                    await self._pushed.wait()
+            pushes = self._pushes
+            read_at = loop.time()
+            try:
+                status = await self.tower.status()
+            except TowerConnectionError, AgentCommandError:
+                status = None
+            if status is not None and seen(status):
+                return
+            self._forget_ended(status)
+            while self._pushes == pushes:
+                bound = JOB_SILENCE if self._session_up() else JOB_POLL
+                left = read_at + bound - loop.time()
+                if left <= 0:
+                    break
+                self._pushed.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(left, JOB_POLL)):
+                        await self._pushed.wait()
+
+    def _forget_ended(self, status: TowerStatus | None) -> None:
+        """Drop the pushed records nobody follows any more: ended jobs, and
+        active ones the tower no longer runs (their end was never pushed)."""
+        running = {job.id for job in status.active_jobs} if status is not None else None
+        for job_id, record in list(self._records.items()):
+            if job_id in self._shown:
+                continue  # a job being followed: its follower pops it
+            if not record.job.state.active or (
+                running is not None and job_id not in running
+            ):
+                self._records.pop(job_id, None)
 
     async def uncordon_if_serving(self) -> None:
         """Roll back our own cordon when the GPU node still runs (it was never
