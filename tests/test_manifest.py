@@ -84,7 +84,7 @@ def test_the_integration_ships_the_agent_of_its_version() -> None:
 def test_every_step_a_switch_can_show_is_translated() -> None:
     """The switch's ``step`` attribute shows translated words, never a code:
     every step the controller and the runner can name has a translation."""
-    from custom_components.gpu_handoff.runner import AGENT_STEPS
+    from custom_components.gpu_handoff.jobs import AGENT_STEPS
     from custom_components.gpu_handoff.switch import STEP_IDLE
 
     strings = _load(COMPONENT / "strings.json")

@@ -73,7 +73,7 @@ async def async_setup_entry(hass: HomeAssistant, entry: GpuHandoffConfigEntry) -
         coordinator.tower,
         coordinator,
         job_listener=controller.job_pushed,
-        session_listener=controller.runner.wake,
+        session_listener=controller.runner.jobs.wake,
     )
     entry.runtime_data = GpuHandoffData(
         coordinator=coordinator,

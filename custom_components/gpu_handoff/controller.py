@@ -64,11 +64,11 @@ from .core import (
     settle_hook_job,
     superseded_hook_requests,
 )
+from .jobs import JobFailedError
 from .models import OperationView
 from .protocol import RUNNING, JobRecord, TowerStatus
 from .report import Reporter
 from .runner import (
-    JobFailedError,
     OperationRunner,
     RunnerError,
     check_operator_cordon,
@@ -694,7 +694,7 @@ class HandoffController:
     @callback
     def job_pushed(self, record: JobRecord) -> None:
         """The session pushed a job's progress."""
-        self.runner.job_pushed(record)
+        self.runner.jobs.pushed(record)
 
     async def _abandon(self) -> None:
         """End an operation whose gaming VM is no longer configured: follow a

@@ -813,3 +813,25 @@ def job_stopped_gpu_node(
     if facts.stopped_gpu_node or job_failed:
         return facts.stopped_gpu_node
     return job_pending
+
+
+def gpu_node_undisturbed(status: TowerStatus) -> bool:
+    """Whether the GPU node runs and no tower job may stop it (a start by
+    hand on the tower has libvirt's hook stop it for the player)."""
+    gpu = status.domains.get(status.gpu_node)
+    return (
+        gpu is not None
+        and gpu.state == RUNNING
+        and status.job_for(status.gpu_node) is None
+    )
+
+
+def gpu_node_disturbed(status: TowerStatus) -> bool:
+    """Whether the GPU node is off, or a tower job may stop it."""
+    return not gpu_node_undisturbed(status)
+
+
+def gpu_node_off(status: TowerStatus) -> bool:
+    """Whether the GPU node is shut off (or gone)."""
+    gpu = status.domains.get(status.gpu_node)
+    return gpu is None or gpu.state == SHUT_OFF

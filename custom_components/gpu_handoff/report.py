@@ -26,8 +26,9 @@ from .const import (
 )
 from .core import Kind, Request
 from .health import UnhealthyReturn
+from .jobs import JobFailedError
 from .models import domain_identifier
-from .runner import JobFailedError, RunnerError
+from .runner import RunnerError
 from .tower_client import TowerError
 
 _LOGGER = logging.getLogger(__name__)

@@ -10,60 +10,38 @@ nothing is rolled back while a job this side asked for may still run.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Iterable
-import contextlib
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import replace
 import logging
-import secrets
-from typing import Final, Protocol
+from typing import Protocol
 
-from . import health
-from .cluster_client import ClusterClient, ClusterError, gpus_short
-from .cluster_model import CORDON_OWNER_OTHER, DrainProgress, NodeView
+from .cluster_client import ClusterClient, ClusterError
+from .cluster_model import CORDON_OWNER_OTHER, DrainProgress
 from .const import PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
 from .core import (
     JobFacts,
-    PendingJob,
     Settings,
+    gpu_node_off,
+    gpu_node_undisturbed,
     returns_after_stop,
     stop_names,
     stop_releases,
 )
 from .health import UnhealthyReturn
+from .jobs import DoneJob, JobHost, TowerJobs, first_of
+from .node_return import NodeBackError, NodeReturn, ReturnHost
 from .protocol import (
     REQUESTED_BY_HOOK,
     RUNNING,
     SHUT_OFF,
     JobKind,
     JobRecord,
-    JobState,
     StepName,
     TowerStatus,
 )
 from .tower_client import AgentCommandError, TowerClient, TowerConnectionError
 
 _LOGGER = logging.getLogger(__name__)
-
-# How long a job may be followed through tower outages before giving up.
-JOB_WAIT_MAX: Final = 1800.0
-# While the session is down, job progress is polled this often.
-JOB_POLL: Final = 1.0
-# With the session up, progress is pushed; a job silent this long is re-read.
-JOB_SILENCE: Final = 10.0
-NODE_READY_TIMEOUT: Final = 900.0
-RETRY_START: Final = 0.5
-RETRY_MAX: Final = 10.0
-
-# The agent's job steps, as the steps a user sees.
-AGENT_STEPS: Final = {
-    StepName.WAIT_AGENT: "waiting_for_guest_agent",
-    StepName.SHUTDOWN: "stopping",
-    StepName.WAIT_SHUT_OFF: "stopping",
-    StepName.WAIT_DEVICES_FREE: "waiting_for_cards",
-    StepName.START: "starting",
-    StepName.START_FREE: "starting",
-}
 
 
 class RunnerError(Exception):
@@ -76,68 +54,11 @@ class RunnerError(Exception):
         self.placeholders = placeholders
 
 
-class JobFailedError(Exception):
-    """A tower job ended in failure."""
-
-    def __init__(self, record: JobRecord) -> None:
-        error = record.job.error
-        super().__init__(error.message if error else "the tower job failed")
-        self.code = error.code if error else "job_failed"
-        self.record = record
-
-
-@dataclass(frozen=True, kw_only=True)
-class DoneJob:
-    """A tower job followed to its end, and the GPU node's bootID before it."""
-
-    record: JobRecord
-    boot_before: str | None
-
-    def booted(self, gpu_node: str) -> str | None:
-        """The boot that no longer counts when the job started the GPU node
-        (None when it did not, or the bootID was not known)."""
-        started = self.record.did(StepName.START, gpu_node) or self.record.did(
-            StepName.START_FREE, gpu_node
-        )
-        return self.boot_before if started else None
-
-
-# Jobs that may start the GPU node.
-STARTS_GPU_NODE: Final = frozenset({JobKind.RELEASE, JobKind.LEND})
-
-
-def new_request_id() -> str:
-    """A request id the agent accepts (and no one else will choose)."""
-    return f"ha-{secrets.token_hex(12)}"
-
-
-class RunnerHost(Protocol):
+class RunnerHost(JobHost, ReturnHost, Protocol):
     """What the runner tells, and asks of, its host."""
-
-    def step(self, step: str) -> None:
-        """The operation is at ``step``."""
-
-    def phase(self, phase: str) -> None:
-        """The GPU node is at ``phase`` (PHASE_*) of the operation."""
 
     def drain_progress(self, progress: DrainProgress) -> None:
         """How far the drain is."""
-
-    def show_node(self, view: NodeView) -> None:
-        """The node as the runner just saw it."""
-
-    def show_cordon(self, owner: str | None) -> None:
-        """The cordon as the runner just left it."""
-
-    def show_tower(self, status: TowerStatus) -> None:
-        """The tower as the runner just read it."""
-
-    @property
-    def pending_job(self) -> PendingJob | None:
-        """The tower job the stored operation asked for, if any."""
-
-    async def save_job(self, job: PendingJob | None) -> None:
-        """Store the tower job before it is asked for, and once it is known."""
 
 
 def check_operator_cordon(owner: str | None, settings: Settings, node: str) -> None:
@@ -220,28 +141,6 @@ def serves_free_cards(status: TowerStatus) -> bool:
     return {card_of(address) for address in gpu.cards} == free
 
 
-def gpu_node_undisturbed(status: TowerStatus) -> bool:
-    """Whether the GPU node runs and no tower job may stop it (a start by
-    hand on the tower has libvirt's hook stop it for the player)."""
-    gpu = status.domains.get(status.gpu_node)
-    return (
-        gpu is not None
-        and gpu.state == RUNNING
-        and status.job_for(status.gpu_node) is None
-    )
-
-
-def gpu_node_disturbed(status: TowerStatus) -> bool:
-    """Whether the GPU node is off, or a tower job may stop it."""
-    return not gpu_node_undisturbed(status)
-
-
-def gpu_node_off(status: TowerStatus) -> bool:
-    """Whether the GPU node is shut off (or gone)."""
-    gpu = status.domains.get(status.gpu_node)
-    return gpu is None or gpu.state == SHUT_OFF
-
-
 async def lift_own_cordon_if_serving(
     tower: TowerClient, cluster: ClusterClient, k8s_node: str
 ) -> bool:
@@ -255,8 +154,6 @@ async def lift_own_cordon_if_serving(
 class OperationRunner:
     """Runs the steps of handoffs and returns for one tower."""
 
-    # Set by the last return whose GPU node came back short of its GPUs.
-    returned_unhealthy: UnhealthyReturn | None = None
     # What the tower jobs of the running operation did (their records) and
     # the pods its drain left on the cordoned node because they came back
     # tolerating its cordon; its host starts each operation with new ones.
@@ -277,18 +174,15 @@ class OperationRunner:
         self.gpu_node = gpu_node
         self.k8s_node = k8s_node
         self._host = host
-        self._records: dict[str, JobRecord] = {}
-        self._shown: dict[str, int] = {}  # steps shown, by job id
-        self._pushed = asyncio.Event()
-        self._pushes = 0  # records pushed so far
+        self.jobs = TowerJobs(tower, gpu_node=gpu_node, host=host)
+        self.node_return = NodeReturn(
+            tower, cluster, self.jobs, gpu_node=gpu_node, k8s_node=k8s_node, host=host
+        )
 
-    # --- pushed job progress ---------------------------------------------------
-
-    def job_pushed(self, record: JobRecord) -> None:
-        """A job record the session pushed (any job; the follower picks its own)."""
-        self._records[record.job.id] = record
-        self._pushes += 1
-        self._pushed.set()
+    @property
+    def returned_unhealthy(self) -> UnhealthyReturn | None:
+        """Set by the last return whose GPU node came back short of its GPUs."""
+        return self.node_return.unhealthy
 
     # --- operations ----------------------------------------------------------
 
@@ -332,7 +226,7 @@ class OperationRunner:
         """Add what the hook's job did to the operation's facts (followed to
         its end); a tower that cannot say leaves them as they are."""
         try:
-            record = await self._follow(job_id)
+            record = await self.jobs.follow(job_id)
         except (TowerConnectionError, AgentCommandError) as err:
             _LOGGER.warning("Could not read the hook's job %s: %s", job_id, err)
             return
@@ -363,7 +257,7 @@ class OperationRunner:
                 if job is not None and job.requested_by == REQUESTED_BY_HOOK:
                     hook_job = job.id
             if hook_job is not None:
-                record = await self._follow(hook_job)
+                record = await self.jobs.follow(hook_job)
                 # What it did counts as the operation's (core.returns_after).
                 self.facts = self.facts.with_record(record, self.gpu_node)
                 stopped_by_us = stopped_by_us or record.did(
@@ -396,7 +290,7 @@ class OperationRunner:
         owner = await self.cluster.cordon(self.k8s_node, reason)
         self._host.show_cordon(owner)
         check_operator_cordon(owner, settings, self.k8s_node)
-        progress = await self._first(
+        progress = await first_of(
             self.cluster.drain(
                 self.k8s_node,
                 settings.drain_timeout,
@@ -404,7 +298,7 @@ class OperationRunner:
                 force=settings.evict_unmanaged,
                 skip_after=settings.skip_wait,
             ),
-            self._until_tower(gpu_node_off),
+            self.jobs.until_tower(gpu_node_off),
         )
         if progress is None:
             # The GPU node went off meanwhile (libvirt's hook stops it for a
@@ -534,164 +428,12 @@ class OperationRunner:
             await self._job(pending.kind, pending.domain)
 
     async def _node_back(self, done: DoneJob | None) -> bool:
-        """Wait until the GPU node's Kubernetes node is Ready and advertises
-        the GPUs the GPU node holds, then lift our own cordon (a drain's
-        cordon survives the node's reboot); an operator's cordon stays.
-
-        Ready is not enough: after a restart the kubelet advertises no GPU
-        device (``nvidia.com/gpu``, ``nvidia.com/gpu.shared``,
-        ``nvidia.com/mig-*``) until the device plugin registers the cards
-        (``cluster_client.gpus_short``). That wait is bounded (health.GPUS_BOUND); a node still short then is given
-        back all the same (it runs other pods), and ``returned_unhealthy``
-        says the cluster did not get its cards back.
-
-        After a job that started the GPU node (``done``), only a Ready from a
-        later boot counts: the node keeps the Ready its old kubelet posted
-        until kube-controller-manager's node monitor grace period ends (the
-        kubelet of a VM shut down posts nothing), and so do its GPUs.
-
-        The cards are back only if the GPU node still runs when the wait is
-        over, with no tower job acting on it: a start by hand meanwhile (the
-        hook stops the GPU node for that player) has taken them again, and
-        the node's Ready and GPUs are only what its kubelet last posted. Then
-        our cordon stays (the handoff that follows needs it) and the return
-        ends without them: False.
-        """
-        self.returned_unhealthy = None
-        self._host.phase(PHASE_RETURNING)
-        self._host.step("waiting_for_node")
-        old_boot = done.booted(self.gpu_node) if done is not None else None
+        """The node back and our cordon lifted (node_return): True when the
+        cluster has the cards back."""
         try:
-            view = await self.cluster.wait_ready(
-                self.k8s_node, NODE_READY_TIMEOUT, not_boot=old_boot
-            )
-        except TimeoutError as err:
-            raise RunnerError(
-                "node_not_ready",
-                f"{self.k8s_node} did not become Ready within {NODE_READY_TIMEOUT:.0f} s",
-            ) from err
-        self._host.show_node(view)
-        try:
-            expected = (await self.tower.status()).gpus_held_by(self.gpu_node)
-        except (TowerConnectionError, AgentCommandError) as err:
-            _LOGGER.warning(
-                "Not waiting for the GPUs: the tower did not answer: %s", err
-            )
-            expected = 0
-        if gpus_short(view, expected):
-            self._host.step("waiting_for_gpus")
-            try:
-                found = await self._gpus_unless_stopped(expected, old_boot)
-                if found is None:
-                    return self._overtaken()
-                view = found
-            except TimeoutError:
-                with contextlib.suppress(ClusterError):
-                    view = await self.cluster.node_view(self.k8s_node)
-                if gpus_short(view, expected):
-                    self.returned_unhealthy = UnhealthyReturn(
-                        reason=health.GPUS_MISSING,
-                        expected=expected,
-                        allocatable=view.gpu_allocatable,
-                        capacity=view.gpu_capacity,
-                    )
-                    _LOGGER.warning(
-                        "%s: %s", self.k8s_node, self.returned_unhealthy.message
-                    )
-            self._host.show_node(view)
-        try:
-            overtaken = not gpu_node_undisturbed(await self.tower.status())
-        except (TowerConnectionError, AgentCommandError) as err:
-            _LOGGER.warning("Could not read the tower before the uncordon: %s", err)
-            overtaken = False
-        if overtaken:
-            return self._overtaken()
-        self._host.step("uncordoning")
-        if await self.cluster.uncordon(self.k8s_node):
-            self._host.show_cordon(None)
-        return True
-
-    def _overtaken(self) -> bool:
-        """The return ends without the cards: a tower job stops the GPU node
-        again (a start by hand on the tower); our cordon stays for the
-        handoff that follows."""
-        _LOGGER.info(
-            "The cards did not go back: the GPU node is stopping again "
-            "(a start by hand on the tower); %s stays cordoned",
-            self.k8s_node,
-        )
-        self.returned_unhealthy = None
-        return False
-
-    async def _gpus_unless_stopped(
-        self, cards: int, old_boot: str | None
-    ) -> NodeView | None:
-        """The node once it advertises ``cards`` cards (TimeoutError past
-        health.GPUS_BOUND), or None as soon as a tower job acts on the GPU
-        node: its GPUs cannot come then, and the start by hand that stops it
-        must not wait for the bound."""
-        return await self._first(
-            self.cluster.wait_gpus(
-                self.k8s_node, cards, health.GPUS_BOUND, not_boot=old_boot
-            ),
-            self._until_tower(gpu_node_disturbed),
-        )
-
-    @staticmethod
-    async def _first[T](work: Awaitable[T], until: Awaitable[None]) -> T | None:
-        """``work``'s result, or None as soon as ``until`` ends first (``work``
-        is cancelled then); an error of ``work`` is raised."""
-        task = asyncio.ensure_future(work)
-        stop = asyncio.ensure_future(until)
-        try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for each in (task, stop):
-                if not each.done():
-                    each.cancel()
-            await asyncio.gather(task, stop, return_exceptions=True)
-        if task.done() and not task.cancelled():
-            return task.result()
-        return None
-
-    async def _until_tower(self, seen: Callable[[TowerStatus], bool]) -> None:
-        """Until the tower's status is ``seen``. It is read at once, after
-        every push (a job that began and ended between two looks is still
-        seen: the GPU node it stopped is off), every JOB_POLL seconds while no
-        session pushes, and every JOB_SILENCE seconds while one does (a push
-        may be lost with a session cut)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            pushes = self._pushes
-            read_at = loop.time()
-            try:
-                status = await self.tower.status()
-            except TowerConnectionError, AgentCommandError:
-                status = None
-            if status is not None and seen(status):
-                return
-            self._forget_ended(status)
-            while self._pushes == pushes:
-                bound = JOB_SILENCE if self._session_up() else JOB_POLL
-                left = read_at + bound - loop.time()
-                if left <= 0:
-                    break
-                self._pushed.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(left, JOB_POLL)):
-                        await self._pushed.wait()
-
-    def _forget_ended(self, status: TowerStatus | None) -> None:
-        """Drop the pushed records nobody follows any more: ended jobs, and
-        active ones the tower no longer runs (their end was never pushed)."""
-        running = {job.id for job in status.active_jobs} if status is not None else None
-        for job_id, record in list(self._records.items()):
-            if job_id in self._shown:
-                continue  # a job being followed: its follower pops it
-            if not record.job.state.active or (
-                running is not None and job_id not in running
-            ):
-                self._records.pop(job_id, None)
+            return await self.node_return.wait(done)
+        except NodeBackError as err:
+            raise RunnerError("node_not_ready", str(err)) from err
 
     async def uncordon_if_serving(self) -> None:
         """Roll back our own cordon when the GPU node still runs (it was never
@@ -707,31 +449,14 @@ class OperationRunner:
     # --- tower jobs ----------------------------------------------------------
 
     async def _job(self, kind: JobKind, domain: str | None) -> DoneJob:
-        """Ask for a tower job of ``kind`` (or pick up the one the stored
-        operation asked for, whatever its kind) and follow it to its end; its
-        steps show as the operation's."""
-        pending = self._host.pending_job
-        if pending is None:
-            pending = PendingJob(
-                kind=kind,
-                domain=domain,
-                request_id=new_request_id(),
-                boot_id=await self._boot_id() if kind in STARTS_GPU_NODE else None,
-            )
-            await self._host.save_job(pending)  # stored before it is sent
-        job_id = pending.job_id
-        if job_id is None:
-            job_id = await self._submit(pending)
-            await self._host.save_job(replace(pending, job_id=job_id))
-        record = await self._follow(job_id)
+        """Run a tower job of ``kind`` (or the stored operation's) to its end;
+        what it did joins the operation's facts."""
+        return await self.jobs.run(
+            kind, domain, boot_id=self._boot_id, ended=self._job_ended
+        )
+
+    def _job_ended(self, record: JobRecord) -> None:
         self.facts = self.facts.with_record(record, self.gpu_node)
-        await self._host.save_job(None)
-        if record.job.state is JobState.FAILED:
-            raise JobFailedError(record)
-        # What the job did, shown before the next step (a push may lag it).
-        with contextlib.suppress(TowerConnectionError, AgentCommandError):
-            self._host.show_tower(await self.tower.status())
-        return DoneJob(record=record, boot_before=pending.boot_id)
 
     async def _boot_id(self) -> str | None:
         """The GPU node's bootID now (None when the cluster cannot say: then
@@ -741,101 +466,3 @@ class OperationRunner:
         except ClusterError as err:
             _LOGGER.warning("Could not read %s's bootID: %s", self.k8s_node, err)
             return None
-
-    async def _submit(self, pending: PendingJob) -> str:
-        """The job id for ``pending``'s request id: asked for, or, after a reply
-        that did not come, looked up. Tries until it knows (bounded by
-        JOB_WAIT_MAX): while it does not, a job may run, so nothing here gives
-        up early and nothing is rolled back."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + JOB_WAIT_MAX
-        delay = RETRY_START
-        ask = True
-        while True:
-            try:
-                if ask:
-                    submitted = await self.tower.submit(
-                        pending.kind, pending.domain, pending.request_id
-                    )
-                    return submitted.id
-                found = await self.tower.find_request(pending.request_id)
-                if found is not None:
-                    return found.job.id
-                ask = True  # never made: asking again under the same id is safe
-                continue
-            except TowerConnectionError as err:
-                if loop.time() > deadline:
-                    raise
-                _LOGGER.info(
-                    "No answer about job request %s (%s); looking it up",
-                    pending.request_id,
-                    err,
-                )
-                ask = False
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RETRY_MAX)
-
-    async def _follow(self, job_id: str) -> JobRecord:
-        """Follow a job to its end: from the session's pushes while it is open,
-        by reading it while it is not (and once after each reconnect)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + JOB_WAIT_MAX
-        read_under: object = None  # the session the last read was made under
-        record: JobRecord | None = None
-        while True:
-            session = self.tower.session if self._session_up() else None
-            if session is None or session is not read_under or record is None:
-                # No session, a new one, or nothing known: read the job.
-                try:
-                    record = await self.tower.job(job_id)
-                except TowerConnectionError:
-                    if loop.time() > deadline:
-                        raise
-                    await asyncio.sleep(JOB_POLL)
-                    continue
-                read_under = session
-                # What was read is newer than anything pushed before it.
-                self._records.pop(job_id, None)
-            pushed = self._records.get(job_id) if session is not None else None
-            if pushed is not None:
-                record = pushed
-            self._show(record)
-            if not record.job.state.active:
-                self._records.pop(job_id, None)
-                self._shown.pop(job_id, None)
-                return record
-            if session is None:
-                await asyncio.sleep(JOB_POLL)
-                continue
-            try:
-                async with asyncio.timeout(JOB_SILENCE):
-                    await self._next_push(job_id, record)
-            except TimeoutError:
-                record = None  # silent for long: read it again
-
-    async def _next_push(self, job_id: str, seen: JobRecord) -> None:
-        """Until a newer record of ``job_id`` is pushed, or the session ends."""
-        while self._records.get(job_id) in (None, seen) and self._session_up():
-            self._pushed.clear()
-            await self._pushed.wait()
-
-    def wake(self) -> None:
-        """The session opened or ended: followers look again."""
-        self._pushed.set()
-
-    def _session_up(self) -> bool:
-        session = self.tower.session
-        return session is not None and not session.closed
-
-    def _show(self, record: JobRecord) -> None:
-        """Every step the job has begun since the last record shown, in
-        order: a step that came and went between two pushes is still told."""
-        shown = self._shown.get(record.job.id, 0)
-        for step in record.steps[shown:]:
-            if step.started is None:
-                break
-            name = AGENT_STEPS[step.name]
-            role = "gpu_node" if step.domain == self.gpu_node else "vm"
-            self._host.step(f"{name}_{role}")
-            shown += 1
-        self._shown[record.job.id] = shown

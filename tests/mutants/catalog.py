@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 AGENT = "custom_components/gpu_handoff/tower/gpu_handoff.py"
 RUNNER = "custom_components/gpu_handoff/runner.py"
+NODE_RETURN = "custom_components/gpu_handoff/node_return.py"
 CONTROLLER = "custom_components/gpu_handoff/controller.py"
 CORE = "custom_components/gpu_handoff/core.py"
 CLUSTER = "custom_components/gpu_handoff/cluster_client.py"
@@ -50,7 +51,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the return lifts GPU Handoff's own cordon once the node is Ready",
         (
             Patch(
-                RUNNER,
+                NODE_RETURN,
                 "        if await self.cluster.uncordon(self.k8s_node):\n"
                 "            self._host.show_cordon(None)\n"
                 "        return True\n",
