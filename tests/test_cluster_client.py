@@ -42,6 +42,7 @@ from custom_components.gpu_handoff.cluster_model import (
     CORDON_OWNER_OTHER,
     CORDON_OWNER_US,
 )
+from custom_components.gpu_handoff.drain import drain_node
 from tests.conftest import kubeconfig_text
 from tests.k8semu import CONTROL_PLANE_NODE, GPU, GPU_NODE, K8sEmulator
 from tests.k8semu.objects import make_namespace
@@ -281,7 +282,7 @@ async def test_cordon_never_claims_a_cordon_placed_meanwhile(
     """The operator cordons between our read and our patch: the patch carries
     the resourceVersion we read, the API server answers 409, and the cordon
     found on the second look is reported as theirs, without our mark."""
-    original = client._core.read_node
+    original = client.core.read_node
 
     async def read_then_operator_cordons(*args: object, **kwargs: object) -> object:
         node = await original(*args, **kwargs)
@@ -289,7 +290,7 @@ async def test_cordon_never_claims_a_cordon_placed_meanwhile(
             _operator_cordon(cluster)
         return node
 
-    client._core.read_node = read_then_operator_cordons  # type: ignore[method-assign]
+    client.core.read_node = read_then_operator_cordons  # type: ignore[method-assign]
     assert await client.cordon(GPU_NODE, "handoff gaming-1") == CORDON_OWNER_OTHER
     node = cluster.get("Node", GPU_NODE, "")
     assert node["spec"]["unschedulable"] is True
@@ -361,7 +362,8 @@ async def test_drain_refused_by_a_pdb_until_the_timeout(
     seen: list[int] = []
     await client.cordon(GPU_NODE, "m")
     with pytest.raises(DrainError) as err:
-        await client.drain(
+        await drain_node(
+            client,
             GPU_NODE,
             timeout=0.5,
             progress=lambda p: seen.append(p.pods_left),
@@ -396,8 +398,8 @@ async def test_drain_succeeds_once_the_pdb_allows_it(
             mutate=lambda pdb: pdb["spec"].update(minAvailable=0),
         ),
     )
-    result = await client.drain(
-        GPU_NODE, timeout=10, retry_interval=0.1, poll_interval=0.05
+    result = await drain_node(
+        client, GPU_NODE, timeout=10, retry_interval=0.1, poll_interval=0.05
     )
     assert result.pods_left == 0
     assert result.evicted == 2
@@ -414,11 +416,11 @@ async def test_drain_waits_for_terminating_pods(
     fails the drain."""
     cluster.delete("PodDisruptionBudget", "trainer", "ai")
     cluster.deletion_grace = 0.3
-    result = await client.drain(GPU_NODE, timeout=10, poll_interval=0.05)
+    result = await drain_node(client, GPU_NODE, timeout=10, poll_interval=0.05)
     assert result.pods_left == 0
     cluster.add_pod("stuck", "default", node=GPU_NODE, refuse_termination=True)
     with pytest.raises(DrainError, match="1 pod"):
-        await client.drain(GPU_NODE, timeout=0.5, poll_interval=0.05)
+        await drain_node(client, GPU_NODE, timeout=0.5, poll_interval=0.05)
 
 
 async def test_drain_refuses_pods_that_nothing_recreates(
@@ -431,7 +433,7 @@ async def test_drain_refuses_pods_that_nothing_recreates(
     cluster.delete("DaemonSet", "nvidia-device-plugin-daemonset", "kube-system")
     cluster.add_pod("debug", "default", node=GPU_NODE)
     with pytest.raises(UnmanagedPodsError) as err:
-        await client.drain(GPU_NODE, timeout=10, poll_interval=0.05)
+        await drain_node(client, GPU_NODE, timeout=10, poll_interval=0.05)
     assert set(err.value.pods) == {
         "kube-system/nvidia-device-plugin-daemonset-x7k2p",
         "default/debug",
@@ -451,7 +453,7 @@ async def test_drain_with_force_evicts_them_and_finished_pods(
     cluster.delete("DaemonSet", "nvidia-device-plugin-daemonset", "kube-system")
     cluster.add_pod("debug", "default", node=GPU_NODE)
     cluster.add_pod("finished", "default", node=GPU_NODE, phase="Succeeded")
-    await client.drain(GPU_NODE, timeout=10, poll_interval=0.05, force=True)
+    await drain_node(client, GPU_NODE, timeout=10, poll_interval=0.05, force=True)
     assert _on_node(cluster) == {f"gpu-exporter-{GPU_NODE}"}
 
 
@@ -462,7 +464,7 @@ async def test_a_finished_bare_pod_is_no_reason_to_refuse(
     run` pod does not block a drain without --force."""
     cluster.delete("PodDisruptionBudget", "trainer", "ai")
     cluster.add_pod("done", "default", node=GPU_NODE, phase="Failed")
-    await client.drain(GPU_NODE, timeout=10, poll_interval=0.05)
+    await drain_node(client, GPU_NODE, timeout=10, poll_interval=0.05)
     assert "done" not in _on_node(cluster)
 
 
@@ -477,7 +479,7 @@ async def test_transient_errors_do_not_abort_the_drain(
     cluster.fail_next(1, 503, resource="pods/eviction")
     cluster.fail_next(1, 503, verb="get", resource="pods")
     cluster.deletion_grace = 0.2
-    result = await client.drain(GPU_NODE, timeout=20, poll_interval=0.05)
+    result = await drain_node(client, GPU_NODE, timeout=20, poll_interval=0.05)
     assert result.pods_left == 0
     assert result.evicted == 2
     statuses = [r.status for r in cluster.requests_for(resource="pods/eviction")]
@@ -516,10 +518,12 @@ async def test_a_pod_stuck_terminating_on_a_dead_kubelet_counts_as_gone(
         mutate=lambda pod: pod["spec"].update(terminationGracePeriodSeconds=1),
     )
     with pytest.raises(DrainError, match="default/slow"):
-        await client.drain(GPU_NODE, timeout=2.0, poll_interval=0.05, skip_after=60)
+        await drain_node(
+            client, GPU_NODE, timeout=2.0, poll_interval=0.05, skip_after=60
+        )
     # Once its deletion is overdue by the bound, the waiting ends.
-    result = await client.drain(
-        GPU_NODE, timeout=10, poll_interval=0.05, skip_after=0.3
+    result = await drain_node(
+        client, GPU_NODE, timeout=10, poll_interval=0.05, skip_after=0.3
     )
     assert result.pods_left == 0
     assert {"stale-1", "slow"} <= _on_node(cluster)  # still Terminating there
@@ -534,10 +538,10 @@ async def test_drain_errors(client: ClusterClient, cluster: K8sEmulator) -> None
     cluster.delete("PodDisruptionBudget", "trainer", "ai")
     cluster.fail_next(1, 403, resource="pods/eviction")
     with pytest.raises(ClusterAuthError):
-        await client.drain(GPU_NODE, timeout=5)
+        await drain_node(client, GPU_NODE, timeout=5)
     await cluster.stop()
     with pytest.raises(ClusterConnectionError):
-        await client.drain(GPU_NODE, timeout=1.5)
+        await drain_node(client, GPU_NODE, timeout=1.5)
 
 
 async def test_drain_lists_pods_page_by_page(
@@ -549,8 +553,10 @@ async def test_drain_lists_pods_page_by_page(
     for n in range(260):
         cluster.add_pod(f"batch-{n}", "default", node=GPU_NODE)
     with pytest.raises(UnmanagedPodsError, match=r"and 250 more$"):
-        await client.drain(GPU_NODE, timeout=30, poll_interval=0.05)
-    result = await client.drain(GPU_NODE, timeout=30, poll_interval=0.05, force=True)
+        await drain_node(client, GPU_NODE, timeout=30, poll_interval=0.05)
+    result = await drain_node(
+        client, GPU_NODE, timeout=30, poll_interval=0.05, force=True
+    )
     assert result.evicted == 262
     pages = [
         r
@@ -570,7 +576,7 @@ async def test_drain_pod_deleted_meanwhile(
         if cluster.get("Pod", "trainer-7c6d5e4f3-m2n9v", "ai") is not None:
             cluster.remove_pod("trainer-7c6d5e4f3-m2n9v", "ai")
 
-    result = await client.drain(GPU_NODE, timeout=10, progress=delete_it)
+    result = await drain_node(client, GPU_NODE, timeout=10, progress=delete_it)
     assert result.pods_left == 0
     statuses = {
         r.name: r.status for r in cluster.requests_for(resource="pods/eviction")
@@ -595,8 +601,8 @@ async def test_a_pod_in_a_terminating_namespace_is_waited_for(
     cluster.add_pod("job-1", "scratch-ns", node=GPU_NODE, owner=owner)
     cluster.set_pod_stop_seconds("job-1", "scratch-ns", 0.5)
     cluster.terminate_namespace("scratch-ns")
-    result = await client.drain(
-        GPU_NODE, timeout=10, retry_interval=0.1, poll_interval=0.05
+    result = await drain_node(
+        client, GPU_NODE, timeout=10, retry_interval=0.1, poll_interval=0.05
     )
     assert result.pods_left == 0
     assert cluster.get("Pod", "job-1", "scratch-ns") is None
@@ -622,7 +628,7 @@ async def test_a_pod_replaced_under_its_name_is_evicted_in_its_new_form(
     # currentHealthy until the entry expires: 2 minutes upstream
     # (disruption.go DeletionTimeout), shortened here.
     cluster.pdb_deletion_timeout = 0.5
-    original = client._core.read_namespaced_pod
+    original = client.core.read_namespaced_pod
     replaced: list[str] = []
 
     async def read_then_replace(*args: Any, **kwargs: Any) -> Any:
@@ -646,9 +652,9 @@ async def test_a_pod_replaced_under_its_name_is_evicted_in_its_new_form(
             )
         return pod
 
-    client._core.read_namespaced_pod = read_then_replace  # type: ignore[method-assign]
-    result = await client.drain(
-        GPU_NODE, timeout=15, retry_interval=0.2, poll_interval=0.05
+    client.core.read_namespaced_pod = read_then_replace  # type: ignore[method-assign]
+    result = await drain_node(
+        client, GPU_NODE, timeout=15, retry_interval=0.2, poll_interval=0.05
     )
     assert replaced
     assert result.pods_left == 0
@@ -673,7 +679,8 @@ async def test_throttling_is_not_a_budget_refusal(
     cluster.throttle(2, resource="pods/eviction", retry_after=0)
     cluster.throttle(1, resource="pods/eviction", status=504)
     refused: list[int] = []
-    result = await client.drain(
+    result = await drain_node(
+        client,
         GPU_NODE,
         timeout=20,
         progress=lambda p: refused.append(p.evictions_refused),
@@ -696,8 +703,8 @@ async def test_a_budget_still_being_processed_is_waited_for(
         "ai",
         mutate=lambda pdb: pdb["spec"].update(minAvailable=0),
     )
-    result = await client.drain(
-        GPU_NODE, timeout=30, retry_interval=0.1, poll_interval=0.05
+    result = await drain_node(
+        client, GPU_NODE, timeout=30, retry_interval=0.1, poll_interval=0.05
     )
     assert result.pods_left == 0
 

@@ -300,7 +300,9 @@ async def test_a_node_that_never_turns_ready_fails_the_return(
     """The GPU node runs again but its Kubernetes node never reports Ready
     (no kubelet here): the return fails after its bound with a translated
     reason, and our cordon stays (the node is not serving)."""
-    monkeypatch.setattr("custom_components.gpu_handoff.node_return.NODE_READY_TIMEOUT", 1.0)
+    monkeypatch.setattr(
+        "custom_components.gpu_handoff.node_return.NODE_READY_TIMEOUT", 1.0
+    )
     entry = add_tower_entry(hass, sim_sshd, cluster, vms=(1,), drain_timeout=10)
     failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
     await setup_entry(hass, entry)

@@ -30,10 +30,6 @@ from kubernetes_asyncio.client import (
     CoordinationV1Api,
     CoreV1Api,
     PolicyV1Api,
-    V1DeleteOptions,
-    V1Eviction,
-    V1ObjectMeta,
-    V1Preconditions,
     rest,
 )
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -42,7 +38,6 @@ import yaml
 from .cluster_model import (
     CORDON_OWNER_OTHER,
     CORDON_OWNER_US,
-    SKIP_WAIT_FOR_DELETE,
     DrainProgress,
     NodeView,
 )
@@ -83,8 +78,6 @@ MULTIPLE_BUDGETS_MESSAGE: Final = (
 )
 PAGE_SIZE: Final = 250
 # kubectl drain's EvictErrorRetryDelay and its wait-for-delete poll.
-EVICTION_RETRY: Final = 5.0
-GONE_POLL: Final = 1.0
 # Backoff for transient errors (5xx, 429/504 throttling, timeouts, resets).
 RETRY_START: Final = 0.5
 RETRY_MAX: Final = 5.0
@@ -227,7 +220,7 @@ def _some(names: tuple[str, ...] | list[str], most: int = 10) -> str:
 
 
 @dataclass(frozen=True)
-class _PodRef:
+class PodRef:
     namespace: str
     name: str
     uid: str
@@ -525,7 +518,7 @@ def _pod_gpu_request(pod: Any) -> int:
     return total
 
 
-def _controller_of(pod: Any) -> Any:
+def controller_of(pod: Any) -> Any:
     """The pod's controller ownerReference (metav1.GetControllerOf), or None."""
     for owner in pod.metadata.owner_references or []:
         if owner.controller:
@@ -533,19 +526,19 @@ def _controller_of(pod: Any) -> Any:
     return None
 
 
-def _finished(pod: Any) -> bool:
+def pod_finished(pod: Any) -> bool:
     return pod.status is not None and pod.status.phase in FINISHED_PHASES
 
 
 def is_evictable(pod: Any) -> bool:
     """Whether a drain would have to evict this pod: not DaemonSet-owned, not
     a mirror pod, not finished."""
-    owner = _controller_of(pod)
+    owner = controller_of(pod)
     if owner is not None and owner.kind == "DaemonSet":
         return False
     if MIRROR_ANNOTATION in (pod.metadata.annotations or {}):
         return False
-    return not _finished(pod)
+    return not pod_finished(pod)
 
 
 def tolerates_cordon(pod: Any) -> bool:
@@ -601,9 +594,9 @@ def is_unmanaged(pod: Any) -> bool:
     "not managed by a controller" filter): a running pod with no controller
     that is not a mirror pod."""
     return (
-        _controller_of(pod) is None
+        controller_of(pod) is None
         and MIRROR_ANNOTATION not in (pod.metadata.annotations or {})
-        and not _finished(pod)
+        and not pod_finished(pod)
     )
 
 
@@ -685,7 +678,7 @@ def pod_start(pod: Any) -> PodStart:
         namespace=pod.metadata.namespace,
         name=pod.metadata.name,
         uid=pod.metadata.uid,
-        finished=_finished(pod),
+        finished=pod_finished(pod),
         terminating=pod.metadata.deletion_timestamp is not None,
         sandbox_ready=sandbox_ready,
         sandbox_changed=sandbox_changed,
@@ -734,18 +727,8 @@ def pod_event(event: Any) -> PodEvent:
     )
 
 
-def _should_skip(pod: _PodRef, skip_after: float) -> bool:
-    """kubectl's shouldSkipPod: the pod's deletionTimestamp is more than
-    ``skip_after`` seconds in the past, so its kubelet is not finishing it."""
-    return (
-        skip_after > 0
-        and pod.deletion is not None
-        and (dt.datetime.now(dt.UTC) - pod.deletion).total_seconds() > skip_after
-    )
-
-
-def _ref(pod: Any) -> _PodRef:
-    return _PodRef(
+def pod_ref(pod: Any) -> PodRef:
+    return PodRef(
         pod.metadata.namespace,
         pod.metadata.name,
         pod.metadata.uid,
@@ -811,98 +794,16 @@ def _api_error(err: ApiException) -> ClusterError:
     return ClusterRequestError(f"{code} {message}")
 
 
-@dataclass(frozen=True)
-class _Pace:
-    """A drain's clock: its deadline (loop time) and its intervals."""
-
-    deadline: float
-    skip_after: float
-    retry_interval: float
-    poll_interval: float
-
-
-class _DrainTimeoutError(Exception):
-    """A pod's eviction or deletion did not finish before the drain's deadline."""
-
-
-_REFUSED: Final = "refused by a PodDisruptionBudget"
-
-
-@dataclass
-class _DrainState:
-    """Each pod's place in the drain, for progress and the final message."""
-
-    waiting: dict[_PodRef, str] = field(default_factory=dict)
-    evicted: int = 0
-    report: Callable[[DrainProgress], None] | None = None
-    # uids of the pods the first listing found; None before it
-    listed: set[str] | None = None
-    came_back: list[str] = field(default_factory=list)
-
-    def progress(self) -> DrainProgress:
-        return DrainProgress(
-            pods_left=len(self.waiting),
-            evictions_refused=sum(
-                1 for why in self.waiting.values() if why == _REFUSED
-            ),
-            evicted=self.evicted,
-            came_back=tuple(self.came_back),
-        )
-
-    def chased(self, pods: list[Any]) -> list[Any]:
-        """The pods of a listing the drain goes after. The first listing's
-        all; in a later one, a pod that arrived since and tolerates the
-        cordon is left be, as ``kubectl drain`` (which lists once) leaves
-        it: kube-scheduler binds such a pod to the cordoned node again as
-        soon as its controller recreates it, so chasing it never ends. It
-        stops with the node. Other newcomers (a pod replaced under the same
-        name, bound before the cordon) are chased."""
-        if self.listed is None:
-            self.listed = {pod.metadata.uid for pod in pods}
-            return pods
-        chased = []
-        for pod in pods:
-            if pod.metadata.uid in self.listed or not tolerates_cordon(pod):
-                chased.append(pod)
-                continue
-            label = _ref(pod).label
-            if is_evictable(pod) and label not in self.came_back:
-                self.came_back.append(label)
-                self.announce()
-        return chased
-
-    def set(self, pod: _PodRef, why: str) -> None:
-        if self.waiting.get(pod) != why:
-            self.waiting[pod] = why
-            self.announce()
-
-    def gone(self, pod: _PodRef) -> None:
-        if self.waiting.pop(pod, None) is not None:
-            self.evicted += 1
-            self.announce()
-
-    def announce(self) -> None:
-        """Tell the caller how far the drain is."""
-        if self.report is not None:
-            self.report(self.progress())
-
-    def describe(self) -> str:
-        return ", ".join(
-            f"{pod.label} ({why})"
-            for pod, why in sorted(self.waiting.items(), key=lambda i: i[0].label)
-        )
-
-
 class ClusterClient:
     """One cluster: an ApiClient of its own, closed on ``close``."""
 
     def __init__(self, api: ApiClient) -> None:
         """Use ``create`` to build one."""
         self._api = api
-        self._core = CoreV1Api(api)
-        self._apps = AppsV1Api(api)
+        self.core = CoreV1Api(api)
+        self.apps = AppsV1Api(api)
         self._coordination = CoordinationV1Api(api)
-        self._policy = PolicyV1Api(api)
+        self.policy = PolicyV1Api(api)
 
     @classmethod
     async def create(cls, kubeconfig_text: str) -> ClusterClient:
@@ -921,7 +822,7 @@ class ClusterClient:
         """Close the HTTP session."""
         await self._api.close()
 
-    async def _call(
+    async def call(
         self, method: Any, *args: Any, timeout: float = REQUEST_TIMEOUT, **kwargs: Any
     ) -> Any:
         try:
@@ -931,7 +832,7 @@ class ClusterClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as err:
             raise ClusterConnectionError(str(err) or type(err).__name__) from err
 
-    async def _retrying(
+    async def retrying(
         self, deadline: float, method: Any, *args: Any, **kwargs: Any
     ) -> Any:
         """``_call``, retrying transient errors with backoff until ``deadline``
@@ -941,7 +842,7 @@ class ClusterClient:
         while True:
             remaining = deadline - loop.time()
             try:
-                return await self._call(
+                return await self.call(
                     method,
                     *args,
                     timeout=max(1.0, min(REQUEST_TIMEOUT, remaining)),
@@ -955,12 +856,12 @@ class ClusterClient:
                 await asyncio.sleep(wait)
                 delay = min(delay * 2, RETRY_MAX)
 
-    def _deadline(self, seconds: float) -> float:
+    def deadline(self, seconds: float) -> float:
         return asyncio.get_running_loop().time() + seconds
 
     async def node_names(self) -> list[str]:
         """Every node's name, sorted."""
-        nodes = await self._call(self._core.list_node)
+        nodes = await self.call(self.core.list_node)
         return sorted(node.metadata.name for node in nodes.items)
 
     async def node_view(self, name: str) -> NodeView:
@@ -969,7 +870,7 @@ class ClusterClient:
 
     async def boot_id(self, name: str) -> str | None:
         """The node's ``status.nodeInfo.bootID`` (one read of the Node)."""
-        return boot_id_of(await self._call(self._core.read_node, name))
+        return boot_id_of(await self.call(self.core.read_node, name))
 
     async def node_reading(self, name: str) -> NodeReading:
         """The node view plus what tells whether the node works: how far each
@@ -991,8 +892,8 @@ class ClusterClient:
         events: list[PodEvent] = []
         for pod in waiting[:EVENT_PODS_MAX]:
             try:
-                found = await self._call(
-                    self._core.list_namespaced_event,
+                found = await self.call(
+                    self.core.list_namespaced_event,
                     pod.namespace,
                     field_selector=f"involvedObject.uid={pod.uid},type=Warning",
                 )
@@ -1086,8 +987,8 @@ class ClusterClient:
     async def _next_node_event(self, name: str, version: str, seconds: float) -> None:
         """Until the node changes after ``version`` (a watch event arrives)."""
         async with asyncio.timeout(seconds + 5):
-            response = await self._call(
-                self._core.list_node,
+            response = await self.call(
+                self.core.list_node,
                 field_selector=f"metadata.name={name}",
                 watch=True,
                 resource_version=version,
@@ -1114,14 +1015,14 @@ class ClusterClient:
 
     async def _read_node(self, name: str) -> tuple[Any, list[Any], NodeView]:
         """The node, its pods, and the view made of them (and its Lease)."""
-        node = await self._call(self._core.read_node, name)
-        pods = await self._call(
-            self._core.list_pod_for_all_namespaces,
+        node = await self.call(self.core.read_node, name)
+        pods = await self.call(
+            self.core.list_pod_for_all_namespaces,
             field_selector=f"spec.nodeName={name}",
         )
         lease_age: float | None = None
         try:
-            lease = await self._call(
+            lease = await self.call(
                 self._coordination.read_namespaced_lease, name, LEASE_NAMESPACE
             )
         except NodeNotFoundError:
@@ -1134,7 +1035,7 @@ class ClusterClient:
             if condition.type == "Ready":
                 ready = condition.status == "True"
         status = node.status
-        running = [pod for pod in pods.items if not _finished(pod)]
+        running = [pod for pod in pods.items if not pod_finished(pod)]
         view = NodeView(
             name=name,
             ready=ready,
@@ -1148,7 +1049,7 @@ class ClusterClient:
             evictable_pods=sum(1 for pod in running if is_evictable(pod)),
             stale_mark=has_stale_mark(node),
             unmanaged=tuple(
-                sorted(_ref(pod).label for pod in running if is_unmanaged(pod))
+                sorted(pod_ref(pod).label for pod in running if is_unmanaged(pod))
             ),
             boot_id=boot_id_of(node),
         )
@@ -1208,250 +1109,15 @@ class ClusterClient:
         """Read the node, ask ``change`` for a result and a patch (None: leave
         it), and apply the patch guarded by the resourceVersion read: if the
         node changed meanwhile (409), read it again and ask again."""
-        deadline = self._deadline(CORDON_RETRY_WINDOW)
+        deadline = self.deadline(CORDON_RETRY_WINDOW)
         while True:
-            node = await self._retrying(deadline, self._core.read_node, name)
+            node = await self.retrying(deadline, self.core.read_node, name)
             result, patch = change(node)
             if patch is None:
                 return result
             patch["metadata"]["resourceVersion"] = node.metadata.resource_version
             try:
-                await self._retrying(deadline, self._core.patch_node, name, patch)
+                await self.retrying(deadline, self.core.patch_node, name, patch)
             except ConflictError:
                 continue
             return result
-
-    async def _pods_on(self, name: str, deadline: float) -> list[Any]:
-        pods: list[Any] = []
-        token: str | None = None
-        while True:
-            page = await self._retrying(
-                deadline,
-                self._core.list_pod_for_all_namespaces,
-                field_selector=f"spec.nodeName={name}",
-                limit=PAGE_SIZE,
-                **({"_continue": token} if token else {}),
-            )
-            pods.extend(page.items)
-            token = page.metadata._continue  # noqa: SLF001 - the model's field name
-            if not token:
-                return pods
-
-    async def _to_evict(
-        self, pods: list[Any], *, force: bool, skip_after: float, deadline: float
-    ) -> tuple[list[_PodRef], list[str]]:
-        """kubectl drain's filters, in its order, first skip wins, as with
-        --ignore-daemonsets --delete-emptydir-data (and --force when ``force``):
-        pods to evict, and pods refused because nothing would recreate them."""
-        evict: list[_PodRef] = []
-        refused: list[str] = []
-        for pod in pods:
-            ref = _ref(pod)
-            if _should_skip(ref, skip_after):
-                continue
-            owner = _controller_of(pod)
-            if owner is not None and owner.kind == "DaemonSet" and not _finished(pod):
-                try:
-                    await self._retrying(
-                        deadline,
-                        self._apps.read_namespaced_daemon_set,
-                        owner.name,
-                        ref.namespace,
-                    )
-                except NodeNotFoundError:
-                    # An orphaned DaemonSet pod: nothing recreates it.
-                    if force:
-                        evict.append(ref)
-                    else:
-                        refused.append(ref.label)
-                continue
-            if MIRROR_ANNOTATION in (pod.metadata.annotations or {}):
-                continue
-            if owner is None and not _finished(pod):
-                if force:
-                    evict.append(ref)
-                else:
-                    refused.append(ref.label)
-                continue
-            evict.append(ref)
-        return evict, refused
-
-    async def drain(
-        self,
-        name: str,
-        timeout: float,
-        progress: Callable[[DrainProgress], None] | None = None,
-        *,
-        force: bool = False,
-        skip_after: float = SKIP_WAIT_FOR_DELETE,
-        retry_interval: float = EVICTION_RETRY,
-        poll_interval: float = GONE_POLL,
-    ) -> DrainProgress:
-        """Evict the node's pods as ``kubectl drain --ignore-daemonsets
-        --delete-emptydir-data --skip-wait-for-delete-timeout`` does (plus
-        ``--force`` when ``force``); the caller cordons first.
-
-        Pods that nothing recreates make the drain fail before any eviction
-        (UnmanagedPodsError) unless ``force``. Evictions a budget refuses are
-        retried every ``retry_interval`` s, transient errors with backoff, and
-        evicted pods are waited for until gone; all within ``timeout``. The
-        node is listed again once its pods are gone, so a pod replaced under
-        the same name meanwhile is evicted too; a pod that came back to the
-        cordoned node tolerating its cordon is not (``came_back`` names it).
-        On failure the node stays cordoned: the caller decides what to
-        undo.
-        """
-        deadline = self._deadline(timeout)
-        pace = _Pace(deadline, skip_after, retry_interval, poll_interval)
-        state = _DrainState(report=progress)
-        while True:
-            pods = state.chased(await self._pods_on(name, deadline))
-            evict, refused = await self._to_evict(
-                pods, force=force, skip_after=skip_after, deadline=deadline
-            )
-            if refused:
-                raise UnmanagedPodsError(name, tuple(refused), state.progress())
-            if not evict:
-                break
-            for pod in evict:
-                state.waiting[pod] = "evicting"
-            state.announce()
-            try:
-                async with asyncio.TaskGroup() as group:
-                    for pod in evict:
-                        group.create_task(self._evict_and_wait(pod, state, pace))
-            except* _DrainTimeoutError:
-                raise DrainError(
-                    f"{len(state.waiting)} pod(s) still on {name} after "
-                    f"{timeout:.0f} s: {state.describe()}",
-                    state.progress(),
-                ) from None
-            except* ClusterError as errors:
-                raise errors.exceptions[0] from None
-        state.announce()
-        return state.progress()
-
-    async def _evict_and_wait(
-        self, pod: _PodRef, state: _DrainState, pace: _Pace
-    ) -> None:
-        """One pod: evict it (retrying what kubectl retries), then wait until
-        it is gone, replaced, or stuck terminating past ``skip_after``."""
-        loop = asyncio.get_running_loop()
-        deadline = pace.deadline
-        delay = RETRY_START
-        while True:
-            body = V1Eviction(
-                metadata=V1ObjectMeta(name=pod.name, namespace=pod.namespace),
-                delete_options=V1DeleteOptions(
-                    preconditions=V1Preconditions(uid=pod.uid)
-                ),
-            )
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise _DrainTimeoutError
-            try:
-                await self._call(
-                    self._core.create_namespaced_pod_eviction,
-                    pod.name,
-                    pod.namespace,
-                    body,
-                    timeout=max(1.0, min(REQUEST_TIMEOUT, remaining)),
-                )
-                break
-            except NodeNotFoundError:
-                state.gone(pod)  # gone already
-                return
-            except ConflictError:
-                # The UID precondition failed: the pod we meant is gone and
-                # another has its name; the drain lists the node again.
-                state.gone(pod)
-                return
-            except BudgetOverlapError:
-                raise MultipleBudgetsError(
-                    pod.label, await self._budgets_of(pod), state.progress()
-                ) from None
-            except EvictionRefusedError as err:
-                state.set(pod, _REFUSED)
-                wait = max(pace.retry_interval, err.retry_after or 0.0)
-            except NamespaceTerminatingError:
-                if pod.deletion is not None:
-                    break  # already going, with its namespace: wait for it
-                state.set(pod, "namespace terminating")
-                wait = pace.retry_interval
-            except ClusterConnectionError as err:
-                state.set(pod, f"retrying: {err}")
-                wait = err.retry_after if err.retry_after is not None else delay
-                delay = min(delay * 2, RETRY_MAX)
-            await asyncio.sleep(max(0.0, min(wait, deadline - loop.time())))
-            # As kubectl does after a retryable error: evict the pod as it is
-            # now (it may have started terminating meanwhile).
-            try:
-                current = await self._call(
-                    self._core.read_namespaced_pod, pod.name, pod.namespace
-                )
-            except NodeNotFoundError:
-                state.gone(pod)
-                return
-            except ClusterConnectionError:
-                continue  # one failed read is no reason to stop
-            fresh = _ref(current)
-            if fresh.uid != pod.uid:
-                state.gone(pod)
-                return
-            state.waiting[fresh] = state.waiting.pop(pod)
-            pod = fresh
-        state.set(pod, "terminating")
-        await self._wait_gone(pod, state, pace)
-
-    async def _budgets_of(self, pod: _PodRef) -> tuple[str, ...]:
-        """The PodDisruptionBudgets selecting the pod ("namespace/name"), as
-        the eviction API finds them (getPodDisruptionBudgets: its namespace's
-        budgets whose selector is valid, not empty, and matches its labels);
-        none if they cannot be read (a ClusterRole without the list)."""
-        try:
-            current = await self._call(
-                self._core.read_namespaced_pod, pod.name, pod.namespace
-            )
-            budgets = await self._call(
-                self._policy.list_namespaced_pod_disruption_budget, pod.namespace
-            )
-        except ClusterError as err:
-            _LOGGER.warning("Could not read the budgets of %s: %s", pod.label, err)
-            return ()
-        labels = current.metadata.labels or {}
-        return tuple(
-            sorted(
-                f"{pod.namespace}/{budget.metadata.name}"
-                for budget in budgets.items
-                if budget.spec is not None and selects(budget.spec.selector, labels)
-            )
-        )
-
-    async def _wait_gone(self, pod: _PodRef, state: _DrainState, pace: _Pace) -> None:
-        """kubectl's waitForDelete: gone when 404 or the UID changed; a pod
-        whose deletion is ``skip_after`` seconds overdue is skipped."""
-        loop = asyncio.get_running_loop()
-        deadline = pace.deadline
-        while True:
-            try:
-                current = await self._call(
-                    self._core.read_namespaced_pod,
-                    pod.name,
-                    pod.namespace,
-                    timeout=max(1.0, min(REQUEST_TIMEOUT, deadline - loop.time())),
-                )
-            except NodeNotFoundError:
-                state.gone(pod)
-                return
-            except ClusterConnectionError:
-                current = None  # one failed read is no reason to stop
-            if current is not None:
-                fresh = _ref(current)
-                if fresh.uid != pod.uid or _should_skip(fresh, pace.skip_after):
-                    state.gone(pod)
-                    return
-            if loop.time() >= deadline:
-                raise _DrainTimeoutError
-            await asyncio.sleep(
-                max(0.0, min(pace.poll_interval, deadline - loop.time()))
-            )

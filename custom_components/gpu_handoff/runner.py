@@ -27,6 +27,7 @@ from .core import (
     stop_names,
     stop_releases,
 )
+from .drain import drain_node
 from .health import UnhealthyReturn
 from .jobs import DoneJob, JobHost, TowerJobs, first_of
 from .node_return import NodeBackError, NodeReturn, ReturnHost
@@ -291,7 +292,8 @@ class OperationRunner:
         self._host.show_cordon(owner)
         check_operator_cordon(owner, settings, self.k8s_node)
         progress = await first_of(
-            self.cluster.drain(
+            drain_node(
+                self.cluster,
                 self.k8s_node,
                 settings.drain_timeout,
                 self._host.drain_progress,

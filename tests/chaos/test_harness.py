@@ -21,6 +21,7 @@ import pytest
 
 from custom_components.gpu_handoff.cluster_client import ClusterClient
 from custom_components.gpu_handoff.cluster_model import DrainProgress
+from custom_components.gpu_handoff.drain import drain_node
 from tests.chaos.harness import (
     DISABLED_FAULTS,
     EARLY_MOMENTS,
@@ -679,20 +680,21 @@ async def test_a_drain_that_evicts_a_pod_it_left_is_caught(
     """A product whose drain names a pod that came back to the cordoned node
     tolerating its cordon as left, and evicts it all the same: reported as
     exactly that."""
-    drain = ClusterClient.drain
 
-    async def evicting(self: ClusterClient, *args: Any, **kwargs: Any) -> DrainProgress:
-        progress = await drain(self, *args, **kwargs)
+    async def evicting(
+        client: ClusterClient, *args: Any, **kwargs: Any
+    ) -> DrainProgress:
+        progress = await drain_node(client, *args, **kwargs)
         for label in progress.came_back:
             namespace, _, name = label.partition("/")
-            await self._core.create_namespaced_pod_eviction(
+            await client.core.create_namespaced_pod_eviction(
                 name,
                 namespace,
                 V1Eviction(metadata=V1ObjectMeta(name=name, namespace=namespace)),
             )
         return progress
 
-    monkeypatch.setattr(ClusterClient, "drain", evicting)
+    monkeypatch.setattr("custom_components.gpu_handoff.runner.drain_node", evicting)
     summary = await _replay(
         hass, k8s_emulator, tmp_path, [Plan(0, 1, "on", "gaming-1")]
     )

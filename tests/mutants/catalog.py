@@ -19,6 +19,7 @@ NODE_RETURN = "custom_components/gpu_handoff/node_return.py"
 CONTROLLER = "custom_components/gpu_handoff/controller.py"
 CORE = "custom_components/gpu_handoff/core.py"
 CLUSTER = "custom_components/gpu_handoff/cluster_client.py"
+DRAIN = "custom_components/gpu_handoff/drain.py"
 CONFIG_FLOW = "custom_components/gpu_handoff/config_flow.py"
 SENSOR = "custom_components/gpu_handoff/sensor.py"
 INSTALLER = "custom_components/gpu_handoff/installer.py"
@@ -244,10 +245,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "a pod nothing recreates is not evicted unless the option allows it",
         (
             Patch(
-                CLUSTER,
-                "            if owner is None and not _finished(pod):\n"
+                DRAIN,
+                "            if owner is None and not pod_finished(pod):\n"
                 "                if force:\n",
-                "            if owner is None and not _finished(pod):\n"
+                "            if owner is None and not pod_finished(pod):\n"
                 "                if True:\n",
             ),
         ),
