@@ -42,7 +42,7 @@ from custom_components.gpu_handoff.cluster_model import (
     CORDON_OWNER_OTHER,
     CORDON_OWNER_US,
 )
-from custom_components.gpu_handoff.drain import drain_node
+from custom_components.gpu_handoff.drain import NodeDrain
 from tests.conftest import kubeconfig_text
 from tests.k8semu import CONTROL_PLANE_NODE, GPU, GPU_NODE, K8sEmulator
 from tests.k8semu.objects import make_namespace
@@ -362,8 +362,7 @@ async def test_drain_refused_by_a_pdb_until_the_timeout(
     seen: list[int] = []
     await client.cordon(GPU_NODE, "m")
     with pytest.raises(DrainError) as err:
-        await drain_node(
-            client,
+        await NodeDrain(client).run(
             GPU_NODE,
             timeout=0.5,
             progress=lambda p: seen.append(p.pods_left),
@@ -398,8 +397,8 @@ async def test_drain_succeeds_once_the_pdb_allows_it(
             mutate=lambda pdb: pdb["spec"].update(minAvailable=0),
         ),
     )
-    result = await drain_node(
-        client, GPU_NODE, timeout=10, retry_interval=0.1, poll_interval=0.05
+    result = await NodeDrain(client).run(
+        GPU_NODE, timeout=10, retry_interval=0.1, poll_interval=0.05
     )
     assert result.pods_left == 0
     assert result.evicted == 2
@@ -416,11 +415,11 @@ async def test_drain_waits_for_terminating_pods(
     fails the drain."""
     cluster.delete("PodDisruptionBudget", "trainer", "ai")
     cluster.deletion_grace = 0.3
-    result = await drain_node(client, GPU_NODE, timeout=10, poll_interval=0.05)
+    result = await NodeDrain(client).run(GPU_NODE, timeout=10, poll_interval=0.05)
     assert result.pods_left == 0
     cluster.add_pod("stuck", "default", node=GPU_NODE, refuse_termination=True)
     with pytest.raises(DrainError, match="1 pod"):
-        await drain_node(client, GPU_NODE, timeout=0.5, poll_interval=0.05)
+        await NodeDrain(client).run(GPU_NODE, timeout=0.5, poll_interval=0.05)
 
 
 async def test_drain_refuses_pods_that_nothing_recreates(
@@ -433,7 +432,7 @@ async def test_drain_refuses_pods_that_nothing_recreates(
     cluster.delete("DaemonSet", "nvidia-device-plugin-daemonset", "kube-system")
     cluster.add_pod("debug", "default", node=GPU_NODE)
     with pytest.raises(UnmanagedPodsError) as err:
-        await drain_node(client, GPU_NODE, timeout=10, poll_interval=0.05)
+        await NodeDrain(client).run(GPU_NODE, timeout=10, poll_interval=0.05)
     assert set(err.value.pods) == {
         "kube-system/nvidia-device-plugin-daemonset-x7k2p",
         "default/debug",
@@ -453,7 +452,7 @@ async def test_drain_with_force_evicts_them_and_finished_pods(
     cluster.delete("DaemonSet", "nvidia-device-plugin-daemonset", "kube-system")
     cluster.add_pod("debug", "default", node=GPU_NODE)
     cluster.add_pod("finished", "default", node=GPU_NODE, phase="Succeeded")
-    await drain_node(client, GPU_NODE, timeout=10, poll_interval=0.05, force=True)
+    await NodeDrain(client).run(GPU_NODE, timeout=10, poll_interval=0.05, force=True)
     assert _on_node(cluster) == {f"gpu-exporter-{GPU_NODE}"}
 
 
@@ -464,7 +463,7 @@ async def test_a_finished_bare_pod_is_no_reason_to_refuse(
     run` pod does not block a drain without --force."""
     cluster.delete("PodDisruptionBudget", "trainer", "ai")
     cluster.add_pod("done", "default", node=GPU_NODE, phase="Failed")
-    await drain_node(client, GPU_NODE, timeout=10, poll_interval=0.05)
+    await NodeDrain(client).run(GPU_NODE, timeout=10, poll_interval=0.05)
     assert "done" not in _on_node(cluster)
 
 
@@ -479,7 +478,7 @@ async def test_transient_errors_do_not_abort_the_drain(
     cluster.fail_next(1, 503, resource="pods/eviction")
     cluster.fail_next(1, 503, verb="get", resource="pods")
     cluster.deletion_grace = 0.2
-    result = await drain_node(client, GPU_NODE, timeout=20, poll_interval=0.05)
+    result = await NodeDrain(client).run(GPU_NODE, timeout=20, poll_interval=0.05)
     assert result.pods_left == 0
     assert result.evicted == 2
     statuses = [r.status for r in cluster.requests_for(resource="pods/eviction")]
@@ -518,12 +517,12 @@ async def test_a_pod_stuck_terminating_on_a_dead_kubelet_counts_as_gone(
         mutate=lambda pod: pod["spec"].update(terminationGracePeriodSeconds=1),
     )
     with pytest.raises(DrainError, match="default/slow"):
-        await drain_node(
-            client, GPU_NODE, timeout=2.0, poll_interval=0.05, skip_after=60
+        await NodeDrain(client).run(
+            GPU_NODE, timeout=2.0, poll_interval=0.05, skip_after=60
         )
     # Once its deletion is overdue by the bound, the waiting ends.
-    result = await drain_node(
-        client, GPU_NODE, timeout=10, poll_interval=0.05, skip_after=0.3
+    result = await NodeDrain(client).run(
+        GPU_NODE, timeout=10, poll_interval=0.05, skip_after=0.3
     )
     assert result.pods_left == 0
     assert {"stale-1", "slow"} <= _on_node(cluster)  # still Terminating there
@@ -538,10 +537,10 @@ async def test_drain_errors(client: ClusterClient, cluster: K8sEmulator) -> None
     cluster.delete("PodDisruptionBudget", "trainer", "ai")
     cluster.fail_next(1, 403, resource="pods/eviction")
     with pytest.raises(ClusterAuthError):
-        await drain_node(client, GPU_NODE, timeout=5)
+        await NodeDrain(client).run(GPU_NODE, timeout=5)
     await cluster.stop()
     with pytest.raises(ClusterConnectionError):
-        await drain_node(client, GPU_NODE, timeout=1.5)
+        await NodeDrain(client).run(GPU_NODE, timeout=1.5)
 
 
 async def test_drain_lists_pods_page_by_page(
@@ -553,9 +552,9 @@ async def test_drain_lists_pods_page_by_page(
     for n in range(260):
         cluster.add_pod(f"batch-{n}", "default", node=GPU_NODE)
     with pytest.raises(UnmanagedPodsError, match=r"and 250 more$"):
-        await drain_node(client, GPU_NODE, timeout=30, poll_interval=0.05)
-    result = await drain_node(
-        client, GPU_NODE, timeout=30, poll_interval=0.05, force=True
+        await NodeDrain(client).run(GPU_NODE, timeout=30, poll_interval=0.05)
+    result = await NodeDrain(client).run(
+        GPU_NODE, timeout=30, poll_interval=0.05, force=True
     )
     assert result.evicted == 262
     pages = [
@@ -576,7 +575,7 @@ async def test_drain_pod_deleted_meanwhile(
         if cluster.get("Pod", "trainer-7c6d5e4f3-m2n9v", "ai") is not None:
             cluster.remove_pod("trainer-7c6d5e4f3-m2n9v", "ai")
 
-    result = await drain_node(client, GPU_NODE, timeout=10, progress=delete_it)
+    result = await NodeDrain(client).run(GPU_NODE, timeout=10, progress=delete_it)
     assert result.pods_left == 0
     statuses = {
         r.name: r.status for r in cluster.requests_for(resource="pods/eviction")
@@ -601,8 +600,8 @@ async def test_a_pod_in_a_terminating_namespace_is_waited_for(
     cluster.add_pod("job-1", "scratch-ns", node=GPU_NODE, owner=owner)
     cluster.set_pod_stop_seconds("job-1", "scratch-ns", 0.5)
     cluster.terminate_namespace("scratch-ns")
-    result = await drain_node(
-        client, GPU_NODE, timeout=10, retry_interval=0.1, poll_interval=0.05
+    result = await NodeDrain(client).run(
+        GPU_NODE, timeout=10, retry_interval=0.1, poll_interval=0.05
     )
     assert result.pods_left == 0
     assert cluster.get("Pod", "job-1", "scratch-ns") is None
@@ -653,8 +652,8 @@ async def test_a_pod_replaced_under_its_name_is_evicted_in_its_new_form(
         return pod
 
     client.core.read_namespaced_pod = read_then_replace  # type: ignore[method-assign]
-    result = await drain_node(
-        client, GPU_NODE, timeout=15, retry_interval=0.2, poll_interval=0.05
+    result = await NodeDrain(client).run(
+        GPU_NODE, timeout=15, retry_interval=0.2, poll_interval=0.05
     )
     assert replaced
     assert result.pods_left == 0
@@ -679,8 +678,7 @@ async def test_throttling_is_not_a_budget_refusal(
     cluster.throttle(2, resource="pods/eviction", retry_after=0)
     cluster.throttle(1, resource="pods/eviction", status=504)
     refused: list[int] = []
-    result = await drain_node(
-        client,
+    result = await NodeDrain(client).run(
         GPU_NODE,
         timeout=20,
         progress=lambda p: refused.append(p.evictions_refused),
@@ -703,8 +701,8 @@ async def test_a_budget_still_being_processed_is_waited_for(
         "ai",
         mutate=lambda pdb: pdb["spec"].update(minAvailable=0),
     )
-    result = await drain_node(
-        client, GPU_NODE, timeout=30, retry_interval=0.1, poll_interval=0.05
+    result = await NodeDrain(client).run(
+        GPU_NODE, timeout=30, retry_interval=0.1, poll_interval=0.05
     )
     assert result.pods_left == 0
 

@@ -1,6 +1,6 @@
 """kubectl drain, as its own code does it; knows nothing about Home Assistant.
 
-``drain_node`` evicts a node's pods with ``kubectl drain --ignore-daemonsets
+``NodeDrain(client).run`` evicts a node's pods with ``kubectl drain --ignore-daemonsets
 --delete-emptydir-data --skip-wait-for-delete-timeout`` semantics (plus
 ``--force`` on request), through the eviction API of a ClusterClient.
 """
@@ -52,29 +52,6 @@ _LOGGER = logging.getLogger(__name__)
 
 EVICTION_RETRY: Final = 5.0
 GONE_POLL: Final = 1.0
-
-
-async def drain_node(
-    client: ClusterClient,
-    name: str,
-    timeout: float,
-    progress: Callable[[DrainProgress], None] | None = None,
-    *,
-    force: bool = False,
-    skip_after: float = SKIP_WAIT_FOR_DELETE,
-    retry_interval: float = EVICTION_RETRY,
-    poll_interval: float = GONE_POLL,
-) -> DrainProgress:
-    """Drain node ``name`` through ``client`` (see NodeDrain.run)."""
-    return await NodeDrain(client).run(
-        name,
-        timeout,
-        progress,
-        force=force,
-        skip_after=skip_after,
-        retry_interval=retry_interval,
-        poll_interval=poll_interval,
-    )
 
 
 def should_skip(pod: PodRef, skip_after: float) -> bool:
@@ -182,7 +159,7 @@ class NodeDrain:
 
     def __init__(self, client: ClusterClient) -> None:
         """Nothing is evicted until ``run``."""
-        self._client = client
+        self.client = client
 
     async def run(
         self,
@@ -209,7 +186,7 @@ class NodeDrain:
         On failure the node stays cordoned: the caller decides what to
         undo.
         """
-        deadline = self._client.deadline(timeout)
+        deadline = self.client.deadline(timeout)
         pace = _Pace(deadline, skip_after, retry_interval, poll_interval)
         state = _DrainState(report=progress)
         while True:
@@ -243,9 +220,9 @@ class NodeDrain:
         pods: list[Any] = []
         token: str | None = None
         while True:
-            page = await self._client.retrying(
+            page = await self.client.retrying(
                 deadline,
-                self._client.core.list_pod_for_all_namespaces,
+                self.client.core.list_pod_for_all_namespaces,
                 field_selector=f"spec.nodeName={name}",
                 limit=PAGE_SIZE,
                 **({"_continue": token} if token else {}),
@@ -274,9 +251,9 @@ class NodeDrain:
                 and not pod_finished(pod)
             ):
                 try:
-                    await self._client.retrying(
+                    await self.client.retrying(
                         deadline,
-                        self._client.apps.read_namespaced_daemon_set,
+                        self.client.apps.read_namespaced_daemon_set,
                         owner.name,
                         ref.namespace,
                     )
@@ -322,8 +299,8 @@ class NodeDrain:
             if remaining <= 0:
                 raise _DrainTimeoutError
             try:
-                await self._client.call(
-                    self._client.core.create_namespaced_pod_eviction,
+                await self.client.call(
+                    self.client.core.create_namespaced_pod_eviction,
                     pod.name,
                     pod.namespace,
                     _eviction(pod),
@@ -365,8 +342,8 @@ class NodeDrain:
         is gone or replaced. One failed read is no reason to stop: the pod
         as it was."""
         try:
-            current = await self._client.call(
-                self._client.core.read_namespaced_pod, pod.name, pod.namespace
+            current = await self.client.call(
+                self.client.core.read_namespaced_pod, pod.name, pod.namespace
             )
         except NodeNotFoundError:
             state.gone(pod)
@@ -386,11 +363,11 @@ class NodeDrain:
         budgets whose selector is valid, not empty, and matches its labels);
         none if they cannot be read (a ClusterRole without the list)."""
         try:
-            current = await self._client.call(
-                self._client.core.read_namespaced_pod, pod.name, pod.namespace
+            current = await self.client.call(
+                self.client.core.read_namespaced_pod, pod.name, pod.namespace
             )
-            budgets = await self._client.call(
-                self._client.policy.list_namespaced_pod_disruption_budget, pod.namespace
+            budgets = await self.client.call(
+                self.client.policy.list_namespaced_pod_disruption_budget, pod.namespace
             )
         except ClusterError as err:
             _LOGGER.warning("Could not read the budgets of %s: %s", pod.label, err)
@@ -411,8 +388,8 @@ class NodeDrain:
         deadline = pace.deadline
         while True:
             try:
-                current = await self._client.call(
-                    self._client.core.read_namespaced_pod,
+                current = await self.client.call(
+                    self.client.core.read_namespaced_pod,
                     pod.name,
                     pod.namespace,
                     timeout=max(1.0, min(REQUEST_TIMEOUT, deadline - loop.time())),

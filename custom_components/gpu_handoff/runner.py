@@ -27,7 +27,7 @@ from .core import (
     stop_names,
     stop_releases,
 )
-from .drain import drain_node
+from .drain import NodeDrain
 from .health import UnhealthyReturn
 from .jobs import DoneJob, JobHost, TowerJobs, first_of
 from .node_return import NodeBackError, NodeReturn, ReturnHost
@@ -292,8 +292,7 @@ class OperationRunner:
         self._host.show_cordon(owner)
         check_operator_cordon(owner, settings, self.k8s_node)
         progress = await first_of(
-            drain_node(
-                self.cluster,
+            NodeDrain(self.cluster).run(
                 self.k8s_node,
                 settings.drain_timeout,
                 self._host.drain_progress,

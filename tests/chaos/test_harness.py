@@ -21,7 +21,7 @@ import pytest
 
 from custom_components.gpu_handoff.cluster_client import ClusterClient
 from custom_components.gpu_handoff.cluster_model import DrainProgress
-from custom_components.gpu_handoff.drain import drain_node
+from custom_components.gpu_handoff.drain import NodeDrain
 from tests.chaos.harness import (
     DISABLED_FAULTS,
     EARLY_MOMENTS,
@@ -681,20 +681,20 @@ async def test_a_drain_that_evicts_a_pod_it_left_is_caught(
     tolerating its cordon as left, and evicts it all the same: reported as
     exactly that."""
 
-    async def evicting(
-        client: ClusterClient, *args: Any, **kwargs: Any
-    ) -> DrainProgress:
-        progress = await drain_node(client, *args, **kwargs)
+    run = NodeDrain.run
+
+    async def evicting(self: NodeDrain, *args: Any, **kwargs: Any) -> DrainProgress:
+        progress = await run(self, *args, **kwargs)
         for label in progress.came_back:
             namespace, _, name = label.partition("/")
-            await client.core.create_namespaced_pod_eviction(
+            await self.client.core.create_namespaced_pod_eviction(
                 name,
                 namespace,
                 V1Eviction(metadata=V1ObjectMeta(name=name, namespace=namespace)),
             )
         return progress
 
-    monkeypatch.setattr("custom_components.gpu_handoff.runner.drain_node", evicting)
+    monkeypatch.setattr(NodeDrain, "run", evicting)
     summary = await _replay(
         hass, k8s_emulator, tmp_path, [Plan(0, 1, "on", "gaming-1")]
     )
