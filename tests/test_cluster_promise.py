@@ -547,7 +547,10 @@ async def test_removing_the_entry_mid_handoff(
     controller = entry.runtime_data.controller
     await switch(hass, "turn_on", SWITCH_1)
     await until(
-        lambda: controller.drain is not None and controller.drain.evictions_refused > 0
+        lambda: (
+            controller.progress.drain is not None
+            and controller.progress.drain.evictions_refused > 0
+        )
     )
     assert cordoned(cluster)
     assert f"{DOMAIN}.{entry.entry_id}" in hass_storage
@@ -675,7 +678,10 @@ async def test_removing_a_gaming_vm_mid_handoff_ends_it_safely(
     controller = entry.runtime_data.controller
     await switch(hass, "turn_on", SWITCH_2)
     await until(
-        lambda: controller.drain is not None and controller.drain.evictions_refused > 0
+        lambda: (
+            controller.progress.drain is not None
+            and controller.progress.drain.evictions_refused > 0
+        )
     )
     assert _mark(cluster) == "handoff to gaming-2"
     subentry = next(
@@ -798,7 +804,7 @@ async def test_a_queued_request_shows_at_once(
     await switch(hass, "turn_on", SWITCH_1)
     await switch(hass, "turn_on", SWITCH_2)
     assert hass.states.get(SWITCH_2).state == "on"
-    operation = entry.runtime_data.controller.operation
+    operation = entry.runtime_data.controller.progress.operation
     assert operation is None or operation.vm == "gaming-1"
     await until(lambda: sim.is_running("gaming-2") and sim.is_running("gaming-1"))
     await until(lambda: idle(entry))

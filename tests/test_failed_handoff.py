@@ -103,7 +103,7 @@ async def test_a_handoff_that_fails_after_the_gpu_node_stopped_returns_the_cards
     assert issue.translation_placeholders is not None
     assert issue.translation_placeholders["vm"] == "Gaming station 1"
     controller = entry.runtime_data.controller
-    assert controller.last_error["gaming-1"]
+    assert controller.progress.last_error["gaming-1"]
     assert controller.desired == set()
     assert sim.is_running("gpu-node")
     assert not sim.is_running("gaming-1")

@@ -139,7 +139,8 @@ async def test_a_vm_turned_off_during_a_lending_restart_stays_off(
     await until(lambda: sim.is_running("gaming-1"), BOUND)
     await until(
         lambda: (
-            controller.operation is not None and controller.operation.kind == "return"
+            controller.progress.operation is not None
+            and controller.progress.operation.kind == "return"
         ),
         BOUND,
     )
@@ -236,7 +237,9 @@ async def test_a_gpu_node_the_operator_stopped_mid_drain_stays_off(
     sim.fail_next_start("gaming-1", "disk")
 
     await switch(hass, "turn_on", SWITCH_1)
-    await until(lambda: controller.drain is not None, BOUND)  # the PDB holds it
+    await until(
+        lambda: controller.progress.drain is not None, BOUND
+    )  # the PDB holds it
     sim.guest_shutdown("gpu-node")
     await until(lambda: not sim.is_running("gpu-node"), BOUND)
     # The operator also removes what ran there (kubectl delete --force: a

@@ -97,7 +97,7 @@ async def test_the_group_of_a_players_card_is_not_lent(
     }
     assert rows[GTX_960]["blocked_by"] == "gaming-1"
     assert rows[GTX_960]["iommu_group"] == rows[RTX_1]["iommu_group"] == SHARED
-    assert entry.runtime_data.controller.last_error == {}
+    assert entry.runtime_data.controller.progress.last_error == {}
     issue_id = f"shared_iommu_group_{entry.entry_id}_gaming-1"
     issue = ir.async_get(hass).async_get_issue(DOMAIN, issue_id)
     assert issue is not None

@@ -109,7 +109,7 @@ async def test_one_player_leaves_the_cluster_two_cards(
     return_steps = [e.data["step"] for e in steps if e.data["kind"] == "return"]
     assert "starting_gpu_node" in return_steps
     assert return_steps[-1] == "uncordoning"
-    assert entry.runtime_data.controller.last_error == {}
+    assert entry.runtime_data.controller.progress.last_error == {}
 
 
 async def test_two_players_leave_the_gtx_960_and_cost_one_restart(
@@ -174,7 +174,8 @@ async def test_a_stop_while_the_gpu_node_restarts(
     await switch(hass, "turn_on", SWITCH_1)
     await until(
         lambda: (
-            controller.operation is not None and controller.operation.kind == "return"
+            controller.progress.operation is not None
+            and controller.progress.operation.kind == "return"
         ),
         BOUND,
     )
@@ -396,6 +397,6 @@ async def test_an_agent_that_cannot_lend_is_reported(
     await until(lambda: idle(entry))
     assert (failed[0].data["vm"], failed[0].data["kind"]) == ("gpu-node", "return")
     assert failed[0].data["code"] == "agent_cannot_lend"
-    assert "update it" in entry.runtime_data.controller.last_error["gpu-node"]
+    assert "update it" in entry.runtime_data.controller.progress.last_error["gpu-node"]
     assert sim.calls("create") == []
     assert sim.is_running("gaming-1")

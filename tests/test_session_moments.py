@@ -104,8 +104,8 @@ async def test_a_restart_mid_job_follows_the_same_job(
     controller = entry.runtime_data.controller
     await until(
         lambda: (
-            controller.operation is not None
-            and controller.operation.step.startswith(moment)
+            controller.progress.operation is not None
+            and controller.progress.operation.step.startswith(moment)
             and _pending_job_id(entry) is not None
         )
     )
@@ -224,8 +224,8 @@ async def test_a_cut_mid_job_loses_nothing(
     controller = entry.runtime_data.controller
     await until(
         lambda: (
-            controller.operation is not None
-            and controller.operation.step == "stopping_gpu_node"
+            controller.progress.operation is not None
+            and controller.progress.operation.step == "stopping_gpu_node"
         )
     )
     job_id = _pending_job_id(entry)

@@ -12,7 +12,7 @@ VM: the tower agent offers no such verb.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import replace
 import logging
 from typing import Any
 
@@ -20,10 +20,9 @@ from homeassistant.config_entries import ConfigEntry
 from homeassistant.core import HomeAssistant, callback
 from homeassistant.exceptions import HomeAssistantError, ServiceValidationError
 from homeassistant.helpers.storage import Store
-from homeassistant.util import dt as dt_util
 
 from .cluster_client import ClusterError, UnmanagedPodsError
-from .cluster_model import SKIP_WAIT_FOR_DELETE, DrainProgress, NodeView
+from .cluster_model import SKIP_WAIT_FOR_DELETE
 from .const import (
     CONF_AUTO_RETURN,
     CONF_DOMAIN_NAME,
@@ -39,7 +38,6 @@ from .const import (
     DEFAULT_LEND_FREE_CARDS,
     DOMAIN,
     EVENT_HANDOFF_STARTED,
-    EVENT_HANDOFF_STEP,
 )
 from .coordinator import GpuHandoffCoordinator
 from .core import (
@@ -65,8 +63,8 @@ from .core import (
     superseded_hook_requests,
 )
 from .jobs import JobFailedError
-from .models import OperationView
-from .protocol import RUNNING, JobRecord, TowerStatus
+from .progress import OperationProgress
+from .protocol import RUNNING, JobRecord
 from .report import Reporter
 from .runner import (
     OperationRunner,
@@ -97,17 +95,6 @@ def handoff_store(hass: HomeAssistant, entry_id: str) -> HandoffStore:
     return HandoffStore(hass, STORE_VERSION, f"{DOMAIN}.{entry_id}")
 
 
-@dataclass
-class Operation:
-    """What the controller is doing now for one gaming VM (or the GPU node)."""
-
-    vm: str
-    kind: str  # handoff | stop | return
-    step: str
-    started: str
-    phase: str | None = None  # PHASE_*: where the GPU node is in it
-
-
 class HandoffController:
     """Drives handoffs and returns for one tower: the loop around the pure
     decisions of ``core`` (observe, decide, act, store)."""
@@ -124,12 +111,20 @@ class HandoffController:
         self._entry = entry
         self._store = handoff_store(hass, entry.entry_id)
         self._lock = asyncio.Lock()
+        self.report = Reporter(hass, entry, coordinator.k8s_node)
+        self.progress = OperationProgress(
+            coordinator,
+            self.report,
+            requests=lambda: self._requests,
+            job=lambda: self.plan.job if self.plan is not None else None,
+            save_job=self._save_job,
+        )
         self.runner = OperationRunner(
             coordinator.tower,
             coordinator.cluster,
             gpu_node=entry.data[CONF_GPU_NODE],
             k8s_node=coordinator.k8s_node,
-            host=self,
+            host=self.progress,
         )
         # What is owned and stored (core.Owned): the desired set, the
         # operation in flight, and whether the GPU node is off because a
@@ -142,11 +137,7 @@ class HandoffController:
         # switch shows them at once, before any step has run.
         self._requests: dict[str, Request] = {}
         self.memory = Memory()
-        self.operation: Operation | None = None
-        self.drain: DrainProgress | None = None
-        self.last_error: dict[str, str] = {}
         self._forgetting = False
-        self.report = Reporter(hass, entry, coordinator.k8s_node)
 
     @property
     def requests(self) -> dict[str, Kind]:
@@ -324,13 +315,13 @@ class HandoffController:
         else:
             self.desired.discard(request.vm)
         self._requests[request.vm] = request
-        self._publish()
+        self.progress.publish()
         try:
             await self._save()
         except BaseException:
             self.desired = before
             del self._requests[request.vm]
-            self._publish()
+            self.progress.publish()
             raise
         return self._spawn(self._run(request))
 
@@ -425,7 +416,7 @@ class HandoffController:
                 return succeeded
         finally:
             self._request_done(request)
-            self._publish()
+            self.progress.publish()
 
     def _request_done(self, request: Request) -> None:
         """``request`` ended (another for the same VM may wait behind it)."""
@@ -446,11 +437,10 @@ class HandoffController:
         relend = kind is Kind.RETURN and bool(self.memory.lend_refused)
         if kind is Kind.RETURN:
             self.memory = replace(self.memory, lend_refused=())
-        self.operation = Operation(vm, kind, "preparing", dt_util.utcnow().isoformat())
-        self.last_error.pop(vm, None)
+        self.progress.begin(vm, kind)
         if plan.settle is None:
             self.report.fire(EVENT_HANDOFF_STARTED, vm, kind=kind)
-        self._publish()
+        self.progress.publish()
         returned = follow_up = False
         # What its jobs did so far (stored: a resumed operation keeps them).
         self.runner.facts = plan.facts
@@ -464,8 +454,7 @@ class HandoffController:
         except asyncio.CancelledError:
             # Home Assistant stops or the entry unloads: keep the plan so the
             # next start resumes the operation.
-            self.operation = None
-            self.drain = None
+            self.progress.end()
             raise
         follow_up = await self._after(request, succeeded=succeeded, follow_up=follow_up)
         if not succeeded:
@@ -473,7 +462,7 @@ class HandoffController:
         # A return succeeds only when the cluster has its cards back.
         unhealthy = self.runner.returned_unhealthy if returned else None
         if unhealthy is not None:
-            self.last_error[vm] = unhealthy.message
+            self.progress.last_error[vm] = unhealthy.message
         self.report.succeeded(
             request,
             gpu_node=self.coordinator.data.tower.gpu_node,
@@ -498,8 +487,7 @@ class HandoffController:
         facts = self.runner.facts
         status = self.coordinator.data.tower
         self.gpu_stopped_by_us = gpu_stopped_by_us(self.owned(), facts, status)
-        self.operation = None
-        self.drain = None
+        self.progress.end()
         self._requests.pop(request.vm, None)
         # Lending: the free cards go back after the last of a burst of
         # requests (core.lends_after); not lending, after a stop that left
@@ -600,7 +588,7 @@ class HandoffController:
                 stopped_by_us=job_stopped_gpu_node(
                     self.runner.facts,
                     job_failed=isinstance(err, JobFailedError),
-                    job_pending=self.pending_job is not None,
+                    job_pending=self.plan is not None and self.plan.job is not None,
                 ),
                 hook_job=settle_hook_job(
                     request,
@@ -615,76 +603,7 @@ class HandoffController:
             settle.stopped_by_us, self.settings, settle.hook_job
         )
 
-    @callback
-    def _publish(self) -> None:
-        """Show what the controller is doing: every entity reads it from the
-        coordinator's snapshot."""
-        operation = self.operation
-        self.coordinator.async_set_operation(
-            OperationView(
-                requests={vm: r.kind.value for vm, r in self._requests.items()},
-                vm=operation.vm if operation is not None else None,
-                kind=operation.kind if operation is not None else None,
-                step=operation.step if operation is not None else None,
-                phase=operation.phase if operation is not None else None,
-                started=operation.started if operation is not None else None,
-                drain=self.drain,
-                last_error=dict(self.last_error),
-            )
-        )
-
-    @property
-    def current_phase(self) -> str | None:
-        """Where the GPU node is in the running operation (PHASE_*), if any."""
-        return self.operation.phase if self.operation is not None else None
-
-    # --- the runner's host -------------------------------------------------------
-
-    def phase(self, phase: str) -> None:
-        """The GPU node is at ``phase`` of the running operation."""
-        if self.operation is not None and self.operation.phase != phase:
-            self.operation.phase = phase
-            self._publish()
-
-    def step(self, step: str) -> None:
-        """The running operation is at ``step``: an event, and the entities."""
-        operation = self.operation
-        if operation is None or operation.step == step:
-            return
-        operation.step = step
-        self.report.fire(
-            EVENT_HANDOFF_STEP, operation.vm, kind=operation.kind, step=step
-        )
-        self._publish()
-
-    def drain_progress(self, progress: DrainProgress) -> None:
-        """How far the drain is, shown live."""
-        self.drain = progress
-        self._publish()
-
-    def show_node(self, view: NodeView) -> None:
-        """Show what the runner just learned or did to the node at once, so
-        every entity agrees with the Handoff state at every write."""
-        self.coordinator.async_set_node(view)
-
-    def show_cordon(self, owner: str | None) -> None:
-        """The cordon as the runner just left it."""
-        node = self.coordinator.data.node
-        if node is not None:
-            self.show_node(
-                replace(node, unschedulable=owner is not None, cordon_owner=owner)
-            )
-
-    def show_tower(self, status: TowerStatus) -> None:
-        """The tower as the runner just read it."""
-        self.coordinator.async_set_tower(status)
-
-    @property
-    def pending_job(self) -> PendingJob | None:
-        """The tower job the stored operation asked for, if any."""
-        return self.plan.job if self.plan is not None else None
-
-    async def save_job(self, job: PendingJob | None) -> None:
+    async def _save_job(self, job: PendingJob | None) -> None:
         """Store the operation's tower job (before it is asked for), and
         what its jobs did so far (once one has ended)."""
         if self.plan is not None:
@@ -749,7 +668,7 @@ class HandoffController:
             await self._save()
             if follow_up:
                 await self._follow_up_return()
-                self._publish()
+                self.progress.publish()
 
     async def _follow_up_return(self) -> None:
         """The cards go back after an operation that left the GPU node off
@@ -769,5 +688,4 @@ class HandoffController:
         show it on the switch and the sensor (``last_error``)."""
         if isinstance(err, UnmanagedPodsError) and kind is Kind.RETURN:
             self.memory = replace(self.memory, lend_refused=err.pods)
-        self.last_error[vm] = self.report.failed(vm, kind, err)
-        self._publish()
+        self.progress.failed(vm, self.report.failed(vm, kind, err))

@@ -82,7 +82,7 @@ async def _async_start_handoff(call: ServiceCall) -> ServiceResponse:
     return {
         "vm": vm,
         "succeeded": succeeded,
-        "error": None if succeeded else controller.last_error.get(vm),
+        "error": None if succeeded else controller.progress.last_error.get(vm),
     }
 
 

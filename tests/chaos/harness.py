@@ -1441,7 +1441,7 @@ class ChaosRig:
 
     def _phase_text(self) -> str:
         controller = self._controller()
-        operation = controller.operation if controller is not None else None
+        operation = controller.progress.operation if controller is not None else None
         if operation is None:
             return "no operation"
         return f"the {operation.kind} of {operation.vm} at {operation.step}"
@@ -1952,7 +1952,9 @@ class ChaosRig:
                 with contextlib.suppress(Exception):
                     self.cluster.delete("Pod", meta["name"], meta["namespace"])
             controller = self._controller()
-            operation = controller.operation if controller is not None else None
+            operation = (
+                controller.progress.operation if controller is not None else None
+            )
             if operation is None or operation.step != "draining":
                 return
             await asyncio.sleep(0.2)
@@ -2111,7 +2113,7 @@ class ChaosRig:
             return False
         controller = self.entry.runtime_data.controller
         if (
-            controller.operation is not None
+            controller.progress.operation is not None
             or controller.plan is not None
             or controller.requests
         ):
@@ -2197,7 +2199,7 @@ class ChaosRig:
         if controller is None:
             busy.append(f"entry {self.entry.state}")
         else:
-            if controller.operation is not None:
+            if controller.progress.operation is not None:
                 busy.append(f"operation {self._phase_text()}")
             if controller.plan is not None:
                 busy.append(f"plan {controller.plan}")
@@ -2310,7 +2312,7 @@ class ChaosRig:
         if any(seen.type == EVENT_HANDOFF_FAILED for seen in self._events):
             return True
         controller = self._controller()
-        if controller is not None and any(controller.last_error.values()):
+        if controller is not None and any(controller.progress.last_error.values()):
             return True
         entry_id = self.entry.entry_id
         return any(
@@ -2372,7 +2374,7 @@ class ChaosRig:
         if any(at > last.at for at in self._restarts):
             return None  # last_error and repairs live in memory: a restart forgets
         controller = self._controller()
-        if controller is None or not controller.last_error.get(vm):
+        if controller is None or not controller.progress.last_error.get(vm):
             return f"a failed event ({last.data.get('code')}) but no last_error"
         code = str(last.data.get("code"))
         if code in USER_ACTS:

@@ -38,7 +38,7 @@ async def until(what: Callable[[], bool], bound: float = BOUND) -> None:
 
 def idle(entry: MockConfigEntry) -> bool:
     controller = entry.runtime_data.controller
-    return controller.operation is None and controller.plan is None
+    return controller.progress.operation is None and controller.plan is None
 
 
 def cordoned(cluster: K8sEmulator) -> bool:
