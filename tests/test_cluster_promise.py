@@ -27,7 +27,7 @@ from pytest_homeassistant_custom_component.common import (
     async_capture_events,
 )
 
-from custom_components.gpu_handoff import controller as controller_module
+from custom_components.gpu_handoff import owned as owned_module
 from custom_components.gpu_handoff.cluster_client import CORDON_ANNOTATION
 from custom_components.gpu_handoff.const import (
     CONF_EVICT_UNMANAGED,
@@ -376,7 +376,7 @@ async def test_a_dead_kubelet_does_not_fail_the_handoff(
     """The GPU node's kubelet stopped reporting: an evicted pod stays
     Terminating for ever. As with kubectl's --skip-wait-for-delete-timeout, a
     pod whose deletion is overdue by the bound counts as gone."""
-    monkeypatch.setattr(controller_module, "SKIP_WAIT", 0.5)
+    monkeypatch.setattr(owned_module, "SKIP_WAIT", 0.5)
     entry = add_tower_entry(hass, sim_sshd, cluster, vms=(1,), drain_timeout=20)
     await setup_entry(hass, entry)
     _managed_pod(cluster, "stuck-1")

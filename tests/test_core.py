@@ -17,7 +17,6 @@ from homeassistant.core import HomeAssistant
 import pytest
 
 from custom_components.gpu_handoff.cluster_model import CORDON_OWNER_US, NodeView
-from custom_components.gpu_handoff.controller import handoff_store
 from custom_components.gpu_handoff.core import (
     STORE_VERSION,
     JobFacts,
@@ -43,6 +42,7 @@ from custom_components.gpu_handoff.core import (
     stop_releases,
     superseded_hook_requests,
 )
+from custom_components.gpu_handoff.owned import handoff_store
 from custom_components.gpu_handoff.protocol import (
     DomainState,
     HookRequest,

@@ -32,7 +32,7 @@ from custom_components.gpu_handoff.const import (
     EVENT_RETURN_SUCCEEDED,
     EVENT_STOP_SUCCEEDED,
 )
-from custom_components.gpu_handoff.controller import handoff_store
+from custom_components.gpu_handoff.owned import handoff_store
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.simtower import write_agent_config
 from tests.support.stories import (

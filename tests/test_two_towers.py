@@ -31,7 +31,7 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_SUCCEEDED,
     EVENT_RETURN_SUCCEEDED,
 )
-from custom_components.gpu_handoff.controller import handoff_store
+from custom_components.gpu_handoff.owned import handoff_store
 from tests.conftest import add_tower_entry
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.kubelet import FAST, Kubelet

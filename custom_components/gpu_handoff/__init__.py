@@ -25,11 +25,12 @@ from .const import (
     CONF_KUBECONFIG,
     DOMAIN,
 )
-from .controller import HandoffController, handoff_store
+from .controller import HandoffController
 from .coordinator import GpuHandoffCoordinator, tower_credentials
 from .data import GpuHandoffConfigEntry, GpuHandoffData, signature_of
 from .gaming_vms import GamingVmSync
 from .models import domain_identifier, tower_identifier
+from .owned import handoff_store
 from .repair_sync import RepairSync
 from .runner import lift_own_cordon_if_serving
 from .services import async_setup_services

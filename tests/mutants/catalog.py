@@ -17,6 +17,7 @@ AGENT = "custom_components/gpu_handoff/tower/gpu_handoff.py"
 RUNNER = "custom_components/gpu_handoff/runner.py"
 NODE_RETURN = "custom_components/gpu_handoff/node_return.py"
 CONTROLLER = "custom_components/gpu_handoff/controller.py"
+OPERATIONS = "custom_components/gpu_handoff/operations.py"
 CORE = "custom_components/gpu_handoff/core.py"
 CLUSTER = "custom_components/gpu_handoff/cluster_client.py"
 DRAIN = "custom_components/gpu_handoff/drain.py"
@@ -176,7 +177,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "an error of any kind ends the operation (never stuck)",
         (
             Patch(
-                CONTROLLER,
+                OPERATIONS,
                 "        except Exception as err:  # noqa: BLE001 - every "
                 "failure must end the operation\n",
                 "        except (HomeAssistantError, TowerError, ClusterError) "
@@ -363,7 +364,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "with lending on, the GPU node serves the free cards while someone plays",
         (
             Patch(
-                CONTROLLER,
+                OPERATIONS,
                 "            or lends_after(\n",
                 "            or False and lends_after(\n",
             ),

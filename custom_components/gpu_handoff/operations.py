@@ -1,0 +1,318 @@
+"""Carrying out one operation: its work (the runner's), what follows it, and
+what a failed or abandoned one leaves; no decisions of its own beyond calling
+those of ``core`` with what the operation's jobs did."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from .cluster_client import UnmanagedPodsError
+from .const import EVENT_HANDOFF_STARTED
+from .coordinator import GpuHandoffCoordinator
+from .core import (
+    Kind,
+    PendingJob,
+    Plan,
+    Request,
+    Settle,
+    gpu_stopped_by_us,
+    job_stopped_gpu_node,
+    lends_after,
+    returns_after,
+    settle_hook_job,
+    superseded_hook_requests,
+)
+from .jobs import JobFailedError
+from .owned import OwnedState
+from .progress import OperationProgress
+from .protocol import RUNNING
+from .report import Reporter
+from .runner import OperationRunner
+
+
+class Operations:
+    """Runs operations for one tower, one at a time (the controller holds
+    the lock), with the records of ``state`` stored at each step."""
+
+    def __init__(
+        self,
+        state: OwnedState,
+        *,
+        coordinator: GpuHandoffCoordinator,
+        runner: OperationRunner,
+        progress: OperationProgress,
+        report: Reporter,
+        lock: asyncio.Lock,
+    ) -> None:
+        """Nothing runs until an operation is asked for."""
+        self.state = state
+        self.coordinator = coordinator
+        self.runner = runner
+        self.progress = progress
+        self.report = report
+        self._lock = lock
+
+    async def operate(self, request: Request, resume: bool) -> tuple[bool, bool]:
+        """Run one operation (the lock held): whether it succeeded, and whether
+        the cards must go back to the cluster after it (a return, already
+        stored as the next operation)."""
+        if not resume or self.state.plan is None:
+            self.state.plan = Plan(request=request)
+            await self.state.save()
+        plan = self.state.plan
+        request, vm, kind = plan.request, plan.vm, plan.kind
+        # A return lends again after a refused lend, or says why not.
+        relend = kind is Kind.RETURN and bool(self.state.memory.lend_refused)
+        if kind is Kind.RETURN:
+            self.state.memory = replace(self.state.memory, lend_refused=())
+        self.progress.begin(vm, kind)
+        if plan.settle is None:
+            self.report.fire(EVENT_HANDOFF_STARTED, vm, kind=kind)
+        self.progress.publish()
+        returned = follow_up = False
+        # What its jobs did so far (stored: a resumed operation keeps them).
+        self.runner.facts = plan.facts
+        try:
+            if plan.settle is not None:
+                # It failed before a restart; what it left is settled now.
+                self.state.desired.discard(vm)
+                succeeded, follow_up = False, await self._settle(request, plan.settle)
+            else:
+                succeeded, returned, follow_up = await self._attempt(request)
+        except asyncio.CancelledError:
+            # Home Assistant stops or the entry unloads: keep the plan so the
+            # next start resumes the operation.
+            self.progress.end()
+            raise
+        follow_up = await self._after(request, succeeded=succeeded, follow_up=follow_up)
+        if not succeeded:
+            return False, follow_up
+        # A return succeeds only when the cluster has its cards back.
+        unhealthy = self.runner.returned_unhealthy if returned else None
+        if unhealthy is not None:
+            self.progress.last_error[vm] = unhealthy.message
+        self.report.succeeded(
+            request,
+            gpu_node=self.coordinator.data.tower.gpu_node,
+            returned=returned,
+            relend=relend,
+            unhealthy=unhealthy,
+            came_back=self.runner.facts.pods_came_back,
+        )
+        return True, follow_up
+
+    async def _after(
+        self, request: Request, *, succeeded: bool, follow_up: bool
+    ) -> bool:
+        """After an operation's work: observe afresh, record what its jobs
+        did, decide whether the cards go back (stored as the next plan), and
+        store. True when a return follows."""
+        # Fresh state before anything reconciles again: a stale snapshot
+        # (say, the cordon just lifted) would start the same work twice.
+        await self.coordinator.async_refresh()
+        if request.kind in (Kind.HANDOFF, Kind.STOP):
+            await self._supersede(request, succeeded=succeeded)
+        facts = self.runner.facts
+        status = self.coordinator.data.tower
+        self.state.gpu_stopped_by_us = gpu_stopped_by_us(
+            self.state.owned(), facts, status
+        )
+        self.progress.end()
+        self.state.requests.pop(request.vm, None)
+        # Lending: the free cards go back after the last of a burst of
+        # requests (core.lends_after); not lending, after a stop that left
+        # the GPU node GPU Handoff stopped off with nobody playing.
+        owned, waiting, observed = (
+            self.state.owned(),
+            bool(self.state.requests),
+            self.state.observed(),
+        )
+        follow_up = (
+            follow_up
+            or lends_after(
+                request,
+                succeeded=succeeded,
+                facts=facts,
+                owned=owned,
+                waiting=waiting,
+                observed=observed,
+            )
+            or returns_after(
+                request,
+                succeeded=succeeded,
+                facts=facts,
+                owned=owned,
+                waiting=waiting,
+                observed=observed,
+            )
+        )
+        self.state.plan = self.state.return_plan() if follow_up else None
+        await self.state.save()
+        return follow_up
+
+    async def _supersede(self, request: Request, *, succeeded: bool) -> None:
+        """The starts by hand a handoff or stop supersedes are dealt with;
+        what their hook's stops of the GPU node did counts as GPU Handoff's
+        (read from their records)."""
+        status = self.coordinator.data.tower
+        seen = superseded_hook_requests(
+            status.hook_requests,
+            request,
+            self.runner.facts,
+            succeeded=succeeded,
+            running=frozenset(
+                vm for vm, domain in status.domains.items() if domain.state == RUNNING
+            ),
+        )
+        if not self.runner.facts.started_gpu_node:
+            # (A job of the operation's that started the GPU node came after
+            # them: a later stop was not theirs.)
+            await self.runner.read_hook_jobs(
+                hook.job
+                for hook in status.hook_requests
+                if hook.key in seen - self.state.memory.seen_hook_requests
+                and hook.job is not None
+            )
+        self.state.memory = replace(
+            self.state.memory,
+            seen_hook_requests=self.state.memory.seen_hook_requests | seen,
+        )
+
+    async def _attempt(self, request: Request) -> tuple[bool, bool, bool]:
+        """Do the operation's work: whether it succeeded, whether the cards
+        went back to the cluster, and whether they must go back after it."""
+        vm, kind = request.vm, request.kind
+        returned = False
+        try:
+            settings = self.state.settings
+            if kind is Kind.HANDOFF:
+                await self.runner.handoff(vm, settings, hook_job=request.hook_job)
+            elif kind is Kind.STOP:
+                returned = await self.runner.stop(
+                    vm, settings, gpu_stopped_by_us=self.state.gpu_stopped_by_us
+                )
+            else:
+                returned = await self.runner.return_cards(settings)
+        except Exception as err:  # noqa: BLE001 - every failure must end the operation
+            await self.failed(vm, kind, err)
+            if kind is Kind.RETURN:
+                # A return that drained a lending GPU node and then failed:
+                # our cordon goes if the GPU node still serves.
+                await self.runner.uncordon_if_serving()
+            if kind is not Kind.HANDOFF:
+                return False, False, False
+            self.state.desired.discard(vm)
+            return False, False, await self._settle(request, None, err)
+        return True, returned, False
+
+    async def _settle(
+        self, request: Request, settle: Settle | None, err: Exception | None = None
+    ) -> bool:
+        """Leave what a failed handoff left safe (see the runner's
+        ``settle_failed_handoff``), stored first so a restart finishes it.
+        True when a return must follow."""
+        if settle is None:
+            settle = Settle(
+                stopped_by_us=job_stopped_gpu_node(
+                    self.runner.facts,
+                    job_failed=isinstance(err, JobFailedError),
+                    job_pending=self.state.plan is not None
+                    and self.state.plan.job is not None,
+                ),
+                hook_job=settle_hook_job(
+                    request,
+                    self.coordinator.data.tower.hook_requests,
+                    self.state.memory.seen_hook_requests,
+                ),
+            )
+            if self.state.plan is not None:
+                self.state.plan = replace(self.state.plan, job=None, settle=settle)
+                await self.state.save()
+        return await self.runner.settle_failed_handoff(
+            settle.stopped_by_us, self.state.settings, settle.hook_job
+        )
+
+    async def save_job(self, job: PendingJob | None) -> None:
+        """Store the operation's tower job (before it is asked for), and
+        what its jobs did so far (once one has ended)."""
+        if self.state.plan is not None:
+            self.state.plan = replace(self.state.plan, job=job, facts=self.runner.facts)
+            await self.state.save()
+
+    async def abandon(self) -> None:
+        """End an operation whose gaming VM is no longer configured: follow a
+        tower job it asked for to its end, then leave things as a finished
+        operation would. A handoff that gave the VM its cards keeps its
+        session (the cards go back when the VM stops); one that did not is
+        settled as a failed handoff (the cards go back if GPU Handoff stopped
+        the GPU node); anything else lifts our own cordon if the GPU node
+        still serves."""
+        async with self._lock:
+            if self.state.plan is None:
+                return
+            plan = self.state.plan
+            request, vm, kind = plan.request, plan.vm, plan.kind
+            self.runner.facts = plan.facts
+            err: Exception | None = None
+            follow_up = False
+            if plan.settle is None:
+                try:
+                    await self.runner.finish_job()
+                except Exception as failed:  # noqa: BLE001 - settled below
+                    err = failed
+                    # Reported as any failed operation is: the request the
+                    # user made before the removal did not happen.
+                    await self.failed(vm, kind, err)
+            await self.coordinator.async_refresh()
+            facts = self.runner.facts
+            status = self.coordinator.data.tower
+            self.state.gpu_stopped_by_us = gpu_stopped_by_us(
+                self.state.owned(), facts, status
+            )
+            domain = status.domains.get(vm)
+            kept = err is None and domain is not None and domain.state == RUNNING
+            if kind is Kind.HANDOFF and kept:
+                self.state.desired.add(vm)
+            elif kind is Kind.HANDOFF:
+                self.state.desired.discard(vm)
+                follow_up = await self._settle(request, plan.settle, err)
+            else:
+                await self.runner.uncordon_if_serving()
+            if kind is not Kind.HANDOFF or kept:
+                # Lending: a handoff that gave the VM its cards, or a stop
+                # that freed them (or, failed, was merged with requests that
+                # changed what is free).
+                follow_up = kind is not Kind.RETURN and lends_after(
+                    request,
+                    succeeded=err is None,
+                    facts=facts,
+                    owned=self.state.owned(),
+                    waiting=bool(self.state.requests),
+                    observed=self.state.observed(),
+                )
+            self.state.plan = self.state.return_plan() if follow_up else None
+            await self.state.save()
+            if follow_up:
+                await self.follow_up_return()
+                self.progress.publish()
+
+    async def follow_up_return(self) -> None:
+        """The cards go back after an operation that left the GPU node off
+        (GPU Handoff stopped it), as a return of its own, stored before that
+        operation ended (so a restart resumes it). The lock is held."""
+        request = self.state.plan.request if self.state.plan is not None else None
+        if request is None:
+            return
+        self.state.requests.setdefault(request.vm, request)
+        try:
+            await self.operate(request, resume=True)
+        finally:
+            self.state.request_done(request)
+
+    async def failed(self, vm: str, kind: Kind, err: Exception) -> None:
+        """Report a failure every way a user may look (report.Reporter), and
+        show it on the switch and the sensor (``last_error``)."""
+        if isinstance(err, UnmanagedPodsError) and kind is Kind.RETURN:
+            self.state.memory = replace(self.state.memory, lend_refused=err.pods)
+        self.progress.failed(vm, self.report.failed(vm, kind, err))
