@@ -202,8 +202,8 @@ async def test_a_restart_while_the_gpu_node_restarts_with_fewer_cards(
         lambda: (
             controller.plan is not None
             and controller.plan.kind == "return"
-            and controller.pending_job is not None
-            and controller.pending_job.job_id is not None
+            and controller.progress.pending_job is not None
+            and controller.progress.pending_job.job_id is not None
         ),
         BOUND,
     )
@@ -231,8 +231,8 @@ async def test_an_ssh_cut_while_the_gpu_node_restarts(
         lambda: (
             controller.plan is not None
             and controller.plan.kind == "return"
-            and controller.pending_job is not None
-            and controller.pending_job.job_id is not None
+            and controller.progress.pending_job is not None
+            and controller.progress.pending_job.job_id is not None
         ),
         BOUND,
     )

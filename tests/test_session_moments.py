@@ -55,7 +55,7 @@ async def _jobs(entry: MockConfigEntry) -> tuple[Job, ...]:
 
 
 def _pending_job_id(entry: MockConfigEntry) -> str | None:
-    job = entry.runtime_data.controller.pending_job
+    job = entry.runtime_data.controller.progress.pending_job
     return job.job_id if job is not None else None
 
 
@@ -117,7 +117,7 @@ async def test_a_restart_mid_job_follows_the_same_job(
     await hass.async_block_till_done()
     steps.clear()
     await setup_entry(hass, entry)
-    assert entry.runtime_data.controller.pending_job is not None
+    assert entry.runtime_data.controller.progress.pending_job is not None
     assert _pending_job_id(entry) == job_id
     await _settled_after_handoff(hass, entry, sim)
     assert [event.data["vm"] for event in succeeded] == ["gaming-1"]
@@ -150,9 +150,9 @@ async def test_a_restart_before_the_job_was_asked_for(
     await setup_entry(hass, entry)
     await switch(hass, "turn_on", SWITCH_1)
     controller = entry.runtime_data.controller
-    await until(lambda: controller.pending_job is not None)
-    request_id = controller.pending_job.request_id  # type: ignore[union-attr]
-    assert controller.pending_job.job_id is None  # type: ignore[union-attr]
+    await until(lambda: controller.progress.pending_job is not None)
+    request_id = controller.progress.pending_job.request_id  # type: ignore[union-attr]
+    assert controller.progress.pending_job.job_id is None  # type: ignore[union-attr]
     assert await hass.config_entries.async_unload(entry.entry_id)
     await hass.async_block_till_done()
     assert [job for job in await _jobs(entry) if job.kind is JobKind.HANDOFF] == []

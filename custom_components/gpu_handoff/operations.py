@@ -249,13 +249,11 @@ class Operations:
         the GPU node); anything else lifts our own cordon if the GPU node
         still serves."""
         async with self._lock:
-            if self.state.plan is None:
-                return
             plan = self.state.plan
-            request, vm, kind = plan.request, plan.vm, plan.kind
+            if plan is None:
+                return
             self.runner.facts = plan.facts
             err: Exception | None = None
-            follow_up = False
             if plan.settle is None:
                 try:
                     await self.runner.finish_job()
@@ -263,39 +261,44 @@ class Operations:
                     err = failed
                     # Reported as any failed operation is: the request the
                     # user made before the removal did not happen.
-                    await self.failed(vm, kind, err)
+                    await self.failed(plan.vm, plan.kind, err)
             await self.coordinator.async_refresh()
-            facts = self.runner.facts
-            status = self.coordinator.data.tower
-            self.state.gpu_stopped_by_us = gpu_stopped_by_us(
-                self.state.owned(), facts, status
-            )
-            domain = status.domains.get(vm)
-            kept = err is None and domain is not None and domain.state == RUNNING
-            if kind is Kind.HANDOFF and kept:
-                self.state.desired.add(vm)
-            elif kind is Kind.HANDOFF:
-                self.state.desired.discard(vm)
-                follow_up = await self._settle(request, plan.settle, err)
-            else:
-                await self.runner.uncordon_if_serving()
-            if kind is not Kind.HANDOFF or kept:
-                # Lending: a handoff that gave the VM its cards, or a stop
-                # that freed them (or, failed, was merged with requests that
-                # changed what is free).
-                follow_up = kind is not Kind.RETURN and lends_after(
-                    request,
-                    succeeded=err is None,
-                    facts=facts,
-                    owned=self.state.owned(),
-                    waiting=bool(self.state.requests),
-                    observed=self.state.observed(),
-                )
+            follow_up = await self._left_behind(plan, err)
             self.state.plan = self.state.return_plan() if follow_up else None
             await self.state.save()
             if follow_up:
                 await self.follow_up_return()
                 self.progress.publish()
+
+    async def _left_behind(self, plan: Plan, err: Exception | None) -> bool:
+        """Leave what the abandoned operation left as a finished one would:
+        True when a return must follow."""
+        request, vm, kind = plan.request, plan.vm, plan.kind
+        facts = self.runner.facts
+        status = self.coordinator.data.tower
+        self.state.gpu_stopped_by_us = gpu_stopped_by_us(
+            self.state.owned(), facts, status
+        )
+        domain = status.domains.get(vm)
+        kept = err is None and domain is not None and domain.state == RUNNING
+        if kind is Kind.HANDOFF and not kept:
+            self.state.desired.discard(vm)
+            return await self._settle(request, plan.settle, err)
+        if kind is Kind.HANDOFF:
+            self.state.desired.add(vm)
+        else:
+            await self.runner.uncordon_if_serving()
+        # Lending: a handoff that gave the VM its cards, or a stop that freed
+        # them (or, failed, was merged with requests that changed what is
+        # free).
+        return kind is not Kind.RETURN and lends_after(
+            request,
+            succeeded=err is None,
+            facts=facts,
+            owned=self.state.owned(),
+            waiting=bool(self.state.requests),
+            observed=self.state.observed(),
+        )
 
     async def follow_up_return(self) -> None:
         """The cards go back after an operation that left the GPU node off

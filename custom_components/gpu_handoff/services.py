@@ -86,13 +86,11 @@ async def _async_start_handoff(call: ServiceCall) -> ServiceResponse:
     }
 
 
-async def _async_capture_screen(call: ServiceCall) -> ServiceResponse:
-    """Save a VM's screen (a PNG) where Home Assistant may write, for an
-    automation to attach to a notification."""
-    hass = call.hass
-    entry = _entry(hass, call)
-    vm: str = call.data[ATTR_VM]
-    filename: str = call.data[ATTR_FILENAME]
+def _check_capture(
+    hass: HomeAssistant, entry: GpuHandoffConfigEntry, vm: str, filename: str
+) -> None:
+    """Refuse a capture of a screen that is not offered, to a path Home
+    Assistant may not write, or of a VM that is not running."""
     if vm not in screen_vms(entry):
         raise ServiceValidationError(
             translation_domain=DOMAIN,
@@ -105,14 +103,24 @@ async def _async_capture_screen(call: ServiceCall) -> ServiceResponse:
             translation_key="path_not_allowed",
             translation_placeholders={"filename": filename},
         )
-    coordinator = entry.runtime_data.coordinator
-    state = coordinator.data.tower.domains.get(vm)
+    state = entry.runtime_data.coordinator.data.tower.domains.get(vm)
     if state is None or state.state != RUNNING:
         raise HomeAssistantError(
             translation_domain=DOMAIN,
             translation_key="vm_not_running",
             translation_placeholders={"vm": vm},
         )
+
+
+async def _async_capture_screen(call: ServiceCall) -> ServiceResponse:
+    """Save a VM's screen (a PNG) where Home Assistant may write, for an
+    automation to attach to a notification."""
+    hass = call.hass
+    entry = _entry(hass, call)
+    vm: str = call.data[ATTR_VM]
+    filename: str = call.data[ATTR_FILENAME]
+    _check_capture(hass, entry, vm, filename)
+    coordinator = entry.runtime_data.coordinator
     try:
         capture = await async_capture(coordinator.tower, vm)
     except ScreenError as err:

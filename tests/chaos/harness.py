@@ -1271,14 +1271,14 @@ class ChaosRig:
         if controller is self._instrumented:
             return
         self._instrumented = controller
-        original = controller.save_job
+        original = controller.progress.save_job
 
         async def save_job(job: Any) -> None:
             await original(job)
             if job is not None and job.job_id is None:
                 self._moment("job")
 
-        controller.save_job = save_job  # type: ignore[method-assign]
+        controller.progress.save_job = save_job  # type: ignore[method-assign]
 
     def _on_store(self, event: Any) -> None:
         """Every change the emulator stores (called inside its write)."""
@@ -2209,7 +2209,7 @@ class ChaosRig:
         if jobs:
             busy.append(f"tower jobs active: {jobs}")
         if controller is not None:
-            job = controller.pending_job
+            job = controller.progress.pending_job
             if job is not None and job.job_id:
                 path = self.state_dir / "jobs" / f"{job.job_id}.json"
                 with contextlib.suppress(OSError, ValueError):
