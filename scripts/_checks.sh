@@ -14,4 +14,4 @@ step "pytest"
 pytest --cov=custom_components.gpu_handoff --cov-report=term-missing \
   --cov-fail-under=95 "$@"
 step "config flow coverage"
-coverage report --include='custom_components/gpu_handoff/config_flow.py' --fail-under=100
+coverage report --include='custom_components/gpu_handoff/config_flow*.py' --fail-under=100

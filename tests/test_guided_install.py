@@ -270,7 +270,7 @@ async def test_guided_install_from_nothing_to_a_working_integration(
         "- rom_bar_not_off (gpu-node): hostdev 0000:02:00.1 has no <rom bar='off'/>",
     ]
     # The flow forgot the login as the install ended.
-    assert hass.config_entries.flow._progress[flow_id]._admin is None
+    assert hass.config_entries.flow._progress[flow_id]._install.admin is None
 
     # What the tower has now: the account, the agent, its configuration (the
     # same the agent writes for these options), the key line for HA's key.
@@ -359,7 +359,7 @@ async def test_root_with_a_key_and_libvirtd_restarted_on_request(
         hass, fresh, _key_login(fresh, "root"), restart=True
     )
     assert result["step_id"] == "install_done", result.get("errors")
-    report = hass.config_entries.flow._progress[flow_id]._report
+    report = hass.config_entries.flow._progress[flow_id]._install.report
     assert (report.libvirt_restarted, report.libvirt_restart_message) == (
         True,
         f"restarted {LIBVIRTD}",
@@ -390,7 +390,7 @@ async def test_root_with_a_password(hass: HomeAssistant, fresh: BoxFreshTower) -
     before = fresh.main_pid(LIBVIRTD)
     flow_id, result = await _install(hass, fresh, _password_login(fresh, "root"))
     assert result["step_id"] == "install_done", result.get("errors")
-    report = hass.config_entries.flow._progress[flow_id]._report
+    report = hass.config_entries.flow._progress[flow_id]._install.report
     assert report.libvirt_restarted is None
     assert fresh.main_pid(LIBVIRTD) == before
     assert _starts(fresh) == 1
@@ -506,9 +506,9 @@ async def test_sudo_that_wants_a_password(
     # The user closes the dialog here (the frontend deletes the flow): the
     # login it held goes with it.
     flow = hass.config_entries.flow._progress[flow_id]
-    assert flow._admin is not None
+    assert flow._install.admin is not None
     hass.config_entries.flow.async_abort(flow_id)
-    assert flow._admin is None
+    assert flow._install.admin is None
 
 
 async def test_a_user_without_sudo(hass: HomeAssistant, tower: BoxFreshTower) -> None:
@@ -559,7 +559,7 @@ async def test_a_read_only_usr_local_leaves_the_tower_as_it_was(
         assert result["errors"] == {"base": "install_read_only"}
         assert "Read-only file system" in result["description_placeholders"]["detail"]
         assert result["description_placeholders"]["left"] == "-"
-        assert hass.config_entries.flow._progress[flow_id]._admin is None
+        assert hass.config_entries.flow._progress[flow_id]._install.admin is None
         _nothing_installed(tower)
 
 

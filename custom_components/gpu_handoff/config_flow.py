@@ -11,12 +11,14 @@ fingerprint (the one the user confirmed), so the same tower reached by name and
 by IP address is one entry. The entry is titled with the name the agent
 reports (its configured name, else the tower's host name), or the address for
 an agent too old to say.
+
+The forms' schemas are in config_flow_schemas, the guided install's work (the
+administrator's login, the survey, the plan, the install) in
+config_flow_install; the steps here chain them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import AbstractAsyncContextManager
 from typing import Any, override
 
 from homeassistant.config_entries import (
@@ -31,15 +33,35 @@ from homeassistant.config_entries import (
 )
 from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
 from homeassistant.core import callback
-from homeassistant.helpers import selector
-import probatio
 
 from .cluster_client import ClusterClient, ClusterError
+from .config_flow_install import (
+    GuidedInstall,
+    admin_login,
+    install_error_placeholders,
+    login_placeholders,
+    plan_placeholders,
+    public_fields,
+    retry_fields,
+    survey_placeholders,
+    tower_admin_session,
+)
+from .config_flow_schemas import (
+    admin_schema,
+    domain_label,
+    gaming_vm_schema,
+    gaming_vms_schema,
+    install_confirm_schema,
+    install_options_schema,
+    install_schema,
+    kubeconfig_schema,
+    node_schema,
+    options_schema,
+    paste_key_schema,
+    reconfigure_schema,
+    tower_schema,
+)
 from .const import (
-    CONF_ADMIN_KEY,
-    CONF_ADMIN_PASSPHRASE,
-    CONF_ADMIN_PASSWORD,
-    CONF_ADMIN_USERNAME,
     CONF_AUTO_RETURN,
     CONF_DOMAIN_NAME,
     CONF_DRAIN_TIMEOUT,
@@ -52,34 +74,18 @@ from .const import (
     CONF_KNOWN_VMS,
     CONF_KUBECONFIG,
     CONF_LEND_FREE_CARDS,
-    CONF_LIBVIRT_URI,
     CONF_PASSPHRASE,
     CONF_PRIVATE_KEY,
-    CONF_RESTART_LIBVIRT,
     CONF_SCAN_INTERVAL,
-    CONF_SUDO_PASSWORD,
     DEFAULT_AGENT_COMMAND,
     DEFAULT_AUTO_RETURN,
     DEFAULT_DRAIN_TIMEOUT,
-    DEFAULT_EVICT_UNMANAGED,
-    DEFAULT_HANDOFF_WHEN_CORDONED,
-    DEFAULT_LEND_FREE_CARDS,
-    DEFAULT_LIBVIRT_URI,
     DEFAULT_SCAN_INTERVAL,
-    DEFAULT_SSH_PORT,
     DOMAIN,
     SUBENTRY_GAMING_VM,
 )
 from .errors import cluster_error_key, tower_error_key
-from .installer import (
-    AdminLogin,
-    AdminSession,
-    InstallError,
-    InstallPlan,
-    InstallReport,
-    Survey,
-    admin_session,
-)
+from .installer import InstallError, InstallReport
 from .protocol import DomainState, TowerStatus, Version
 from .tower import gpu_handoff as agent
 from .tower_client import (
@@ -94,26 +100,27 @@ from .tower_client import (
     public_key_of,
 )
 
-TEXT = selector.TextSelector()
-MULTILINE = selector.TextSelector(selector.TextSelectorConfig(multiline=True))
-PASSWORD = selector.TextSelector(
-    selector.TextSelectorConfig(type=selector.TextSelectorType.PASSWORD)
-)
-PORT = selector.NumberSelector(
-    selector.NumberSelectorConfig(
-        min=1, max=65535, mode=selector.NumberSelectorMode.BOX
-    )
-)
+# What the repairs' flows share with these steps (the administrator's login,
+# the tower's identity, a gaming VM's subentry) is imported from here.
+__all__ = [
+    "GamingVmSubentryFlow",
+    "GpuHandoffConfigFlow",
+    "GpuHandoffOptionsFlow",
+    "admin_login",
+    "admin_schema",
+    "entry_with_host_key",
+    "install_error_placeholders",
+    "public_fields",
+    "tower_admin_session",
+    "vm_subentry",
+]
 
-
-def _tower_schema() -> probatio.Schema:
-    return probatio.Schema(
-        {
-            probatio.Required(CONF_HOST): TEXT,
-            probatio.Required(CONF_PORT, default=DEFAULT_SSH_PORT): PORT,
-            probatio.Required(CONF_USERNAME): TEXT,
-        }
-    )
+# The options a new entry starts with.
+_NEW_ENTRY_OPTIONS = {
+    CONF_SCAN_INTERVAL: DEFAULT_SCAN_INTERVAL,
+    CONF_DRAIN_TIMEOUT: DEFAULT_DRAIN_TIMEOUT,
+    CONF_AUTO_RETURN: DEFAULT_AUTO_RETURN,
+}
 
 
 def _clean_tower_input(
@@ -133,71 +140,100 @@ def _clean_tower_input(
     }, {}
 
 
-def admin_schema() -> probatio.Schema:
-    """An administrator's login on the tower (the guided install's and the
-    agent update's): a password, or a key, and sudo's password if it differs."""
-    return probatio.Schema(
-        {
-            probatio.Required(CONF_ADMIN_USERNAME, default="root"): TEXT,
-            probatio.Optional(CONF_ADMIN_PASSWORD): PASSWORD,
-            probatio.Optional(CONF_ADMIN_KEY): MULTILINE,
-            probatio.Optional(CONF_ADMIN_PASSPHRASE): PASSWORD,
-            probatio.Optional(CONF_SUDO_PASSWORD): PASSWORD,
-        }
-    )
+async def _host_key_at(tower: dict[str, Any]) -> str | None:
+    """The host key the tower presents at this address (None: no answer)."""
+    try:
+        return await fetch_host_key(tower[CONF_HOST], tower[CONF_PORT])
+    except TowerError:
+        return None
 
 
-def _install_schema() -> probatio.Schema:
-    """The guided install's first form: the account Home Assistant will log
-    in as, an administrator's login and libvirt's URI."""
-    return (
-        probatio.Schema({probatio.Required(CONF_USERNAME): TEXT})
-        .extend(admin_schema().schema)
-        .extend(
-            {probatio.Required(CONF_LIBVIRT_URI, default=DEFAULT_LIBVIRT_URI): TEXT}
-        )
-    )
+async def _reach_tower(
+    user_input: dict[str, Any],
+) -> tuple[dict[str, Any], str | None, dict[str, str]]:
+    """(trimmed host, port and user, the host key the tower presents there,
+    {}), or (..., None, the errors)."""
+    tower, errors = _clean_tower_input(user_input)
+    if errors:
+        return tower, None, errors
+    host_key = await _host_key_at(tower)
+    return tower, host_key, {} if host_key is not None else {"base": "cannot_connect"}
 
 
-def tower_admin_session(
-    data: Mapping[str, Any], login: AdminLogin
-) -> AbstractAsyncContextManager[AdminSession]:
-    """An administrator's session on the tower of this entry data (its
-    address and pinned host key)."""
-    return admin_session(data[CONF_HOST], data[CONF_PORT], data[CONF_HOST_KEY], login)
+async def _reconfigured(
+    entry: ConfigEntry, user_input: dict[str, Any]
+) -> tuple[dict[str, Any], str | None, dict[str, str]]:
+    """(the entry's data with the new address, user and kubeconfig, the host
+    key the tower presents at a new address or None at the same one, {}), or
+    ({}, None, the errors). A kubeconfig given must list the entry's node."""
+    tower, errors = _clean_tower_input(user_input)
+    kubeconfig = str(user_input.get(CONF_KUBECONFIG) or "").strip()
+    if not errors and kubeconfig:
+        nodes, error = await _cluster_nodes(kubeconfig)
+        if error is not None:
+            errors["base"] = error
+        elif entry.data[CONF_K8S_NODE] not in nodes:
+            errors["base"] = "node_not_found"
+    if errors:
+        return {}, None, errors
+    data = dict(entry.data) | tower
+    if kubeconfig:
+        data[CONF_KUBECONFIG] = kubeconfig
+    # At the address its key was pinned at, the tower must still present
+    # that key: a changed one is refused by the login that follows (and its
+    # repair shows both fingerprints), never pinned again here.
+    if (tower[CONF_HOST], tower[CONF_PORT]) == (
+        entry.data[CONF_HOST],
+        entry.data[CONF_PORT],
+    ):
+        return data, None, {}
+    host_key = await _host_key_at(tower)
+    return data, host_key, {} if host_key is not None else {"base": "cannot_connect"}
 
 
-def admin_login(user_input: dict[str, Any]) -> AdminLogin:
-    """The login a form gave (blank fields are not given)."""
-    key = str(user_input.get(CONF_ADMIN_KEY) or "").strip()
-    return AdminLogin(
-        username=str(user_input[CONF_ADMIN_USERNAME]).strip(),
-        password=user_input.get(CONF_ADMIN_PASSWORD) or None,
-        private_key=f"{key}\n" if key else None,
-        passphrase=user_input.get(CONF_ADMIN_PASSPHRASE) or None,
-        sudo_password=user_input.get(CONF_SUDO_PASSWORD) or None,
-    )
+def _reconfigure_suggestions(
+    entry: ConfigEntry, user_input: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The entry's address and user, or what the form was given (never the
+    kubeconfig)."""
+    suggested = {
+        CONF_HOST: entry.data[CONF_HOST],
+        CONF_PORT: entry.data[CONF_PORT],
+        CONF_USERNAME: entry.data[CONF_USERNAME],
+    } | (user_input or {})
+    return {k: v for k, v in suggested.items() if k != CONF_KUBECONFIG}
 
 
-def public_fields(user_input: dict[str, Any] | None) -> dict[str, Any]:
-    """What a form may show again: never a password or a key."""
-    secret = {
-        CONF_ADMIN_PASSWORD,
-        CONF_ADMIN_KEY,
-        CONF_ADMIN_PASSPHRASE,
-        CONF_SUDO_PASSWORD,
-    }
+def _key_placeholders(data: dict[str, Any]) -> dict[str, str]:
+    """The tower's address and its host key's fingerprint, to confirm."""
     return {
-        key: value for key, value in (user_input or {}).items() if key not in secret
+        "host": data[CONF_HOST],
+        "fingerprint": fingerprint(data[CONF_HOST_KEY]),
     }
 
 
-def install_error_placeholders(err: InstallError) -> dict[str, str]:
-    """The tower's words and what it left, for the error's text."""
+def _public_key_placeholders(public: str) -> dict[str, str]:
+    """Home Assistant's public key, and its line for authorized_keys."""
     return {
-        "detail": err.detail or "-",
-        "left": ", ".join(err.left) or "-",
+        "public_key": public,
+        "authorized_keys_line": authorized_keys_line(public, DEFAULT_AGENT_COMMAND),
     }
+
+
+def _key_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """Home Assistant's key (and its passphrase) in the entry's data."""
+    return {
+        CONF_PRIVATE_KEY: data[CONF_PRIVATE_KEY],
+        CONF_PASSPHRASE: data[CONF_PASSPHRASE],
+    }
+
+
+def _identity_after(entry: ConfigEntry, data: dict[str, Any]) -> str | None:
+    """The entry's unique id after a reconfigure: a newly confirmed key is
+    the tower's new identity."""
+    if data[CONF_HOST_KEY] == entry.data[CONF_HOST_KEY]:
+        return entry.unique_id
+    return fingerprint(data[CONF_HOST_KEY])
 
 
 def _guess_gpu_node(domains: list[str]) -> str:
@@ -231,13 +267,16 @@ def _findings_text(report: InstallReport, status: TowerStatus | None) -> str:
     return "\n".join(lines) or "-"
 
 
-def _domain_label(domain: DomainState) -> str:
-    """``Gaming station 1 (gaming-1): 0000:02:00.0, 0000:02:00.1``."""
-    name = domain.name
-    title = domain.title
-    label = f"{title} ({name})" if title and title != name else name
-    cards = ", ".join(domain.cards)
-    return f"{label}: {cards}" if cards else label
+def _report_placeholders(
+    data: dict[str, Any], report: InstallReport, status: TowerStatus | None
+) -> dict[str, str]:
+    """The install's outcome: the findings, and NixOS's module settings."""
+    return {
+        "host": data[CONF_HOST],
+        "user": data[CONF_USERNAME],
+        "findings": _findings_text(report, status),
+        "module": report.nixos_module,
+    }
 
 
 def _gaming_domains(status: TowerStatus) -> list[DomainState]:
@@ -249,6 +288,12 @@ def _gaming_domains(status: TowerStatus) -> list[DomainState]:
         for domain in status.domains.values()
         if domain.name in status.gaming and not agent.virsh_reads_as(domain.name)
     ]
+
+
+def _gpu_node_label(status: TowerStatus) -> str:
+    """The GPU node as the gaming VMs' form names it."""
+    gpu_node = status.domains.get(status.gpu_node)
+    return domain_label(gpu_node) if gpu_node is not None else status.gpu_node
 
 
 def vm_subentry(domain: DomainState) -> ConfigSubentryData:
@@ -339,24 +384,16 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         self._generated: tuple[str, str] | None = None
         self._nodes: list[str] = []
         self._vms: list[str] = []
-        # The guided install: the administrator login lives from the login
-        # form to the end of the install, never longer (see _forget_admin).
-        self._admin: AdminLogin | None = None
-        self._survey: Survey | None = None
-        self._uri = DEFAULT_LIBVIRT_URI
-        self._plan: InstallPlan | None = None
-        self._report: InstallReport | None = None
+        # The guided install: it holds the administrator login from the login
+        # form to the end of the install, never longer (see async_remove).
+        self._install = GuidedInstall()
         # Why Home Assistant's key was refused after the install (empty: not).
         self._key_errors: dict[str, str] = {}
-
-    def _forget_admin(self) -> None:
-        """Drop the administrator login (and what was read with it)."""
-        self._admin = None
 
     @override
     def async_remove(self) -> None:
         """A flow closed half way forgets the administrator login too."""
-        self._forget_admin()
+        self._install.forget()
 
     @property
     def _known_status(self) -> TowerStatus:
@@ -390,28 +427,18 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         """Ask for the tower's SSH address and user."""
         errors: dict[str, str] = {}
         if user_input is not None:
-            tower, errors = _clean_tower_input(user_input)
-            if not errors:
-                try:
-                    host_key = await fetch_host_key(tower[CONF_HOST], tower[CONF_PORT])
-                except TowerError:
-                    errors["base"] = "cannot_connect"
-                else:
-                    # The same tower by another name or address is the same
-                    # host key: already configured.
-                    await self.async_set_unique_id(fingerprint(host_key))
-                    self._abort_if_unique_id_configured()
-                    if entry_with_host_key(self._async_current_entries(), host_key):
-                        return self.async_abort(reason="already_configured")
-                    self._data = tower | {CONF_HOST_KEY: host_key}
-                    return await self.async_step_host_key()
-        return self.async_show_form(
-            step_id="user",
-            data_schema=self.add_suggested_values_to_schema(
-                _tower_schema(), user_input
-            ),
-            errors=errors,
-        )
+            tower, host_key, errors = await _reach_tower(user_input)
+            if host_key is not None:
+                # The same tower by another name or address is the same
+                # host key: already configured.
+                await self.async_set_unique_id(fingerprint(host_key))
+                self._abort_if_unique_id_configured()
+                if entry_with_host_key(self._async_current_entries(), host_key):
+                    return self.async_abort(reason="already_configured")
+                self._data = tower | {CONF_HOST_KEY: host_key}
+                return await self.async_step_host_key()
+        schema = self.add_suggested_values_to_schema(tower_schema(), user_input)
+        return self.async_show_form(step_id="user", data_schema=schema, errors=errors)
 
     async def async_step_host_key(
         self, user_input: dict[str, Any] | None = None
@@ -420,11 +447,7 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         if user_input is not None:
             return await self.async_step_credentials()
         return self.async_show_form(
-            step_id="host_key",
-            description_placeholders={
-                "host": self._data[CONF_HOST],
-                "fingerprint": fingerprint(self._data[CONF_HOST_KEY]),
-            },
+            step_id="host_key", description_placeholders=_key_placeholders(self._data)
         )
 
     async def async_step_credentials(
@@ -442,96 +465,43 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         self, user_input: dict[str, Any] | None = None
     ) -> ConfigFlowResult:
         """Ask for an administrator login on the tower, used for this step only."""
-        errors: dict[str, str] = {}
-        placeholders = {
-            "host": self._data[CONF_HOST],
-            "user": self._data[CONF_USERNAME],
-            "detail": "-",
-            "left": "-",
-        }
+        error: InstallError | None = None
         if user_input is not None:
-            login = admin_login(user_input)
-            self._uri = str(user_input[CONF_LIBVIRT_URI]).strip()
             self._data[CONF_USERNAME] = str(user_input[CONF_USERNAME]).strip()
-            placeholders["user"] = self._data[CONF_USERNAME]
-            try:
-                async with tower_admin_session(self._data, login) as session:
-                    self._survey = await session.survey(
-                        self._data[CONF_USERNAME], self._uri
-                    )
-            except InstallError as err:
-                errors["base"] = err.key
-                placeholders |= install_error_placeholders(err)
-            else:
-                self._admin = login
+            error = await self._install.log_in(self._data, user_input)
+            if error is None:
                 return await self.async_step_install_options()
+        suggested = {CONF_USERNAME: self._data[CONF_USERNAME]}
+        return self._async_show_login(suggested | public_fields(user_input), error)
+
+    def _async_show_login(
+        self, suggested: dict[str, Any], error: InstallError | None
+    ) -> ConfigFlowResult:
+        """The administrator's login form, with why the last try failed."""
         return self.async_show_form(
             step_id="install_agent",
             data_schema=self.add_suggested_values_to_schema(
-                _install_schema(),
-                {CONF_USERNAME: self._data[CONF_USERNAME]} | public_fields(user_input),
+                install_schema(), suggested
             ),
-            description_placeholders=placeholders,
-            errors=errors,
+            description_placeholders=login_placeholders(self._data, error),
+            errors={"base": error.key} if error is not None else {},
         )
-
-    @property
-    def _known_survey(self) -> Survey:
-        """What the tower has (the steps run in order)."""
-        if self._survey is None:  # pragma: no cover - a step out of order
-            raise RuntimeError("the tower has not been surveyed yet")
-        return self._survey
 
     async def async_step_install_options(
         self, user_input: dict[str, Any] | None = None
     ) -> ConfigFlowResult:
         """Pick the GPU node and the gaming VMs from the tower's own list."""
-        survey = self._known_survey
+        survey = self._install.known_survey
         errors: dict[str, str] = {}
         if user_input is not None:
-            gpu_node = str(user_input[CONF_GPU_NODE])
-            gaming = [name for name in user_input[CONF_GAMING_VMS] if name != gpu_node]
-            if gaming:
-                self._plan = InstallPlan(
-                    user=self._data[CONF_USERNAME],
-                    gpu_node=gpu_node,
-                    gaming=gaming,
-                    uri=self._uri,
-                    public_key="",
-                    restart_libvirt=False,
-                    replace_config=survey.config_exists,
-                )
+            if self._install.choose(self._data[CONF_USERNAME], user_input):
                 return await self.async_step_install_confirm()
             errors[CONF_GAMING_VMS] = "no_gaming_vm"
         gpu_node = _guess_gpu_node(survey.domains)
-        options = [selector.SelectOptionDict(value=d, label=d) for d in survey.domains]
         return self.async_show_form(
             step_id="install_options",
-            data_schema=probatio.Schema(
-                {
-                    probatio.Required(CONF_GPU_NODE, default=gpu_node): (
-                        selector.SelectSelector(
-                            selector.SelectSelectorConfig(options=options)
-                        )
-                    ),
-                    probatio.Required(
-                        CONF_GAMING_VMS,
-                        default=[d for d in survey.domains if d != gpu_node],
-                    ): selector.SelectSelector(
-                        selector.SelectSelectorConfig(
-                            options=options,
-                            multiple=True,
-                            mode=selector.SelectSelectorMode.LIST,
-                        )
-                    ),
-                }
-            ),
-            description_placeholders={
-                "host": self._data[CONF_HOST],
-                "python": survey.python,
-                "agent": survey.agent_version or "-",
-                "left_out": ", ".join(survey.left_out) or "-",
-            },
+            data_schema=install_options_schema(survey.domains, gpu_node),
+            description_placeholders=survey_placeholders(self._data[CONF_HOST], survey),
             errors=errors,
         )
 
@@ -541,72 +511,30 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         """Show exactly what the install does; on submit, do it, then log in
         with Home Assistant's restricted key. The administrator login is
         forgotten here whatever happens: a retry asks for it again."""
-        if self._plan is None or self._admin is None:  # pragma: no cover - order
+        install = self._install
+        if install.plan is None or install.admin is None:  # pragma: no cover - order
             return await self.async_step_install_agent()
-        if self._generated is None:
-            self._generated = await self.hass.async_add_executor_job(generate_key_pair)
-        public = self._generated[1]
-        plan = self._plan
-        if user_input is not None:
-            plan = InstallPlan(
-                user=plan.user,
-                gpu_node=plan.gpu_node,
-                gaming=plan.gaming,
-                uri=plan.uri,
-                public_key=public,
-                restart_libvirt=bool(user_input[CONF_RESTART_LIBVIRT]),
-                replace_config=plan.replace_config,
+        private, public = await self._async_key_pair()
+        if user_input is None:
+            return self.async_show_form(
+                step_id="install_confirm",
+                data_schema=install_confirm_schema(),
+                description_placeholders=plan_placeholders(
+                    self._data[CONF_HOST], install.admin.username, install.plan
+                ),
             )
-            login, self._admin = self._admin, None
-            try:
-                async with tower_admin_session(self._data, login) as session:
-                    self._report = await session.install(plan, self._known_survey)
-            except InstallError as err:
-                return self.async_show_form(
-                    step_id="install_agent",
-                    data_schema=self.add_suggested_values_to_schema(
-                        _install_schema(),
-                        {
-                            CONF_USERNAME: plan.user,
-                            CONF_ADMIN_USERNAME: login.username,
-                            CONF_LIBVIRT_URI: plan.uri,
-                        },
-                    ),
-                    description_placeholders={
-                        "host": self._data[CONF_HOST],
-                        "user": self._data[CONF_USERNAME],
-                    }
-                    | install_error_placeholders(err),
-                    errors={"base": err.key},
-                )
-            finally:
-                del login
-            self._vms = list(plan.gaming)
-            if self._report.nixos:
-                return await self.async_step_install_nixos()
-            # Proven at once with the restricted key: what it reads is shown.
-            self._status = None
-            self._key_errors = await self._async_use_key(self._generated[0], None)
-            return await self.async_step_install_done()
-        return self.async_show_form(
-            step_id="install_confirm",
-            data_schema=probatio.Schema(
-                {
-                    probatio.Required(
-                        CONF_RESTART_LIBVIRT, default=False
-                    ): selector.BooleanSelector()
-                }
-            ),
-            description_placeholders={
-                "host": self._data[CONF_HOST],
-                "admin": self._admin.username,
-                "user": plan.user,
-                "gpu_node": plan.gpu_node,
-                "gaming": ", ".join(plan.gaming),
-                "uri": plan.uri,
-                "version": agent.VERSION,
-            },
-        )
+        again = retry_fields(install.plan, install.admin)
+        try:
+            report = await install.install(self._data, public, user_input)
+        except InstallError as err:
+            return self._async_show_login(again, err)
+        self._vms = list(install.plan.gaming)
+        if report.nixos:
+            return await self.async_step_install_nixos()
+        # Proven at once with the restricted key: what it reads is shown.
+        self._status = None
+        self._key_errors = await self._async_use_key(private, None)
+        return await self.async_step_install_done()
 
     async def async_step_install_done(
         self, user_input: dict[str, Any] | None = None
@@ -627,7 +555,7 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
     ) -> ConfigFlowResult:
         """The install's outcome on screen until the restricted key logs in
         (refused in place, with the tower's reason); then the cluster."""
-        report = self._report
+        report = self._install.report
         if report is None or self._generated is None:  # pragma: no cover - order
             return await self.async_step_install_agent()
         if user_input is not None:
@@ -639,22 +567,23 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
                 return await self.async_step_cluster()
         return self.async_show_form(
             step_id=step_id,
-            description_placeholders={
-                "host": self._data[CONF_HOST],
-                "user": self._data[CONF_USERNAME],
-                "findings": _findings_text(report, self._status),
-                "module": report.nixos_module,
-            },
+            description_placeholders=_report_placeholders(
+                self._data, report, self._status
+            ),
             errors=self._key_errors,
         )
+
+    async def _async_key_pair(self) -> tuple[str, str]:
+        """Home Assistant's new key pair (private, public), made once."""
+        if self._generated is None:
+            self._generated = await self.hass.async_add_executor_job(generate_key_pair)
+        return self._generated
 
     async def async_step_generate_key(
         self, user_input: dict[str, Any] | None = None
     ) -> ConfigFlowResult:
         """Make a key pair; the user adds its public half to the tower."""
-        if self._generated is None:
-            self._generated = await self.hass.async_add_executor_job(generate_key_pair)
-        private, public = self._generated
+        private, public = await self._async_key_pair()
         errors: dict[str, str] = {}
         if user_input is not None:
             errors = await self._async_use_key(private, None)
@@ -662,12 +591,7 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
                 return await self._async_after_key()
         return self.async_show_form(
             step_id="generate_key",
-            description_placeholders={
-                "public_key": public,
-                "authorized_keys_line": authorized_keys_line(
-                    public, DEFAULT_AGENT_COMMAND
-                ),
-            },
+            description_placeholders=_public_key_placeholders(public),
             errors=errors,
         )
 
@@ -690,14 +614,7 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
                 if not errors:
                     return await self._async_after_key()
         return self.async_show_form(
-            step_id="paste_key",
-            data_schema=probatio.Schema(
-                {
-                    probatio.Required(CONF_PRIVATE_KEY): MULTILINE,
-                    probatio.Optional(CONF_PASSPHRASE): PASSWORD,
-                }
-            ),
-            errors=errors,
+            step_id="paste_key", data_schema=paste_key_schema(), errors=errors
         )
 
     async def _async_use_key(
@@ -716,11 +633,7 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
     async def _async_after_key(self) -> ConfigFlowResult:
         if self.source == SOURCE_REAUTH:
             return self.async_update_reload_and_abort(
-                self._get_reauth_entry(),
-                data_updates={
-                    CONF_PRIVATE_KEY: self._data[CONF_PRIVATE_KEY],
-                    CONF_PASSPHRASE: self._data[CONF_PASSPHRASE],
-                },
+                self._get_reauth_entry(), data_updates=_key_fields(self._data)
             )
         self._data[CONF_GPU_NODE] = self._known_status.gpu_node
         return await self.async_step_gaming_vms()
@@ -730,39 +643,16 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
     ) -> ConfigFlowResult:
         """Pick the gaming VMs that get a switch."""
         status = self._known_status
-        domains = _gaming_domains(status)
         errors: dict[str, str] = {}
         if user_input is not None:
             self._vms = list(user_input[CONF_GAMING_VMS])
             if self._vms:
                 return await self.async_step_cluster()
             errors[CONF_GAMING_VMS] = "no_gaming_vm"
-        gpu_node = status.domains.get(status.gpu_node)
         return self.async_show_form(
             step_id="gaming_vms",
-            data_schema=probatio.Schema(
-                {
-                    probatio.Required(
-                        CONF_GAMING_VMS, default=[d.name for d in domains]
-                    ): selector.SelectSelector(
-                        selector.SelectSelectorConfig(
-                            options=[
-                                selector.SelectOptionDict(
-                                    value=d.name, label=_domain_label(d)
-                                )
-                                for d in domains
-                            ],
-                            multiple=True,
-                            mode=selector.SelectSelectorMode.LIST,
-                        )
-                    )
-                }
-            ),
-            description_placeholders={
-                "gpu_node": _domain_label(gpu_node)
-                if gpu_node is not None
-                else status.gpu_node
-            },
+            data_schema=gaming_vms_schema(_gaming_domains(status)),
+            description_placeholders={"gpu_node": _gpu_node_label(status)},
             errors=errors,
         )
 
@@ -781,11 +671,7 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
                 return await self.async_step_node()
             errors["base"] = error
         return self.async_show_form(
-            step_id="cluster",
-            data_schema=probatio.Schema(
-                {probatio.Required(CONF_KUBECONFIG): MULTILINE}
-            ),
-            errors=errors,
+            step_id="cluster", data_schema=kubeconfig_schema(), errors=errors
         )
 
     async def async_step_node(
@@ -800,32 +686,11 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
             return self.async_create_entry(
                 title=self._host_name or self._data[CONF_HOST],
                 data=self._data,
-                options={
-                    CONF_SCAN_INTERVAL: DEFAULT_SCAN_INTERVAL,
-                    CONF_DRAIN_TIMEOUT: DEFAULT_DRAIN_TIMEOUT,
-                    CONF_AUTO_RETURN: DEFAULT_AUTO_RETURN,
-                },
+                options=dict(_NEW_ENTRY_OPTIONS),
                 subentries=[vm_subentry(status.domains[name]) for name in self._vms],
             )
-        default = (
-            self._data[CONF_GPU_NODE]
-            if self._data[CONF_GPU_NODE] in self._nodes
-            else self._nodes[0]
-            if self._nodes
-            else ""
-        )
-        return self.async_show_form(
-            step_id="node",
-            data_schema=probatio.Schema(
-                {
-                    probatio.Required(
-                        CONF_K8S_NODE, default=default
-                    ): selector.SelectSelector(
-                        selector.SelectSelectorConfig(options=self._nodes)
-                    )
-                }
-            ),
-        )
+        schema = node_schema(self._nodes, self._data[CONF_GPU_NODE])
+        return self.async_show_form(step_id="node", data_schema=schema)
 
     # --- reauth and reconfigure ----------------------------------------------
 
@@ -849,53 +714,23 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         entry = self._get_reconfigure_entry()
         errors: dict[str, str] = {}
         if user_input is not None:
-            tower, errors = _clean_tower_input(user_input)
-            kubeconfig = str(user_input.get(CONF_KUBECONFIG) or "").strip()
-            if not errors and kubeconfig:
-                nodes, error = await _cluster_nodes(kubeconfig)
-                if error is not None:
-                    errors["base"] = error
-                elif entry.data[CONF_K8S_NODE] not in nodes:
-                    errors["base"] = "node_not_found"
+            data, host_key, errors = await _reconfigured(entry, user_input)
             if not errors:
-                self._data = dict(entry.data) | tower
-                if kubeconfig:
-                    self._data[CONF_KUBECONFIG] = kubeconfig
-                # At the address its key was pinned at, the tower must still
-                # present that key: a changed one is refused by the login
-                # below (and its repair shows both fingerprints), never
-                # pinned again here.
-                if (tower[CONF_HOST], tower[CONF_PORT]) == (
-                    entry.data[CONF_HOST],
-                    entry.data[CONF_PORT],
-                ):
-                    return await self._async_finish_reconfigure()
-                try:
-                    host_key = await fetch_host_key(tower[CONF_HOST], tower[CONF_PORT])
-                except TowerError:
-                    errors["base"] = "cannot_connect"
-                else:
-                    return await self._async_new_address(host_key)
-        suggested = {
-            CONF_HOST: entry.data[CONF_HOST],
-            CONF_PORT: entry.data[CONF_PORT],
-            CONF_USERNAME: entry.data[CONF_USERNAME],
-        } | (user_input or {})
-        schema = _tower_schema().extend({probatio.Optional(CONF_KUBECONFIG): MULTILINE})
+                self._data = data
+                return await self._async_new_address(host_key)
+        suggested = _reconfigure_suggestions(entry, user_input)
+        schema = self.add_suggested_values_to_schema(reconfigure_schema(), suggested)
         return self.async_show_form(
-            step_id="reconfigure",
-            data_schema=self.add_suggested_values_to_schema(
-                schema, {k: v for k, v in suggested.items() if k != CONF_KUBECONFIG}
-            ),
-            errors=errors,
+            step_id="reconfigure", data_schema=schema, errors=errors
         )
 
-    async def _async_new_address(self, host_key: str) -> ConfigFlowResult:
-        """The same host key at a new address is the same tower: nothing new
-        to trust. Another key is confirmed first, and refused if it is the
-        key of another tower that is already set up."""
+    async def _async_new_address(self, host_key: str | None) -> ConfigFlowResult:
+        """The same address (None), or the same host key at a new one, is the
+        same tower: nothing new to trust. Another key is confirmed first, and
+        refused if it is the key of another tower that is already set up."""
         entry = self._get_reconfigure_entry()
-        if fingerprint(host_key) == fingerprint(entry.data[CONF_HOST_KEY]):
+        pinned = entry.data[CONF_HOST_KEY]
+        if host_key is None or fingerprint(host_key) == fingerprint(pinned):
             return await self._async_finish_reconfigure()
         if entry_with_host_key(self._async_current_entries(), host_key, entry):
             return self.async_abort(reason="other_tower_configured")
@@ -910,10 +745,7 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
             return await self._async_finish_reconfigure()
         return self.async_show_form(
             step_id="reconfigure_host_key",
-            description_placeholders={
-                "host": self._data[CONF_HOST],
-                "fingerprint": fingerprint(self._data[CONF_HOST_KEY]),
-            },
+            description_placeholders=_key_placeholders(self._data),
         )
 
     async def _async_finish_reconfigure(self) -> ConfigFlowResult:
@@ -923,14 +755,8 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
             return self.async_abort(reason=error or "cannot_connect")
         if answer[1].gpu_node != entry.data[CONF_GPU_NODE]:
             return self.async_abort(reason="different_tower")
-        # A newly confirmed key is the tower's new identity.
-        unique_id = (
-            entry.unique_id
-            if self._data[CONF_HOST_KEY] == entry.data[CONF_HOST_KEY]
-            else fingerprint(self._data[CONF_HOST_KEY])
-        )
         return self.async_update_reload_and_abort(
-            entry, unique_id=unique_id, data=self._data
+            entry, unique_id=_identity_after(entry, self._data), data=self._data
         )
 
 
@@ -954,34 +780,10 @@ class GpuHandoffOptionsFlow(OptionsFlow):
                     CONF_LEND_FREE_CARDS: bool(user_input[CONF_LEND_FREE_CARDS]),
                 }
             )
-        seconds = selector.NumberSelector(
-            selector.NumberSelectorConfig(
-                min=5,
-                max=3600,
-                unit_of_measurement="s",
-                mode=selector.NumberSelectorMode.BOX,
-            )
-        )
-        schema = probatio.Schema(
-            {
-                probatio.Required(CONF_SCAN_INTERVAL): seconds,
-                probatio.Required(CONF_DRAIN_TIMEOUT): seconds,
-                probatio.Required(CONF_AUTO_RETURN): selector.BooleanSelector(),
-                probatio.Required(
-                    CONF_EVICT_UNMANAGED, default=DEFAULT_EVICT_UNMANAGED
-                ): selector.BooleanSelector(),
-                probatio.Required(
-                    CONF_HANDOFF_WHEN_CORDONED, default=DEFAULT_HANDOFF_WHEN_CORDONED
-                ): selector.BooleanSelector(),
-                probatio.Required(
-                    CONF_LEND_FREE_CARDS, default=DEFAULT_LEND_FREE_CARDS
-                ): selector.BooleanSelector(),
-            }
-        )
         return self.async_show_form(
             step_id="init",
             data_schema=self.add_suggested_values_to_schema(
-                schema, self.config_entry.options
+                options_schema(), self.config_entry.options
             ),
         )
 
@@ -1008,19 +810,5 @@ class GamingVmSubentryFlow(ConfigSubentryFlow):
                 title=vm["title"], data=dict(vm["data"]), unique_id=vm["unique_id"]
             )
         return self.async_show_form(
-            step_id="user",
-            data_schema=probatio.Schema(
-                {
-                    probatio.Required(CONF_DOMAIN_NAME): selector.SelectSelector(
-                        selector.SelectSelectorConfig(
-                            options=[
-                                selector.SelectOptionDict(
-                                    value=name, label=_domain_label(d)
-                                )
-                                for name, d in domains.items()
-                            ]
-                        )
-                    )
-                }
-            ),
+            step_id="user", data_schema=gaming_vm_schema(domains)
         )

@@ -22,6 +22,7 @@ CORE = "custom_components/gpu_handoff/core.py"
 CLUSTER = "custom_components/gpu_handoff/cluster_client.py"
 DRAIN = "custom_components/gpu_handoff/drain.py"
 CONFIG_FLOW = "custom_components/gpu_handoff/config_flow.py"
+CONFIG_FLOW_INSTALL = "custom_components/gpu_handoff/config_flow_install.py"
 SENSOR = "custom_components/gpu_handoff/sensor.py"
 INSTALLER = "custom_components/gpu_handoff/installer.py"
 GUIDED = "tests/test_guided_install.py"
@@ -194,13 +195,12 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 CONFIG_FLOW,
-                "                ):\n"
-                "                    return await self._async_finish_reconfigure()\n",
-                "                ):\n"
-                "                    self._data[CONF_HOST_KEY] = await fetch_host_key(\n"
-                "                        tower[CONF_HOST], tower[CONF_PORT]\n"
-                "                    )\n"
-                "                    return await self._async_finish_reconfigure()\n",
+                "    ):\n        return data, None, {}\n",
+                "    ):\n"
+                "        data[CONF_HOST_KEY] = await fetch_host_key(\n"
+                "            tower[CONF_HOST], tower[CONF_PORT]\n"
+                "        )\n"
+                "        return data, None, {}\n",
             ),
         ),
         (
@@ -213,8 +213,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 CONFIG_FLOW,
-                "self._data = dict(entry.data) | tower",
-                "self._data = dict(entry.data) | "
+                "data = dict(entry.data) | tower",
+                "data = dict(entry.data) | "
                 "{k: v for k, v in tower.items() if k != CONF_USERNAME}",
             ),
         ),
@@ -376,12 +376,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "the guided install's administrator login is never stored",
         (
             Patch(
-                CONFIG_FLOW,
-                "                self._admin = login\n"
-                "                return await self.async_step_install_options()",
-                "                self._admin = login\n"
-                "                self._data[CONF_SUDO_PASSWORD] = login.password\n"
-                "                return await self.async_step_install_options()",
+                CONFIG_FLOW_INSTALL,
+                "        self.admin = login\n        return None\n",
+                "        self.admin = login\n"
+                "        data[CONF_SUDO_PASSWORD] = login.password\n"
+                "        return None\n",
             ),
         ),
         (f"{GUIDED}::test_guided_install_from_nothing_to_a_working_integration",),
@@ -391,9 +390,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "the flow forgets the administrator login when the install ends",
         (
             Patch(
-                CONFIG_FLOW,
-                "login, self._admin = self._admin, None",
-                "login = self._admin",
+                CONFIG_FLOW_INSTALL,
+                "login, self.admin = self.admin, None",
+                "login = self.admin",
             ),
         ),
         (f"{GUIDED}::test_guided_install_from_nothing_to_a_working_integration",),
