@@ -37,6 +37,7 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_FAILED,
     EVENT_HANDOFF_STARTED,
 )
+from custom_components.gpu_handoff.drain import NodeDrain
 from tests.conftest import add_tower_entry
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.sshd import Sshd
@@ -444,6 +445,7 @@ async def test_an_unexpected_error_ends_the_handoff_cleanly(
     no_pdb: None,
     where: str,
     error: BaseException,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An exception of any type at a step ends the operation: failed event,
     last_error, repair, nothing pending, the switch back to the truth, our
@@ -451,8 +453,13 @@ async def test_an_unexpected_error_ends_the_handoff_cleanly(
     failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
     await setup_entry(hass, entry)
     coordinator = entry.runtime_data.coordinator
-    target = coordinator.tower if where == "request" else coordinator.cluster
-    hit = _fail_once(target, where, error, "handoff" if where == "request" else None)
+    target: Any = coordinator.tower if where == "request" else coordinator.cluster
+    name = where
+    if where == "drain":
+        # The drain's own run (restored after the test).
+        monkeypatch.setattr(NodeDrain, "run", NodeDrain.run)
+        target, name = NodeDrain, "run"
+    hit = _fail_once(target, name, error, "handoff" if where == "request" else None)
     await switch(hass, "turn_on", SWITCH_1)
     await until(lambda: bool(failed))
     await until(lambda: idle(entry))
@@ -652,7 +659,7 @@ async def test_a_stop_that_outlives_the_other_player_returns_the_cards(
     sim.set_shutdown_duration("gaming-1", 300.0)  # 3 s here
     await switch(hass, "turn_off", SWITCH_1)
     controller = entry.runtime_data.controller
-    await until(lambda: controller.pending_job is not None)
+    await until(lambda: controller.progress.pending_job is not None)
     sim.guest_shutdown("gaming-2")
     await until(lambda: bool(returned))
     await until(lambda: idle(entry))
@@ -715,7 +722,7 @@ async def test_a_request_that_cannot_be_stored_is_not_left_showing(
     async def full_disk(data: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    controller._store.async_save = full_disk  # type: ignore[method-assign]
+    controller.state._store.async_save = full_disk  # type: ignore[method-assign]
     with pytest.raises(OSError, match="No space"):
         await switch(hass, "turn_on", SWITCH_1)
     await hass.async_block_till_done()

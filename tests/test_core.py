@@ -195,11 +195,72 @@ def test_a_start_by_hand_with_its_cards_is_followed() -> None:
     assert result.desired == {"gaming-1"}
 
 
-def test_a_start_by_hand_that_ended_stays_unseen() -> None:
-    """Nothing to do while the VM stays off; a request for it supersedes it."""
+def test_a_start_by_hand_that_ended_with_the_gpu_node_serving_is_done_with() -> None:
+    """The GPU node runs again: whatever the hook's stop did is over."""
     result = reconcile(observed(tower(hooks=(hook(),))), Owned(), Memory())
-    assert result.run is None
-    assert result.memory.seen_hook_requests == frozenset()
+    assert (result.run, result.read_hook_jobs) == (None, ())
+    assert result.memory.seen_hook_requests == {hook().key}
+    assert result.changed
+
+
+def test_a_start_by_hand_that_ended_while_its_hooks_stop_runs_stays_unseen() -> None:
+    """Nothing to tell yet; a request for the VM supersedes it."""
+    status = tower(
+        gpu="in_shutdown", hooks=(hook(),), jobs=(job(JobKind.STOP, "gpu-node"),)
+    )
+    for gpu in ("in_shutdown", "shut_off"):
+        result = reconcile(
+            observed(
+                replace(
+                    status,
+                    domains=status.domains | {"gpu-node": domain("gpu-node", gpu)},
+                )
+            ),
+            Owned(),
+            Memory(),
+        )
+        assert (result.run, result.read_hook_jobs) == (None, ())
+        assert result.memory.seen_hook_requests == frozenset()
+
+
+def test_a_start_by_hand_that_ended_before_home_assistant_looked() -> None:
+    """Refused, retried, played and quit before Home Assistant looked, the
+    GPU node off: the hook's job record decides (read first). It shut the
+    GPU node down: the session's end returns the cards; it did nothing (the
+    GPU node was off already): nothing happens."""
+    status = tower(gpu="shut_off", hooks=(hook(),))
+    first = reconcile(observed(status), Owned(), Memory())
+    assert (first.run, first.read_hook_jobs) == (None, ("j1",))
+    assert first.memory.seen_hook_requests == frozenset()
+
+    read = replace(first.memory, hook_jobs_read=frozenset({"j1"}))
+    stopped = replace(read, hook_jobs_stopped=frozenset({"j1"}))
+    result = reconcile(observed(status), Owned(), stopped)
+    assert result.run == Request(
+        vm="gpu-node", kind=Kind.RETURN, origin=Origin.GPU_HANDOFF
+    )
+    assert result.memory.seen_hook_requests == {hook().key}
+
+    result = reconcile(observed(status), Owned(), read)
+    assert (result.run, result.read_hook_jobs) == (None, ())
+    assert result.memory.seen_hook_requests == {hook().key}
+
+    # Someone else plays, or the cards go back only when asked: no return.
+    playing = tower(gpu="shut_off", g2="running", hooks=(hook(),))
+    assert reconcile(observed(playing), Owned(), stopped).run is None
+    manual = replace(SETTINGS, auto_return=False)
+    assert reconcile(observed(status, settings=manual), Owned(), stopped).run is None
+
+
+def test_a_start_by_hand_that_ended_after_gpu_handoff_stopped_the_gpu_node() -> None:
+    """The GPU node is off because of GPU Handoff: the session's end returns
+    the cards, whatever the hook's stop did (nothing to read)."""
+    status = tower(gpu="shut_off", hooks=(hook(),))
+    result = reconcile(observed(status), Owned(gpu_stopped_by_us=True), Memory())
+    assert result.run == Request(
+        vm="gpu-node", kind=Kind.RETURN, origin=Origin.GPU_HANDOFF
+    )
+    assert result.read_hook_jobs == ()
 
 
 def test_a_start_by_hand_of_a_vm_gpu_handoff_does_not_manage_is_ignored() -> None:

@@ -535,6 +535,42 @@ async def test_a_start_by_hand_over_before_home_assistant_looked_is_not_repeated
     assert hass.states.get(SWITCH_1).state == "off"
 
 
+async def test_a_refused_start_retried_and_ended_before_home_assistant_looked(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Nobody plays, and Home Assistant restarts. Meanwhile someone starts
+    Gaming station 1 on the tower: the GPU node holds its card, so the start
+    fails and the hook stops the GPU node; the retry plays, and the player
+    quits (found by the explorer). Both starts ended before Home Assistant
+    looked; the first's job record says it shut the GPU node down, which
+    stayed off: a session's end, and the cards go back to the cluster."""
+    sim.set_shutdown_duration("gaming-1", 0.0)
+    await setup_entry(hass, entry)
+    await _settled(hass, entry)
+    assert await hass.config_entries.async_unload(entry.entry_id)
+
+    refused = await hass.async_add_executor_job(start_by_hand, sim, "gaming-1")
+    assert "is in use" in refused.stderr, refused.stderr
+    await until(lambda: not sim.is_running("gpu-node"), BOUND)  # the hook's stop
+    retry = await hass.async_add_executor_job(start_by_hand, sim, "gaming-1")
+    assert retry.returncode == 0, retry.stderr
+    sim.guest_shutdown("gaming-1")
+    await until(lambda: not sim.is_running("gaming-1"), BOUND)
+
+    returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
+    assert await hass.config_entries.async_setup(entry.entry_id)
+    await until(lambda: bool(returned), BOUND)
+    await _settled(hass, entry)
+    assert sim.is_running("gpu-node")
+    assert not cordoned(cluster)
+    assert entry.runtime_data.controller.desired == set()
+    assert len(sim.calls("start", "gaming-1")) == 2
+
+
 async def test_a_start_by_hand_while_the_return_waits_for_the_gpus_takes_them(
     hass: HomeAssistant,
     entry: MockConfigEntry,

@@ -13,6 +13,8 @@ tower agent offers no such verb.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
 import logging
 from typing import Any
 
@@ -38,7 +40,7 @@ from .core import (
 from .operations import Operations
 from .owned import OwnedState
 from .progress import OperationProgress
-from .protocol import RUNNING, JobRecord
+from .protocol import RUNNING, JobRecord, StepName
 from .report import Reporter
 from .runner import (
     OperationRunner,
@@ -46,6 +48,7 @@ from .runner import (
     check_operator_cordon,
     node_holds_cards_of,
 )
+from .tower_client import TowerError
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -89,7 +92,9 @@ class HandoffController:
             report=self.report,
             lock=self._lock,
         )
-        self._forgetting = False
+        # Work an update asked for besides an operation (removing a stale
+        # mark, reading the hook's job records), one of each kind at a time.
+        self._side: dict[str, asyncio.Task[None]] = {}
 
     async def _save_job(self, job: PendingJob | None) -> None:
         await self.operations.save_job(job)
@@ -143,6 +148,10 @@ class HandoffController:
             )
             self.state.requests[request.vm] = request
             self._spawn(self._run(request))
+        if owned.seen_hook_requests is None:
+            # Stored now: a start by hand made while Home Assistant restarts
+            # later is one it has not seen.
+            await self.state.save()
         self._entry.async_on_unload(
             self.coordinator.async_add_listener(self._reconcile)
         )
@@ -274,15 +283,25 @@ class HandoffController:
             self.state.requests[request.vm] = request
             self._spawn(self._persist_and_run(request))
             return
-        if result.forget_stale_mark and not self._forgetting:
-            self._forgetting = True
-            self.hass.async_create_task(
-                self._forget_stale_mark(), f"{DOMAIN} forget stale mark"
-            )
+        if result.forget_stale_mark:
+            self._side_task("forget stale mark", self._forget_stale_mark)
+        if result.read_hook_jobs:
+            jobs = result.read_hook_jobs
+            self._side_task("read hook jobs", lambda: self._read_hook_jobs(jobs))
         if result.changed:
             self.hass.async_create_task(
                 self.state.save_in_background(), f"{DOMAIN} save"
             )
+
+    def _side_task(
+        self, name: str, work: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
+        """Run ``work`` in the background unless work of that name runs."""
+        if name in self._side:
+            return
+        task = self.hass.async_create_task(work(), f"{DOMAIN} {name}")
+        self._side[name] = task
+        task.add_done_callback(lambda _: self._side.pop(name, None))
 
     async def _forget_stale_mark(self) -> None:
         """Someone lifted GPU Handoff's cordon and left its mark: remove the
@@ -301,8 +320,31 @@ class HandoffController:
                     await self.coordinator.async_request_refresh()
         except ClusterError as err:
             _LOGGER.warning("Could not remove a stale cordon mark: %s", err)
-        finally:
-            self._forgetting = False
+
+    async def _read_hook_jobs(self, jobs: tuple[str, ...]) -> None:
+        """Read the records of the hook's ended jobs the decision needs (what
+        they did never changes), then decide again."""
+        gpu_node = self.coordinator.data.tower.gpu_node
+        read, stopped = set(), set()
+        for job_id in jobs:
+            try:
+                record = await self.coordinator.tower.job(job_id)
+            except TowerError as err:
+                _LOGGER.warning("Could not read the hook's job %s: %s", job_id, err)
+                continue
+            if record.job.state.active:
+                continue
+            read.add(job_id)
+            if record.did(StepName.SHUTDOWN, gpu_node):
+                stopped.add(job_id)
+        memory = self.state.memory
+        self.state.memory = replace(
+            memory,
+            hook_jobs_read=memory.hook_jobs_read | read,
+            hook_jobs_stopped=memory.hook_jobs_stopped | stopped,
+        )
+        if read:
+            self._reconcile()
 
     async def _persist_and_run(self, request: Request) -> bool:
         self.state.requests.setdefault(request.vm, request)

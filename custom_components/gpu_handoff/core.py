@@ -406,10 +406,16 @@ class Memory:
     """What the controller remembers between updates: the starts by hand
     it has dealt with (stored with the owned records, so one recorded while
     Home Assistant was down is dealt with after it starts), and the pods
-    that refused the last lend (not stored)."""
+    that refused the last lend (not stored), and what the hook's ended jobs
+    did."""
 
     seen_hook_requests: frozenset[str] = frozenset()
     lend_refused: tuple[str, ...] = ()
+    # The hook's jobs whose records were read once they ended (not stored:
+    # read again after a restart), and those of them that shut the GPU node
+    # down.
+    hook_jobs_read: frozenset[str] = frozenset()
+    hook_jobs_stopped: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -426,6 +432,12 @@ class Reconciled:
     changed: bool = False
     # Gaming VMs whose start by hand GPU Handoff now follows (they play).
     followed: tuple[str, ...] = field(default=())
+    # Gaming VMs started by hand whose session ended before GPU Handoff
+    # looked, the hook's stop of the GPU node for them standing.
+    ended: frozenset[str] = frozenset()
+    # The hook's ended jobs whose records the decision needs (read them, then
+    # reconcile again).
+    read_hook_jobs: tuple[str, ...] = ()
 
 
 def _hook_request_asks(
@@ -453,13 +465,24 @@ def _starts_by_hand(observed: Observed, owned: Owned, memory: Memory) -> Reconci
     """The starts by hand the tower recorded and nothing dealt with yet."""
     desired, seen = set(owned.desired), set(memory.seen_hook_requests)
     followed: list[str] = []
+    ended: set[str] = set()
+    to_read: list[str] = []
     for request in observed.tower.hook_requests:
         if request.key in seen:
             continue
         asks = _hook_request_asks(observed, frozenset(desired), request)
         if asks is StartByHand.ENDED:
-            # Kept unseen: nothing to do as long as the VM stays off; a
-            # request for the VM supersedes it (superseded_hook_requests).
+            stand = _ended_start(
+                observed, request, memory, stopped_by_us=owned.gpu_stopped_by_us
+            )
+            if stand is HookStop.READ and request.job is not None:
+                to_read.append(request.job)
+            elif stand is HookStop.STANDS:
+                ended.add(request.domain)
+            if stand in (HookStop.STANDS, HookStop.OVER):
+                seen.add(request.key)
+            # Otherwise kept unseen: a request for the VM supersedes it
+            # (superseded_hook_requests).
             continue
         seen.add(request.key)
         if asks is None:
@@ -483,9 +506,49 @@ def _starts_by_hand(observed: Observed, owned: Owned, memory: Memory) -> Reconci
     return Reconciled(
         desired=frozenset(desired),
         memory=replace(memory, seen_hook_requests=frozenset(seen)),
-        changed=bool(followed),
+        changed=bool(followed) or seen != memory.seen_hook_requests,
         followed=tuple(followed),
+        ended=frozenset(ended),
+        read_hook_jobs=tuple(to_read),
     )
+
+
+class HookStop(StrEnum):
+    """Whether the hook's stop of the GPU node for a start by hand whose
+    session ended before GPU Handoff looked still stands (see _ended_start)."""
+
+    KEEP = "keep"  # not known yet, or nothing to tell: looked at again
+    READ = "read"  # its job's record is needed
+    STANDS = "stands"  # it shut the GPU node down, which is still off
+    OVER = "over"  # it did nothing, or the GPU node runs again since
+
+
+def _ended_start(
+    observed: Observed, request: HookRequest, memory: Memory, *, stopped_by_us: bool
+) -> HookStop:
+    """A player's start by hand whose session ended before GPU Handoff
+    looked (the start was refused and the hook stopped the GPU node, the
+    retry played, the player quit): a session's end, on which the cards go
+    back (or, lending, the free ones are lent) if the GPU node is off
+    because of GPU Handoff (``stopped_by_us``) or of the hook's job (its
+    record says it shut the GPU node down) and has stayed off; once it runs
+    again, that stop is over (an operator's later shutdown stays). What
+    happens between two looks cannot be seen: a GPU node started and shut
+    down by hand in between is taken for one that stayed off."""
+    status = observed.tower
+    gpu = status.domains.get(status.gpu_node)
+    job = request.job
+    if job is None or gpu is None or any(j.id == job for j in status.active_jobs):
+        return HookStop.KEEP
+    if gpu.state == RUNNING:
+        return HookStop.OVER
+    if gpu.state != SHUT_OFF:
+        return HookStop.KEEP
+    if stopped_by_us:
+        return HookStop.STANDS
+    if job not in memory.hook_jobs_read:
+        return HookStop.READ
+    return HookStop.STANDS if job in memory.hook_jobs_stopped else HookStop.OVER
 
 
 def _lends_on_follow(observed: Observed) -> bool:
@@ -555,7 +618,7 @@ def reconcile(observed: Observed, owned: Owned, memory: Memory) -> Reconciled:
     if found.run is not None:
         return found
     status = observed.tower
-    ended = {
+    ended = found.ended | {
         vm
         for vm in found.desired
         if (domain := status.domains.get(vm)) is not None and domain.state == SHUT_OFF

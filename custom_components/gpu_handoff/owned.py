@@ -116,7 +116,9 @@ class OwnedState:
         self.plan = owned.plan
         self.gpu_stopped_by_us = owned.gpu_stopped_by_us
         seen = owned.seen_hook_requests
-        if seen is None:  # stored by 0.3.x: what the tower shows counts as seen
+        if seen is None:
+            # A first start, or a store of 0.3.x: what the tower shows counts
+            # as seen (the controller stores it at once).
             hooks = self.coordinator.data.tower.hook_requests
             seen = frozenset(request.key for request in hooks)
         self.memory = Memory(seen_hook_requests=seen)

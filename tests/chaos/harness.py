@@ -374,7 +374,7 @@ SESSION_FAULTS: Final = frozenset(
     {"ssh_cut", "agent_killed", "ha_reload", "ha_restart", "libvirt_down", "vm_removed"}
 )
 
-# Failures the user must act on get a repair issue (controller._failed).
+# Failures the user must act on get a repair issue (operations.failed).
 USER_ACTS: Final = frozenset(
     {
         "agent_timeout",

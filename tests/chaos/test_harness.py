@@ -307,7 +307,7 @@ async def test_a_gpu_node_the_operator_stopped_and_gpu_handoff_started_is_caught
     fails after the hook. A product that counts the skipped stop as its own
     starts the GPU node again: reported as exactly that."""
     monkeypatch.setattr(
-        "custom_components.gpu_handoff.controller.job_stopped_gpu_node",
+        "custom_components.gpu_handoff.operations.job_stopped_gpu_node",
         lambda facts, **kwargs: True,
     )
     plans = [
@@ -965,7 +965,7 @@ async def test_a_tower_that_stops_lending_is_caught(
     cards after a handoff: the GPU node stays off while a player uses one
     card, reported as exactly that."""
     monkeypatch.setattr(
-        "custom_components.gpu_handoff.controller.lends_after",
+        "custom_components.gpu_handoff.operations.lends_after",
         lambda request, **kwargs: False,
     )
     plans = [Plan(0, 1, "on", "gaming-1")]

@@ -296,6 +296,10 @@ class Model:
     def _reconcile(self, world: World, ctl: Ctl) -> State:
         result = self.reconcile(self.observed(world), ctl.owned(), ctl.memory)
         ctl = replace(ctl, desired=result.desired, memory=result.memory, dirty=False)
+        if result.read_hook_jobs and result.run is None:
+            # _read_hook_jobs: an ended job's record never changes, so its
+            # read is one step; the decision runs again on what it says.
+            return State(world, _read_hook_jobs(world, ctl, result.read_hook_jobs))
         if result.run is not None:
             return State(world, replace(ctl, queue=(*ctl.queue, result.run)))
         return State(replace(world, edge=False), ctl)
@@ -763,3 +767,19 @@ def _uncordon_if_serving(world: World) -> World:
     if world.gpu == RUNNING and not world.job_on_gpu():
         return _uncordon(world)
     return world
+
+
+def _read_hook_jobs(world: World, ctl: Ctl, jobs: tuple[str, ...]) -> Ctl:
+    """What the hook's ended jobs did, remembered; then reconcile again."""
+    done = frozenset(job for job in jobs if world.hook_job_done(job))
+    stopped = frozenset(job for job in done if world.hook_job_stopped(job))
+    memory = ctl.memory
+    return replace(
+        ctl,
+        memory=replace(
+            memory,
+            hook_jobs_read=memory.hook_jobs_read | done,
+            hook_jobs_stopped=memory.hook_jobs_stopped | stopped,
+        ),
+        dirty=bool(done),
+    )

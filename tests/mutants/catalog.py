@@ -348,8 +348,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 CONTROLLER,
-                "        if result.forget_stale_mark and not self._forgetting:",
-                "        if result.forget_stale_mark and self._forgetting:",
+                "        if result.forget_stale_mark:\n",
+                "        if False:\n",
             ),
         ),
         (
