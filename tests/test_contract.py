@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 import json
+import os
 from pathlib import Path
 import select
 import shutil
@@ -79,6 +80,9 @@ class _Session:
         )
         self.seen: list[dict[str, Any]] = []
         self._next = 0
+        # Read from the pipe itself: a line the file object had buffered
+        # would never make select() say the pipe is ready.
+        self._pending = b""
 
     def send(self, verb: str, *args: str, request_id: str | None = None) -> int:
         assert self.process.stdin is not None
@@ -93,13 +97,18 @@ class _Session:
     def until(self, wanted: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
         """Read messages until one is ``wanted``; every one is kept."""
         assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
         deadline = time.monotonic() + BOUND
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.process.stdout], [], [], 0.5)
-            if not ready:
+            if b"\n" not in self._pending:
+                ready, _, _ = select.select([fd], [], [], 0.5)
+                if not ready:
+                    continue
+                chunk = os.read(fd, 65536)
+                assert chunk, "the session ended"
+                self._pending += chunk
                 continue
-            line = self.process.stdout.readline()
-            assert line, "the session ended"
+            line, self._pending = self._pending.split(b"\n", 1)
             message = json.loads(line)
             assert message["protocol"] == PROTOCOL
             self.seen.append(message)

@@ -187,12 +187,30 @@ def test_a_start_by_hand_that_failed_is_handed_over() -> None:
 
 
 def test_a_start_by_hand_with_its_cards_is_followed() -> None:
+    """It plays with the GPU node off: followed once the hook's job record
+    says whether the GPU node is off because of it (then it counts as GPU
+    Handoff's: the session's end brings the cards back)."""
     start = hook()
-    result = reconcile(
-        observed(tower(gpu="shut_off", g1="running", hooks=(start,))), Owned(), Memory()
-    )
+    status = tower(gpu="shut_off", g1="running", hooks=(start,))
+    first = reconcile(observed(status), Owned(), Memory())
+    assert (first.run, first.followed, first.read_hook_jobs) == (None, (), ("j1",))
+    assert first.memory.seen_hook_requests == frozenset()
+
+    read = Memory(hook_jobs_read=frozenset({"j1"}))
+    result = reconcile(observed(status), Owned(), read)
     assert (result.run, result.followed, result.changed) == (None, ("gaming-1",), True)
     assert result.desired == {"gaming-1"}
+    assert not result.gpu_stopped_by_us
+
+    stopped = replace(read, hook_jobs_stopped=frozenset({"j1"}))
+    result = reconcile(observed(status), Owned(), stopped)
+    assert result.followed == ("gaming-1",)
+    assert result.gpu_stopped_by_us
+
+    # Its hook's job still runs (it finds the GPU node off: a no-op).
+    running = replace(status, active_jobs=(job(JobKind.STOP, "gpu-node"),))
+    result = reconcile(observed(running), Owned(), Memory())
+    assert (result.followed, result.read_hook_jobs) == (("gaming-1",), ())
 
 
 def test_a_start_by_hand_that_ended_with_the_gpu_node_serving_is_done_with() -> None:
@@ -635,12 +653,15 @@ def test_a_failed_start_by_hand_of_a_vm_gpu_handoff_wants_is_handed_over() -> No
     )
     assert result.run is not None
     assert result.run.kind is Kind.HANDOFF
-    # One that plays is followed already: nothing to do.
+    # One that plays is followed already: nothing to do but read whether
+    # its hook's stop took the GPU node down (then it counts as ours).
     playing = tower(gpu="shut_off", g1="running", hooks=(start,))
-    quiet = reconcile(
-        observed(playing), Owned(desired=frozenset({"gaming-1"})), Memory()
-    )
-    assert quiet.run is None
+    owned = Owned(desired=frozenset({"gaming-1"}))
+    asks = reconcile(observed(playing), owned, Memory())
+    assert (asks.run, asks.read_hook_jobs) == (None, ("j1",))
+    read = Memory(hook_jobs_read=frozenset({"j1"}), hook_jobs_stopped=frozenset({"j1"}))
+    quiet = reconcile(observed(playing), owned, read)
+    assert (quiet.run, quiet.followed, quiet.gpu_stopped_by_us) == (None, (), True)
     assert start.key in quiet.memory.seen_hook_requests
 
 

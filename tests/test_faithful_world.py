@@ -535,6 +535,23 @@ async def test_a_start_by_hand_over_before_home_assistant_looked_is_not_repeated
     assert hass.states.get(SWITCH_1).state == "off"
 
 
+async def _refused_and_retried_while_away(
+    hass: HomeAssistant, entry: MockConfigEntry, sim: Tower
+) -> None:
+    """Home Assistant is away (the entry unloaded, as while it restarts);
+    someone starts Gaming station 1 on the tower: refused while the GPU node
+    holds its card, the hook stops the GPU node, and the retry plays."""
+    sim.set_shutdown_duration("gaming-1", 0.0)
+    await setup_entry(hass, entry)
+    await _settled(hass, entry)
+    assert await hass.config_entries.async_unload(entry.entry_id)
+    refused = await hass.async_add_executor_job(start_by_hand, sim, "gaming-1")
+    assert "is in use" in refused.stderr, refused.stderr
+    await until(lambda: not sim.is_running("gpu-node"), BOUND)  # the hook's stop
+    retry = await hass.async_add_executor_job(start_by_hand, sim, "gaming-1")
+    assert retry.returncode == 0, retry.stderr
+
+
 async def test_a_refused_start_retried_and_ended_before_home_assistant_looked(
     hass: HomeAssistant,
     entry: MockConfigEntry,
@@ -548,16 +565,7 @@ async def test_a_refused_start_retried_and_ended_before_home_assistant_looked(
     quits (found by the explorer). Both starts ended before Home Assistant
     looked; the first's job record says it shut the GPU node down, which
     stayed off: a session's end, and the cards go back to the cluster."""
-    sim.set_shutdown_duration("gaming-1", 0.0)
-    await setup_entry(hass, entry)
-    await _settled(hass, entry)
-    assert await hass.config_entries.async_unload(entry.entry_id)
-
-    refused = await hass.async_add_executor_job(start_by_hand, sim, "gaming-1")
-    assert "is in use" in refused.stderr, refused.stderr
-    await until(lambda: not sim.is_running("gpu-node"), BOUND)  # the hook's stop
-    retry = await hass.async_add_executor_job(start_by_hand, sim, "gaming-1")
-    assert retry.returncode == 0, retry.stderr
+    await _refused_and_retried_while_away(hass, entry, sim)
     sim.guest_shutdown("gaming-1")
     await until(lambda: not sim.is_running("gaming-1"), BOUND)
 
@@ -569,6 +577,39 @@ async def test_a_refused_start_retried_and_ended_before_home_assistant_looked(
     assert not cordoned(cluster)
     assert entry.runtime_data.controller.desired == set()
     assert len(sim.calls("start", "gaming-1")) == 2
+
+
+async def test_a_turn_off_racing_the_players_quit_of_a_followed_start_by_hand(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Gaming station 1 was started by hand while Home Assistant restarted:
+    refused (the hook stopped the GPU node), then retried; it plays, and
+    Home Assistant follows it, the hook's record saying the GPU node is off
+    because of that start. The player quits and, before Home Assistant
+    sees it, the switch is turned off: the stop finds the VM off, and the
+    cards go back all the same (found by the explorer at depth 4)."""
+    await _refused_and_retried_while_away(hass, entry, sim)
+    assert await hass.config_entries.async_setup(entry.entry_id)
+    await until(lambda: hass.states.get(SWITCH_1).state == "on", BOUND)
+    await _settled(hass, entry)
+    assert entry.runtime_data.controller.state.gpu_stopped_by_us
+
+    returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
+    sim.guest_shutdown("gaming-1")
+    deadline = time.monotonic() + BOUND
+    while sim.is_running("gaming-1") and time.monotonic() < deadline:
+        time.sleep(0.01)  # noqa: ASYNC251 - no push in between
+    # In the same turn of the event loop: the quit is not seen yet.
+    await switch(hass, "turn_off", SWITCH_1)
+    await until(lambda: bool(returned), BOUND)
+    await _settled(hass, entry)
+    assert sim.is_running("gpu-node")
+    assert not cordoned(cluster)
+    assert hass.states.get(SWITCH_1).state == "off"
 
 
 async def test_a_start_by_hand_while_the_return_waits_for_the_gpus_takes_them(

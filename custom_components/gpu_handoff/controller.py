@@ -269,6 +269,7 @@ class HandoffController:
             return
         result = reconcile(self.state.observed(), self.state.owned(), self.memory)
         self.state.memory = result.memory
+        self.state.gpu_stopped_by_us = result.gpu_stopped_by_us
         for vm in result.followed:
             _LOGGER.info("%s was started on the tower with its cards", vm)
         if gone := self.desired - result.desired - set(result.followed):

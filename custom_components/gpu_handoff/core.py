@@ -438,6 +438,9 @@ class Reconciled:
     # The hook's ended jobs whose records the decision needs (read them, then
     # reconcile again).
     read_hook_jobs: tuple[str, ...] = ()
+    # Whether the GPU node is off because of GPU Handoff (Owned), now that a
+    # followed start by hand's hook stop counts.
+    gpu_stopped_by_us: bool = False
 
 
 def _hook_request_asks(
@@ -467,6 +470,7 @@ def _starts_by_hand(observed: Observed, owned: Owned, memory: Memory) -> Reconci
     followed: list[str] = []
     ended: set[str] = set()
     to_read: list[str] = []
+    stopped = owned.gpu_stopped_by_us
     for request in observed.tower.hook_requests:
         if request.key in seen:
             continue
@@ -484,6 +488,15 @@ def _starts_by_hand(observed: Observed, owned: Owned, memory: Memory) -> Reconci
             # Otherwise kept unseen: a request for the VM supersedes it
             # (superseded_hook_requests).
             continue
+        follows = asks is StartByHand.FOLLOW or (
+            asks is None and _plays_as_ours(observed, frozenset(desired), request)
+        )
+        if follows and not _lends_on_follow(observed):
+            stand = _followed_start(observed, request, memory)
+            if stand is HookStop.READ and request.job is not None:
+                to_read.append(request.job)
+                continue  # followed once its record is read
+            stopped = stopped or stand is HookStop.STANDS
         seen.add(request.key)
         if asks is None:
             continue
@@ -502,15 +515,56 @@ def _starts_by_hand(observed: Observed, owned: Owned, memory: Memory) -> Reconci
             ),
             changed=True,
             followed=tuple(followed),
+            gpu_stopped_by_us=stopped,
         )
     return Reconciled(
         desired=frozenset(desired),
         memory=replace(memory, seen_hook_requests=frozenset(seen)),
-        changed=bool(followed) or seen != memory.seen_hook_requests,
+        changed=(
+            bool(followed)
+            or seen != memory.seen_hook_requests
+            or stopped != owned.gpu_stopped_by_us
+        ),
         followed=tuple(followed),
         ended=frozenset(ended),
         read_hook_jobs=tuple(to_read),
+        gpu_stopped_by_us=stopped,
     )
+
+
+def _plays_as_ours(
+    observed: Observed, desired: frozenset[str], request: HookRequest
+) -> bool:
+    """Whether the VM of a start by hand plays in a session GPU Handoff
+    follows already (it ended and began again before GPU Handoff looked)."""
+    status = observed.tower
+    domain = status.domains.get(request.domain)
+    return (
+        request.domain in desired
+        and request.domain in observed.configured
+        and domain is not None
+        and domain.state == RUNNING
+    )
+
+
+def _followed_start(
+    observed: Observed, request: HookRequest, memory: Memory
+) -> HookStop:
+    """A start by hand that plays with its cards, the GPU node off: its
+    session is followed, and the hook's job record says whether the GPU node
+    is off because of it (then it counts as GPU Handoff's: the session's end,
+    or a stop asked for meanwhile, brings the cards back) or was off already
+    (someone else shut it down: it stays off)."""
+    status = observed.tower
+    gpu = status.domains.get(status.gpu_node)
+    job = request.job
+    if job is None or gpu is None or gpu.state != SHUT_OFF:
+        return HookStop.OVER
+    if any(j.id == job for j in status.active_jobs):
+        return HookStop.KEEP
+    if job not in memory.hook_jobs_read:
+        return HookStop.READ
+    return HookStop.STANDS if job in memory.hook_jobs_stopped else HookStop.OVER
 
 
 class HookStop(StrEnum):

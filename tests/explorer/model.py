@@ -295,7 +295,13 @@ class Model:
 
     def _reconcile(self, world: World, ctl: Ctl) -> State:
         result = self.reconcile(self.observed(world), ctl.owned(), ctl.memory)
-        ctl = replace(ctl, desired=result.desired, memory=result.memory, dirty=False)
+        ctl = replace(
+            ctl,
+            desired=result.desired,
+            memory=result.memory,
+            gpu_stopped_by_us=result.gpu_stopped_by_us,
+            dirty=False,
+        )
         if result.read_hook_jobs and result.run is None:
             # _read_hook_jobs: an ended job's record never changes, so its
             # read is one step; the decision runs again on what it says.
