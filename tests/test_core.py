@@ -31,6 +31,7 @@ from custom_components.gpu_handoff.core import (
     Settings,
     Settle,
     gpu_stopped_by_us,
+    hook_stopped_gpu_node,
     job_stopped_gpu_node,
     lends_after,
     migrate_store,
@@ -263,11 +264,41 @@ def test_a_start_by_hand_that_ended_before_home_assistant_looked() -> None:
     assert (result.run, result.read_hook_jobs) == (None, ())
     assert result.memory.seen_hook_requests == {hook().key}
 
-    # Someone else plays, or the cards go back only when asked: no return.
+    # Someone else plays, or the cards go back only when asked: no return,
+    # but the stop counts as GPU Handoff's (the end of that session, or a
+    # lend after a handoff decided meanwhile, brings the cards back).
     playing = tower(gpu="shut_off", g2="running", hooks=(hook(),))
-    assert reconcile(observed(playing), Owned(), stopped).run is None
+    quiet = reconcile(observed(playing), Owned(), stopped)
+    assert (quiet.run, quiet.gpu_stopped_by_us) == (None, True)
     manual = replace(SETTINGS, auto_return=False)
     assert reconcile(observed(status, settings=manual), Owned(), stopped).run is None
+
+
+def test_lending_an_ended_start_by_hand_then_a_followed_one_lends_after() -> None:
+    """Lending: Gaming station 1's start by hand was refused (the hook shut
+    the GPU node down), retried and quit; Gaming station 2 was started by
+    hand on the GPU node left off, all before Home Assistant looked. The
+    second is handed over (its own hook's stop found the GPU node off), and
+    the first's stop counts as GPU Handoff's, so the free card is lent
+    after it (found by the explorer at depth 4)."""
+    first = hook()
+    second = HookRequest(
+        domain="gaming-2",
+        operation="prepare",
+        addresses=(),
+        time="2026-12-02T05:01:00.000+00:00",
+        job="j2",
+        error=None,
+    )
+    status = tower(gpu="shut_off", g2="running", hooks=(first, second))
+    memory = Memory(
+        hook_jobs_read=frozenset({"j1", "j2"}), hook_jobs_stopped=frozenset({"j1"})
+    )
+    result = reconcile(observed(status, settings=LENDING), Owned(), memory)
+    assert result.run == Request(
+        vm="gaming-2", kind=Kind.HANDOFF, origin=Origin.HOOK, hook_job="j2"
+    )
+    assert result.gpu_stopped_by_us
 
 
 def test_a_start_by_hand_that_ended_after_gpu_handoff_stopped_the_gpu_node() -> None:
@@ -408,6 +439,19 @@ HOOK_HANDOFF = replace(HANDOFF, origin=Origin.HOOK, hook_job="h")
         (HOOK_HANDOFF, True, JobFacts(), Owned(), "shut_off", False),
         (HANDOFF, True, JobFacts(), Owned(), "shut_off", False),
         (HANDOFF, False, JobFacts(stopped_gpu_node=True), Owned(), "shut_off", False),
+        # A failed handoff (what its own job stopped is settled after it):
+        # a GPU node a handoff before it stopped gets the free cards that
+        # handoff left for this one's end.
+        (HANDOFF, False, JobFacts(), Owned(gpu_stopped_by_us=True), "shut_off", True),
+        (
+            HANDOFF,
+            False,
+            JobFacts(stopped_gpu_node=True),
+            Owned(gpu_stopped_by_us=True),
+            "shut_off",
+            False,
+        ),
+        (HANDOFF, False, JobFacts(), Owned(gpu_stopped_by_us=True), "running", False),
         (
             Request(vm="gpu-node", kind=Kind.RETURN),
             True,
@@ -567,7 +611,11 @@ def test_what_a_stop_names() -> None:
 
 def test_when_a_stop_releases() -> None:
     seen = tower(gpu="shut_off", g1="running")
-    assert stop_releases(seen, "gaming-1", SETTINGS, gpu_stopped_by_us=False)
+    assert stop_releases(seen, "gaming-1", SETTINGS, gpu_stopped_by_us=True)
+    # A VM that runs on a GPU node someone else shut down (a player started
+    # it by hand after the operator's shutdown): a plain stop, the cards
+    # going back after it only if its job ended the session.
+    assert not stop_releases(seen, "gaming-1", SETTINGS, gpu_stopped_by_us=False)
     # A VM that does not run ends no session: an operator's shutdown stays.
     off = tower(gpu="shut_off")
     assert not stop_releases(off, "gaming-1", SETTINGS, gpu_stopped_by_us=False)
@@ -643,6 +691,96 @@ def test_lending_a_start_by_hand_followed_with_the_gpu_node_off_is_handed_over()
     )
 
 
+def test_lending_a_session_begun_again_by_hand_is_handed_over_once_its_stop_ran() -> (
+    None
+):
+    """Lending, the VM GPU Handoff gave its cards to quit and was started
+    again by hand before Home Assistant looked: the hook's stop of the
+    lending GPU node (its definition holds every card) is still to run, so
+    the start stays unseen; once it ran, the GPU node off, it is handed over
+    (a no-op start) so its record decides whether the free cards are lent
+    again."""
+    start = hook()
+    owned = Owned(desired=frozenset({"gaming-1"}))
+    stop = job(JobKind.STOP, "gpu-node")
+    under_way = tower(g1="running", hooks=(start,), jobs=(stop,))
+    for settings in (SETTINGS, LENDING):
+        result = reconcile(observed(under_way, settings=settings), owned, Memory())
+        assert (result.run, result.read_hook_jobs) == (None, ())
+        assert result.memory.seen_hook_requests == frozenset()
+    ran = tower(gpu="shut_off", g1="running", hooks=(start,))
+    result = reconcile(observed(ran, settings=LENDING), owned, Memory())
+    assert result.run == Request(
+        vm="gaming-1", kind=Kind.HANDOFF, origin=Origin.HOOK, hook_job="j1"
+    )
+    assert start.key in result.memory.seen_hook_requests
+    # Not lending: followed, once its record says whether the stop was ours.
+    assert reconcile(observed(ran), owned, Memory()).read_hook_jobs == ("j1",)
+
+
+def _hook_record(finished: str | None, result: str = "ok") -> JobRecord:
+    return JobRecord(
+        job=replace(
+            job(JobKind.STOP, "gpu-node"), state=JobState.SUCCEEDED, finished=finished
+        ),
+        steps=(
+            JobStep(
+                name=StepName.SHUTDOWN,
+                domain="gpu-node",
+                started=finished,
+                finished=finished,
+                result=result,
+                detail=None,
+            ),
+        ),
+    )
+
+
+def test_a_hooks_stop_counts_only_until_gpu_handoff_starts_the_gpu_node() -> None:
+    """A stop of the GPU node libvirt's hook made before a job of GPU
+    Handoff's last started it is over (the GPU node ran again since: off
+    now, someone else shut it down). The tower's clock orders them (one job
+    at a time); a time that cannot be read counts as after."""
+    started = "2026-12-02T05:10:00.000+00:00"
+    before = _hook_record("2026-12-02T05:05:00.000+00:00")
+    after = _hook_record("2026-12-02T05:15:00.000+00:00")
+    assert hook_stopped_gpu_node(after, "gpu-node", since=started)
+    assert not hook_stopped_gpu_node(before, "gpu-node", since=started)
+    assert hook_stopped_gpu_node(before, "gpu-node", since=None)
+    assert hook_stopped_gpu_node(before, "gpu-node", since="garbled")
+    assert hook_stopped_gpu_node(_hook_record(None), "gpu-node", since=started)
+    skipped = _hook_record("2026-12-02T05:15:00.000+00:00", result="skipped")
+    assert not hook_stopped_gpu_node(skipped, "gpu-node", since=None)
+
+    # An operation's facts carry the last start from the owned records,
+    # unless they know a later one.
+    facts = JobFacts().since(started)
+    assert facts.gpu_started_at == started
+    assert not facts.with_hook_record(before, "gpu-node").stopped_gpu_node
+    assert facts.with_hook_record(after, "gpu-node").stopped_gpu_node
+    assert facts.since("2026-12-02T05:01:00.000+00:00") == facts
+    assert facts.since(None) == facts
+    # A start step of the GPU node sets it (from the step's end).
+    restarted = JobFacts().with_record(
+        JobRecord(
+            job=job(JobKind.RELEASE, None),
+            steps=(
+                JobStep(
+                    name=StepName.START,
+                    domain="gpu-node",
+                    started=started,
+                    finished=started,
+                    result="ok",
+                    detail="started",
+                ),
+            ),
+        ),
+        "gpu-node",
+    )
+    assert restarted.gpu_started_at == started
+    assert JobFacts.from_dict(restarted.as_dict()) == restarted
+
+
 def test_a_failed_start_by_hand_of_a_vm_gpu_handoff_wants_is_handed_over() -> None:
     """Still in the desired set (its session's end not seen yet), the VM's
     new start by hand failed: a player wants it, the handoff follows."""
@@ -695,6 +833,7 @@ def test_the_records_round_trip() -> None:
         ),
         queue=(Request(vm="gaming-1", kind=Kind.STOP),),
         gpu_stopped_by_us=True,
+        gpu_started_at="2026-12-02T05:10:00.000+00:00",
     )
     assert Owned.from_dict(json.loads(json.dumps(owned.as_dict()))) == owned
 

@@ -28,6 +28,7 @@ kubelet stand-in.
 
 from __future__ import annotations
 
+from pathlib import Path
 import subprocess
 import time
 
@@ -188,6 +189,37 @@ async def test_lending_a_failed_second_handoff_gives_the_free_cards_back(
     await until(lambda: not cordoned(cluster))
 
 
+async def test_lending_a_failed_handoff_queued_behind_another_lends_the_free_cards(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Both switches are turned on together. Gaming station 1's handoff
+    stops the GPU node and leaves lending the free cards to the request
+    behind it (one GPU node restart for both); Gaming station 2's start then
+    fails (its job started nothing and stopped nothing). The GPU node
+    Gaming station 1's handoff stopped comes back with the free cards all
+    the same (found by the explorer at depth 4, with lending)."""
+    await lend_free_cards(hass, entry)
+    failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
+    sim.fail_next_start("gaming-2", "disk")
+
+    await switch(hass, "turn_on", SWITCH_1)
+    await switch(hass, "turn_on", SWITCH_2)
+    assert entry.runtime_data.controller.requests.keys() == {"gaming-1", "gaming-2"}
+    await until(lambda: bool(failed), BOUND)
+    await until(lambda: lent_cards(sim) == {GTX_960, RTX_2}, BOUND)
+    await _settled(hass, entry)
+
+    assert [e.data["code"] for e in failed] == ["start_failed"]
+    assert sim.is_running("gaming-1")
+    assert not sim.is_running("gaming-2")
+    assert lent_cards(sim) == {GTX_960, RTX_2}
+    await until(lambda: not cordoned(cluster))
+
+
 async def test_lending_a_player_quitting_from_inside_frees_their_card(
     hass: HomeAssistant,
     entry: MockConfigEntry,
@@ -211,6 +243,53 @@ async def test_lending_a_player_quitting_from_inside_frees_their_card(
     await _settled(hass, entry)
 
     assert sim.is_running("gaming-1")
+    assert lent_cards(sim) == {GTX_960, RTX_2}
+    await until(lambda: not cordoned(cluster))
+
+
+async def test_lending_a_player_who_quits_and_starts_again_by_hand_gets_a_lend(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    agent_config: Path,
+    no_pdb: None,
+) -> None:
+    """Gaming station 1 plays, the GPU node serves the two free cards. While
+    Home Assistant restarts, its player quits from inside and starts it
+    again on the tower, right after the lend: the start plays (the GPU node
+    does not hold its card), but libvirt's hook stops the GPU node all the
+    same, for the agent's record of the GPU node's cards is the one its last
+    status wrote, before the lend (every card). Home Assistant finds the
+    session it follows playing and the GPU node off: the start by hand is
+    handed over, and its hook's record lends the free cards again (found by
+    the explorer at depth 3, with lending: the GPU node stayed off)."""
+    claims = agent_config.parent / "agent-state" / "claims.json"
+    await lend_free_cards(hass, entry)
+    await _settled(hass, entry)
+    before_the_lend = claims.read_text("utf-8")
+    await play(hass, entry, sim, 1)
+    await until(lambda: lent_cards(sim) == {GTX_960, RTX_2}, BOUND)
+    await _settled(hass, entry)
+    boot = _boot_and_gpus(cluster)[0]
+    assert await hass.config_entries.async_unload(entry.entry_id)
+
+    sim.guest_shutdown("gaming-1")
+    await until(lambda: not sim.is_running("gaming-1"), BOUND)
+    # The moment right after the lend job, before a status wrote the record
+    # of the GPU node's cards again.
+    claims.write_text(before_the_lend, "utf-8")
+    again = await hass.async_add_executor_job(start_by_hand, sim, "gaming-1")
+    assert again.returncode == 0, again.stderr
+    await until(lambda: not sim.is_running("gpu-node"), BOUND)  # the hook's stop
+
+    assert await hass.config_entries.async_setup(entry.entry_id)
+    # A new boot, Ready with the free cards.
+    await until(lambda: _boot_and_gpus(cluster)[0] != boot, BOUND)
+    await until(lambda: lent_cards(sim) == {GTX_960, RTX_2}, BOUND)
+    await _settled(hass, entry)
+    assert sim.is_running("gaming-1")
+    assert hass.states.get(SWITCH_1).state == "on"
     assert lent_cards(sim) == {GTX_960, RTX_2}
     await until(lambda: not cordoned(cluster))
 

@@ -34,13 +34,14 @@ from .core import (
     PendingJob,
     Plan,
     Request,
+    hook_stopped_gpu_node,
     known_desired,
     reconcile,
 )
 from .operations import Operations
 from .owned import OwnedState
 from .progress import OperationProgress
-from .protocol import RUNNING, JobRecord, StepName
+from .protocol import RUNNING, JobRecord
 from .report import Reporter
 from .runner import (
     OperationRunner,
@@ -336,7 +337,7 @@ class HandoffController:
             if record.job.state.active:
                 continue
             read.add(job_id)
-            if record.did(StepName.SHUTDOWN, gpu_node):
+            if hook_stopped_gpu_node(record, gpu_node, since=self.state.gpu_started_at):
                 stopped.add(job_id)
         memory = self.state.memory
         self.state.memory = replace(

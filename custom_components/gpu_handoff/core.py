@@ -155,6 +155,11 @@ class JobFacts:
     shut_down: frozenset[str] = frozenset()
     # Pods that came back to the cordoned node during the drain.
     pods_came_back: tuple[str, ...] = ()
+    # When a job of GPU Handoff's last started the GPU node (the tower's
+    # clock): carried from the owned records into each operation. A stop of
+    # the GPU node libvirt's hook made before it is over: the GPU node ran
+    # again since.
+    gpu_started_at: str | None = None
 
     def with_record(self, record: JobRecord, gpu_node: str) -> JobFacts:
         """These facts and what ``record`` says its job did, step by step."""
@@ -169,8 +174,29 @@ class JobFacts:
                     stopped_gpu_node=facts.stopped_gpu_node or step.domain == gpu_node,
                 )
             elif step.domain == gpu_node and step.name in STARTS:
-                facts = replace(facts, stopped_gpu_node=False, started_gpu_node=True)
+                facts = replace(
+                    facts,
+                    stopped_gpu_node=False,
+                    started_gpu_node=True,
+                    gpu_started_at=step.finished or facts.gpu_started_at,
+                )
         return facts
+
+    def with_hook_record(self, record: JobRecord, gpu_node: str) -> JobFacts:
+        """These facts and what a job of libvirt's hook did, when it counts
+        as GPU Handoff's (the start by hand it stopped the GPU node for is
+        one GPU Handoff hands over or supersedes): a stop of the GPU node
+        counts only if it came after GPU Handoff last started it."""
+        if not hook_stopped_gpu_node(record, gpu_node, since=self.gpu_started_at):
+            return self
+        return self.with_record(record, gpu_node)
+
+    def since(self, started_at: str | None) -> JobFacts:
+        """These facts, knowing GPU Handoff last started the GPU node at
+        ``started_at`` (the owned record), unless they know a later start."""
+        if started_at is None or _later(self.gpu_started_at, started_at):
+            return self
+        return replace(self, gpu_started_at=started_at)
 
     def as_dict(self) -> dict[str, Any]:
         """For storage."""
@@ -180,6 +206,7 @@ class JobFacts:
             "started_gpu_node": self.started_gpu_node,
             "shut_down": sorted(self.shut_down),
             "pods_came_back": list(self.pods_came_back),
+            "gpu_started_at": self.gpu_started_at,
         }
 
     @classmethod
@@ -193,6 +220,7 @@ class JobFacts:
             started_gpu_node=bool(data.get("started_gpu_node")),
             shut_down=frozenset(data.get("shut_down", ())),
             pods_came_back=tuple(data.get("pods_came_back", ())),
+            gpu_started_at=data.get("gpu_started_at"),
         )
 
 
@@ -280,6 +308,9 @@ class Owned:
     # (their keys); None: not known (a store written by 0.3.x: every start
     # by hand the tower shows at the next start counts as dealt with).
     seen_hook_requests: frozenset[str] | None = None
+    # When a tower job of GPU Handoff's last started the GPU node (the
+    # tower's clock; JobFacts.gpu_started_at).
+    gpu_started_at: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """For storage (version STORE_VERSION)."""
@@ -293,6 +324,7 @@ class Owned:
                 if self.seen_hook_requests is not None
                 else None
             ),
+            "gpu_started_at": self.gpu_started_at,
         }
 
     @classmethod
@@ -306,6 +338,7 @@ class Owned:
             queue=tuple(Request.from_dict(item) for item in data.get("queue", ())),
             gpu_stopped_by_us=bool(data.get("gpu_stopped_by_us", False)),
             seen_hook_requests=frozenset(seen) if seen is not None else None,
+            gpu_started_at=data.get("gpu_started_at"),
         )
 
 
@@ -482,7 +515,10 @@ def _starts_by_hand(observed: Observed, owned: Owned, memory: Memory) -> Reconci
             if stand is HookStop.READ and request.job is not None:
                 to_read.append(request.job)
             elif stand is HookStop.STANDS:
+                # (It counts as GPU Handoff's, as a followed start's does: a
+                # handoff decided below lends after it.)
                 ended.add(request.domain)
+                stopped = True
             if stand in (HookStop.STANDS, HookStop.OVER):
                 seen.add(request.key)
             # Otherwise kept unseen: a request for the VM supersedes it
@@ -491,17 +527,21 @@ def _starts_by_hand(observed: Observed, owned: Owned, memory: Memory) -> Reconci
         follows = asks is StartByHand.FOLLOW or (
             asks is None and _plays_as_ours(observed, frozenset(desired), request)
         )
-        if follows and not _lends_on_follow(observed):
-            stand = _followed_start(observed, request, memory)
-            if stand is HookStop.READ and request.job is not None:
-                to_read.append(request.job)
-                continue  # followed once its record is read
-            stopped = stopped or stand is HookStop.STANDS
-        seen.add(request.key)
-        if asks is None:
+        # Lending, a followed start by hand with the GPU node off is handed
+        # over (its hook's record says whether the free cards go back).
+        lends = follows and _lends_on_follow(observed)
+        follow = _followed_start(observed, request, memory) if follows else None
+        if follow is HookStop.READ and not lends and request.job is not None:
+            to_read.append(request.job)
+            continue  # followed once its record is read
+        stopped = stopped or (follow is HookStop.STANDS and not lends)
+        if follow is not HookStop.KEEP or lends:
+            # (Its hook's stop still to run: looked at again once it ran.)
+            seen.add(request.key)
+        if asks is None and not lends:
             continue
         desired.add(request.domain)
-        if asks is StartByHand.FOLLOW and not _lends_on_follow(observed):
+        if asks is StartByHand.FOLLOW and not lends:
             followed.append(request.domain)
             continue
         return Reconciled(
@@ -550,18 +590,22 @@ def _plays_as_ours(
 def _followed_start(
     observed: Observed, request: HookRequest, memory: Memory
 ) -> HookStop:
-    """A start by hand that plays with its cards, the GPU node off: its
-    session is followed, and the hook's job record says whether the GPU node
-    is off because of it (then it counts as GPU Handoff's: the session's end,
-    or a stop asked for meanwhile, brings the cards back) or was off already
-    (someone else shut it down: it stays off)."""
+    """A start by hand that plays with its cards: its session is followed.
+    Once its hook's stop of the GPU node ran (until then it is looked at
+    again: the stop may take down a GPU node that runs now), the GPU node
+    off, the job's record says whether the GPU node is off because of it
+    (then it counts as GPU Handoff's: the session's end, or a stop asked for
+    meanwhile, brings the cards back) or was off already (someone else shut
+    it down: it stays off)."""
     status = observed.tower
     gpu = status.domains.get(status.gpu_node)
     job = request.job
-    if job is None or gpu is None or gpu.state != SHUT_OFF:
+    if job is None or gpu is None:
         return HookStop.OVER
     if any(j.id == job for j in status.active_jobs):
         return HookStop.KEEP
+    if gpu.state != SHUT_OFF:
+        return HookStop.OVER
     if job not in memory.hook_jobs_read:
         return HookStop.READ
     return HookStop.STANDS if job in memory.hook_jobs_stopped else HookStop.OVER
@@ -586,9 +630,11 @@ def _ended_start(
     back (or, lending, the free ones are lent) if the GPU node is off
     because of GPU Handoff (``stopped_by_us``) or of the hook's job (its
     record says it shut the GPU node down) and has stayed off; once it runs
-    again, that stop is over (an operator's later shutdown stays). What
-    happens between two looks cannot be seen: a GPU node started and shut
-    down by hand in between is taken for one that stayed off."""
+    again, that stop is over (an operator's later shutdown stays), and so
+    it is once a job of GPU Handoff's started the GPU node after it
+    (hook_stopped_gpu_node). What happens between two looks is otherwise
+    unseen: a GPU node started and shut down by hand in between is taken
+    for one that stayed off."""
     status = observed.tower
     gpu = status.domains.get(status.gpu_node)
     job = request.job
@@ -714,8 +760,10 @@ def lends_after(
     Handoff stopped the GPU node (its job, or libvirt's hook for a start by
     hand: their records say so) or the GPU node runs, or (a stop) when the
     stop ended a session (its job shut the VM down: the edge the cards go
-    back on) or failed (the requests merged into it changed what is free).
-    A GPU node someone else shut down stays off: a stop of a VM that did not
+    back on) or failed (the requests merged into it changed what is free);
+    after a failed handoff, when a request before it stopped the GPU node
+    (its lend was left for this one's end). A GPU node someone else shut
+    down stays off: a stop of a VM that did not
     run ends no session, and a hook's stop that found the GPU node off (the
     operator shut it down first) did nothing."""
     settings = observed.settings
@@ -726,13 +774,21 @@ def lends_after(
         and not waiting
     ):
         return False
+    status = observed.tower
+    gpu = status.domains.get(status.gpu_node)
     if request.kind is Kind.STOP:
         if not succeeded or request.vm in facts.shut_down:
             return True
     elif not succeeded:
-        return False
-    status = observed.tower
-    gpu = status.domains.get(status.gpu_node)
+        # A failed handoff: what its own job stopped is settled
+        # (settle_failed_handoff); a GPU node a request before it stopped is
+        # still off, its free cards left for this one's end.
+        return (
+            owned.gpu_stopped_by_us
+            and not facts.stopped_gpu_node
+            and gpu is not None
+            and gpu.state == SHUT_OFF
+        )
     return (
         owned.gpu_stopped_by_us
         or facts.stopped_gpu_node
@@ -754,19 +810,17 @@ def stop_releases(
     """Whether a stop of ``vm`` is one tower job that also starts the GPU
     node (a release): nobody else plays, the cards go back automatically and
     are not lent (lending: the return that follows restarts the GPU node
-    with every free card), and the GPU node is GPU Handoff's to start: the
-    stop ends a session (``vm`` runs), or the GPU node runs, or a tower job
-    of GPU Handoff's shut it down. A stop of a VM that does not run ends no
-    session: a GPU node someone else shut down stays off."""
+    with every free card), and the GPU node is GPU Handoff's to start: it
+    runs, or a tower job of GPU Handoff's (or libvirt's hook, for a start by
+    hand GPU Handoff followed) shut it down. Otherwise the stop is a plain
+    one, and the cards go back after it only if its job ended a session
+    (returns_after_stop): ``vm`` running when the stop begins is not enough,
+    for its player may quit before the job runs, and a job that shut nothing
+    down would start a GPU node someone else shut down."""
     if _playing(status, besides=vm) or not settings.auto_return or settings.lend_free:
         return False
-    domain = status.domains.get(vm)
     gpu = status.domains.get(status.gpu_node)
-    return (
-        (domain is not None and domain.state == RUNNING)
-        or (gpu is not None and gpu.state == RUNNING)
-        or gpu_stopped_by_us
-    )
+    return (gpu is not None and gpu.state == RUNNING) or gpu_stopped_by_us
 
 
 def stop_names(status: TowerStatus, vm: str) -> str | None:
@@ -866,6 +920,39 @@ def _parse_time(value: str | None) -> dt.datetime | None:
     except ValueError:
         return None
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=dt.UTC)
+
+
+def _later(value: str | None, than: str) -> bool:
+    """Whether the time ``value`` is after ``than`` (unreadable: not)."""
+    later, earlier = _parse_time(value), _parse_time(than)
+    return later is not None and earlier is not None and later > earlier
+
+
+def hook_stopped_gpu_node(
+    record: JobRecord, gpu_node: str, *, since: str | None
+) -> bool:
+    """Whether a job of libvirt's hook shut the GPU node down after GPU
+    Handoff last started it (``since``, the tower's clock). A stop before
+    that is over: the GPU node ran again since, and being off now is
+    someone else's doing (the operator's). The agent runs one job at a
+    time, so the tower's clock orders them; a time that cannot be read
+    counts as after."""
+    if not record.did(StepName.SHUTDOWN, gpu_node):
+        return False
+    if since is None or _parse_time(since) is None:
+        return True
+    finished = (
+        next(
+            (
+                step.finished
+                for step in record.steps
+                if step.name is StepName.SHUTDOWN and step.domain == gpu_node
+            ),
+            None,
+        )
+        or record.job.finished
+    )
+    return _parse_time(finished) is None or _later(finished, since)
 
 
 def superseded_hook_requests(

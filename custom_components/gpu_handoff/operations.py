@@ -16,7 +16,6 @@ from .core import (
     Plan,
     Request,
     Settle,
-    gpu_stopped_by_us,
     job_stopped_gpu_node,
     lends_after,
     returns_after,
@@ -72,7 +71,7 @@ class Operations:
         self.progress.publish()
         returned = follow_up = False
         # What its jobs did so far (stored: a resumed operation keeps them).
-        self.runner.facts = plan.facts
+        self.runner.facts = plan.facts.since(self.state.gpu_started_at)
         try:
             if plan.settle is not None:
                 # It failed before a restart; what it left is settled now.
@@ -114,10 +113,7 @@ class Operations:
         if request.kind in (Kind.HANDOFF, Kind.STOP):
             await self._supersede(request, succeeded=succeeded)
         facts = self.runner.facts
-        status = self.coordinator.data.tower
-        self.state.gpu_stopped_by_us = gpu_stopped_by_us(
-            self.state.owned(), facts, status
-        )
+        self.state.record_facts(facts)
         self.progress.end()
         self.state.requests.pop(request.vm, None)
         # Lending: the free cards go back after the last of a burst of
@@ -165,15 +161,14 @@ class Operations:
                 vm for vm, domain in status.domains.items() if domain.state == RUNNING
             ),
         )
-        if not self.runner.facts.started_gpu_node:
-            # (A job of the operation's that started the GPU node came after
-            # them: a later stop was not theirs.)
-            await self.runner.read_hook_jobs(
-                hook.job
-                for hook in status.hook_requests
-                if hook.key in seen - self.state.memory.seen_hook_requests
-                and hook.job is not None
-            )
+        # (A stop of theirs before a job of GPU Handoff's started the GPU
+        # node does not count: JobFacts.with_hook_record.)
+        await self.runner.read_hook_jobs(
+            hook.job
+            for hook in status.hook_requests
+            if hook.key in seen - self.state.memory.seen_hook_requests
+            and hook.job is not None
+        )
         self.state.memory = replace(
             self.state.memory,
             seen_hook_requests=self.state.memory.seen_hook_requests | seen,
@@ -252,7 +247,7 @@ class Operations:
             plan = self.state.plan
             if plan is None:
                 return
-            self.runner.facts = plan.facts
+            self.runner.facts = plan.facts.since(self.state.gpu_started_at)
             err: Exception | None = None
             if plan.settle is None:
                 try:
@@ -275,10 +270,8 @@ class Operations:
         True when a return must follow."""
         request, vm, kind = plan.request, plan.vm, plan.kind
         facts = self.runner.facts
+        self.state.record_facts(facts)
         status = self.coordinator.data.tower
-        self.state.gpu_stopped_by_us = gpu_stopped_by_us(
-            self.state.owned(), facts, status
-        )
         domain = status.domains.get(vm)
         kept = err is None and domain is not None and domain.state == RUNNING
         if kind is Kind.HANDOFF and not kept:

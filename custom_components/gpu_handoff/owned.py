@@ -35,6 +35,7 @@ from .const import (
 from .coordinator import GpuHandoffCoordinator
 from .core import (
     STORE_VERSION,
+    JobFacts,
     Kind,
     Memory,
     Observed,
@@ -43,6 +44,7 @@ from .core import (
     Plan,
     Request,
     Settings,
+    gpu_stopped_by_us,
     migrate_store,
 )
 
@@ -102,6 +104,7 @@ class OwnedState:
         self.desired: set[str] = set()
         self.plan: Plan | None = None
         self.gpu_stopped_by_us = False
+        self.gpu_started_at: str | None = None
         # Requests accepted and not finished (queued or running), by VM. The
         # switch shows them at once, before any step has run; those that are
         # not the plan's wait.
@@ -115,6 +118,7 @@ class OwnedState:
         self.desired = set(owned.desired)
         self.plan = owned.plan
         self.gpu_stopped_by_us = owned.gpu_stopped_by_us
+        self.gpu_started_at = owned.gpu_started_at
         seen = owned.seen_hook_requests
         if seen is None:
             # A first start, or a store of 0.3.x: what the tower shows counts
@@ -135,7 +139,16 @@ class OwnedState:
             queue=tuple(r for vm, r in self.requests.items() if vm != running),
             gpu_stopped_by_us=self.gpu_stopped_by_us,
             seen_hook_requests=self.memory.seen_hook_requests & shown,
+            gpu_started_at=self.gpu_started_at,
         )
+
+    def record_facts(self, facts: JobFacts) -> None:
+        """What an operation's jobs did, once it ends: whether the GPU node
+        is off because of them, and when they last started it."""
+        self.gpu_stopped_by_us = gpu_stopped_by_us(
+            self.owned(), facts, self.coordinator.data.tower
+        )
+        self.gpu_started_at = facts.since(self.gpu_started_at).gpu_started_at
 
     def observed(self) -> Observed:
         """The tower and cluster as the last update showed them."""

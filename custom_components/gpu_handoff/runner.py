@@ -23,6 +23,7 @@ from .core import (
     Settings,
     gpu_node_off,
     gpu_node_undisturbed,
+    hook_stopped_gpu_node,
     returns_after_stop,
     stop_names,
     stop_releases,
@@ -37,7 +38,6 @@ from .protocol import (
     SHUT_OFF,
     JobKind,
     JobRecord,
-    StepName,
     TowerStatus,
 )
 from .tower_client import AgentCommandError, TowerClient, TowerConnectionError
@@ -231,7 +231,7 @@ class OperationRunner:
         except (TowerConnectionError, AgentCommandError) as err:
             _LOGGER.warning("Could not read the hook's job %s: %s", job_id, err)
             return
-        self.facts = self.facts.with_record(record, self.gpu_node)
+        self.facts = self.facts.with_hook_record(record, self.gpu_node)
 
     async def settle_failed_handoff(
         self, stopped_by_us: bool, settings: Settings, hook_job: str | None = None
@@ -259,10 +259,12 @@ class OperationRunner:
                     hook_job = job.id
             if hook_job is not None:
                 record = await self.jobs.follow(hook_job)
-                # What it did counts as the operation's (core.returns_after).
-                self.facts = self.facts.with_record(record, self.gpu_node)
-                stopped_by_us = stopped_by_us or record.did(
-                    StepName.SHUTDOWN, self.gpu_node
+                # What it did counts as the operation's (core.returns_after),
+                # unless GPU Handoff started the GPU node since.
+                before = self.facts
+                self.facts = before.with_hook_record(record, self.gpu_node)
+                stopped_by_us = stopped_by_us or hook_stopped_gpu_node(
+                    record, self.gpu_node, since=before.gpu_started_at
                 )
                 status = await self.tower.status()
             gpu = status.domains.get(self.gpu_node)

@@ -29,6 +29,7 @@ from custom_components.gpu_handoff.core import (
     Settings,
     Settle,
     gpu_stopped_by_us,
+    hook_stopped_gpu_node,
     job_stopped_gpu_node,
     lends_after,
     reconcile,
@@ -50,7 +51,7 @@ from custom_components.gpu_handoff.protocol import (
     StepName,
 )
 
-from .world import CARDS, FAILED, GPU, OTHER, TIME, VMS, TowerJob, World
+from .world import CARDS, FAILED, GPU, OTHER, TIME, VMS, TowerJob, World, hook_time
 
 # What every decision reads of the options (the defaults a user has).
 BASE = Settings(
@@ -78,6 +79,7 @@ class Ctl:
     desired: frozenset[str] = frozenset()
     plan: Plan | None = None
     gpu_stopped_by_us: bool = False
+    gpu_started_at: str | None = None
     queue: tuple[Request, ...] = ()
     memory: Memory = field(default_factory=Memory)
     running: Request | None = None
@@ -96,6 +98,7 @@ class Ctl:
             plan=self.plan,
             queue=self.queue,
             gpu_stopped_by_us=self.gpu_stopped_by_us,
+            gpu_started_at=self.gpu_started_at,
         )
 
     def busy_with(self, vm: str) -> bool:
@@ -288,7 +291,7 @@ class Model:
                 ctl,
                 running=ctl.plan.request,
                 stage="begin",
-                facts=ctl.plan.facts,
+                facts=ctl.plan.facts.since(ctl.gpu_started_at),
                 queue=queue,
             )
         return ctl
@@ -418,8 +421,8 @@ class Model:
         if request.hook_job is not None:
             if not world.hook_job_done(request.hook_job):
                 return None
-            if world.hook_job_stopped(request.hook_job):
-                ctl = replace(ctl, facts=replace(ctl.facts, stopped_gpu_node=True))
+            record = _hook_record(world, request.hook_job)
+            ctl = replace(ctl, facts=ctl.facts.with_hook_record(record, GPU))
         return State(world, _done(ctl, succeeded=True))
 
     def _stage_node_back(
@@ -453,11 +456,13 @@ class Model:
             return State(world, replace(ctl, plan=replace(plan, settle=settle)))
         if settle.hook_job is not None and not world.hook_job_done(settle.hook_job):
             return None  # followed to its end
-        hook_stopped = settle.hook_job is not None and world.hook_job_stopped(
-            settle.hook_job
-        )
-        if hook_stopped:
-            ctl = replace(ctl, facts=replace(ctl.facts, stopped_gpu_node=True))
+        hook_stopped = False
+        if settle.hook_job is not None:
+            record = _hook_record(world, settle.hook_job)
+            hook_stopped = hook_stopped_gpu_node(
+                record, GPU, since=ctl.facts.gpu_started_at
+            )
+            ctl = replace(ctl, facts=ctl.facts.with_hook_record(record, GPU))
         stopped = settle.stopped_by_us or hook_stopped
         if world.gpu == RUNNING:
             return State(
@@ -491,12 +496,11 @@ class Model:
                 if hook.key in seen - ctl.memory.seen_hook_requests
                 and hook.job is not None
             }
-            if jobs and not ctl.facts.started_gpu_node:
-                if not all(world.hook_job_done(job) for job in jobs):
-                    return None  # their records are read once they end
-                if any(world.hook_job_stopped(job) for job in jobs):
-                    facts = replace(ctl.facts, stopped_gpu_node=True)
-                    ctl = replace(ctl, facts=facts)
+            if not all(world.hook_job_done(job) for job in jobs):
+                return None  # their records are read once they end
+            for job in sorted(jobs):
+                facts = ctl.facts.with_hook_record(_hook_record(world, job), GPU)
+                ctl = replace(ctl, facts=facts)
             ctl = replace(
                 ctl,
                 memory=replace(
@@ -505,7 +509,11 @@ class Model:
                 ),
             )
         stopped = gpu_stopped_by_us(ctl.owned(), ctl.facts, status)
-        ctl = replace(ctl, gpu_stopped_by_us=stopped)
+        ctl = replace(
+            ctl,
+            gpu_stopped_by_us=stopped,
+            gpu_started_at=ctl.facts.since(ctl.gpu_started_at).gpu_started_at,
+        )
         decided = {
             "succeeded": ctl.succeeded,
             "facts": ctl.facts,
@@ -623,7 +631,9 @@ def _begin(ctl: Ctl, request: Request, queue: tuple[Request, ...]) -> Ctl:
         stage="begin",
         queue=queue,
         plan=plan or Plan(request=request),
-        facts=JobFacts(),
+        facts=(plan.facts if plan is not None else JobFacts()).since(
+            ctl.gpu_started_at
+        ),
         succeeded=False,
         follow_up=False,
         old_boot=None,
@@ -645,6 +655,7 @@ def _restarted(ctl: Ctl) -> Ctl:
         desired=ctl.desired,
         plan=ctl.plan,
         gpu_stopped_by_us=ctl.gpu_stopped_by_us,
+        gpu_started_at=ctl.gpu_started_at,
         queue=queue,
         memory=Memory(seen_hook_requests=ctl.memory.seen_hook_requests),
     )
@@ -666,12 +677,15 @@ def _submit(world: World, ctl: Ctl, kind: JobKind, vm: str | None) -> State:
 
 
 def _record(job: TowerJob) -> JobRecord:
+    # The agent runs one job at a time, in the order they were asked for:
+    # the time a job was asked for orders its steps among all jobs.
+    at = TIME.format(job.created)
     steps = [
         JobStep(
             name=StepName.SHUTDOWN,
             domain=domain,
-            started="s",
-            finished="f",
+            started=at,
+            finished=at,
             result="ok",
             detail=None,
         )
@@ -682,8 +696,8 @@ def _record(job: TowerJob) -> JobRecord:
             JobStep(
                 name=StepName.START,
                 domain=GPU,
-                started="s",
-                finished="f",
+                started=at,
+                finished=at,
                 result="ok",
                 detail="started",
             )
@@ -702,6 +716,36 @@ def _record(job: TowerJob) -> JobRecord:
             error=None,
         ),
         steps=tuple(steps),
+    )
+
+
+def _hook_record(world: World, job_id: str) -> JobRecord:
+    """The record of a job of the hook's that ended: its stop of the GPU
+    node, skipped if the GPU node was off already."""
+    at = TIME.format(hook_time(job_id))
+    stopped = world.hook_job_stopped(job_id)
+    step = JobStep(
+        name=StepName.SHUTDOWN,
+        domain=GPU,
+        started=at,
+        finished=at,
+        result="ok" if stopped else "skipped",
+        detail=None if stopped else "already shut off",
+    )
+    return JobRecord(
+        job=Job(
+            id=job_id,
+            kind=JobKind.STOP,
+            domain=GPU,
+            state=JobState.SUCCEEDED,
+            step=None,
+            request_id=None,
+            requested_by="hook",
+            created=at,
+            finished=at,
+            error=None,
+        ),
+        steps=(step,),
     )
 
 
@@ -778,7 +822,13 @@ def _uncordon_if_serving(world: World) -> World:
 def _read_hook_jobs(world: World, ctl: Ctl, jobs: tuple[str, ...]) -> Ctl:
     """What the hook's ended jobs did, remembered; then reconcile again."""
     done = frozenset(job for job in jobs if world.hook_job_done(job))
-    stopped = frozenset(job for job in done if world.hook_job_stopped(job))
+    stopped = frozenset(
+        job
+        for job in done
+        if hook_stopped_gpu_node(
+            _hook_record(world, job), GPU, since=ctl.gpu_started_at
+        )
+    )
     memory = ctl.memory
     return replace(
         ctl,

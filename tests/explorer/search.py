@@ -168,15 +168,28 @@ def replay(model: Model, steps: list[str] | tuple[str, ...]) -> State:
     """Take ``steps`` (labels as ``explore`` reports them) from the start,
     then every step that may come next: raises the InvariantError one of them,
     or the state they reach, breaks."""
+    state = _walk(model, steps)
+    if not list(model.free_steps(state)):
+        settled(model, state)
+    list(model.events(state))
+    return state
+
+
+def run_out(model: Model, steps: list[str] | tuple[str, ...]) -> Result:
+    """Take ``steps`` from the start, then every interleaving of the steps
+    that happen on their own from there (no more events): a fixed race
+    replayed with whatever the product does next in any order."""
+    return explore(model, 0, start=_walk(model, steps))
+
+
+def _walk(model: Model, steps: list[str] | tuple[str, ...]) -> State:
+    """The state ``steps`` lead to from the start (each must be possible)."""
     state = State(World(), _ctl())
     for label in steps:
         options = dict(model.free_steps(state)) | dict(model.events(state))
         if label not in options:
             raise KeyError(f"{label!r} cannot happen at this point")
         state = options[label]
-    if not list(model.free_steps(state)):
-        settled(model, state)
-    list(model.events(state))
     return state
 
 
