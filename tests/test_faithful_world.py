@@ -388,6 +388,41 @@ async def test_a_vm_removed_while_it_plays_returns_the_cards_when_it_stops(
     await until(lambda: not cordoned(cluster))
 
 
+async def test_a_request_waiting_for_a_vm_removed_meanwhile_is_reported(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Both play; both switches are turned off together, and Gaming station
+    2 is removed from GPU Handoff while Gaming station 1's stop runs. Gaming
+    station 2's stop, which waited, will not run: it is said so (the event
+    and the sensor's last error), not dropped in silence (the chaos soak's
+    silent_failure, seed 2)."""
+    await setup_entry(hass, entry)
+    await play(hass, entry, sim, 1)
+    await play(hass, entry, sim, 2)
+    failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
+    sim.set_shutdown_duration("gaming-1", 300.0)  # 3 s at the tests' scale
+
+    await switch(hass, "turn_off", SWITCH_1)
+    await switch(hass, "turn_off", SWITCH_2)
+    await until(lambda: bool(sim.calls("shutdown", "gaming-1")), BOUND)
+    await remove_gaming_vm(hass, entry, "gaming-2")
+    await until(lambda: not sim.is_running("gaming-1"), BOUND)
+    await _settled(hass, entry)
+
+    assert [(e.data["vm"], e.data["kind"], e.data["code"]) for e in failed] == [
+        ("gaming-2", "stop", "vm_removed")
+    ]
+    controller = entry.runtime_data.controller
+    assert "removed from GPU Handoff" in controller.progress.last_error["gaming-2"]
+    assert sim.is_running("gaming-2")
+    assert not sim.is_running("gpu-node")
+    assert len(sim.calls("shutdown", "gaming-2")) == 0
+
+
 # --- 6. lend jobs are jobs on the GPU node ---------------------------------------------
 
 

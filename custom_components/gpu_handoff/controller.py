@@ -140,7 +140,13 @@ class HandoffController:
                 self._spawn(self.operations.abandon())
         # Requests that waited behind it, in the order they came.
         for request in owned.queue:
-            if request.vm in self.state.requests or request.vm not in known:
+            if request.vm in self.state.requests:
+                continue
+            if request.vm not in known:
+                # Removed from GPU Handoff while it waited: it will not run,
+                # and the user is told so.
+                message = self.report.dropped(request.vm, request.kind)
+                self.progress.failed(request.vm, message)
                 continue
             _LOGGER.info(
                 "Carrying out the %s of %s asked for before a restart",

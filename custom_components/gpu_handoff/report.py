@@ -35,6 +35,8 @@ _LOGGER = logging.getLogger(__name__)
 
 ISSUE_HANDOFF_FAILED: Final = "handoff_failed"
 ISSUE_UNMANAGED_PODS: Final = "unmanaged_pods"
+# The code of a waiting request dropped because its VM was removed.
+CODE_VM_REMOVED: Final = "vm_removed"
 # The repair each kind of operation raises when it fails (one issue id per VM).
 FAILED_ISSUES: Final = {
     Kind.HANDOFF: ISSUE_HANDOFF_FAILED,
@@ -116,6 +118,17 @@ class Reporter:
             severity=ir.IssueSeverity.ERROR,
             translation_key=FAILED_ISSUES[kind],
             translation_placeholders={"vm": name, "error": message},
+        )
+        return message
+
+    def dropped(self, vm: str, kind: Kind) -> str:
+        """Log and fire that a request waiting for ``vm`` will not run: the
+        VM was removed from GPU Handoff first (no repair: the user removed
+        it). Its message."""
+        message = f"{vm} was removed from GPU Handoff before its {kind} ran"
+        _LOGGER.warning("The %s of %s was dropped: %s", kind, vm, message)
+        self.fire(
+            EVENT_HANDOFF_FAILED, vm, kind=kind, error=message, code=CODE_VM_REMOVED
         )
         return message
 
