@@ -76,37 +76,48 @@ def settled(model: Model, state: State) -> None:
 
 
 def explore(
-    model: Model, depth: int, start: State | None = None, *, limit: int = 5_000_000
+    model: Model, depth: int, start: State | None = None, *, limit: int = 40_000_000
 ) -> Result:
-    """Every state reachable with at most ``depth`` events."""
+    """Every state reachable with at most ``depth`` events.
+
+    States are kept by their hash (a 64-bit hash of the whole immutable
+    state: two states that differ collide with odds of about n²/2⁶⁵, one in
+    a few hundred thousand at ten million states), and those that may take
+    no more events are explored depth first as soon as they are reached, so
+    memory grows with the states seen, not with the last layer's frontier.
+    """
     began = time.monotonic()
     result = Result(depth=depth)
     root = start or State(World(), _ctl())
-    best: dict[State, int] = {root: 0}
-    parent: dict[State, tuple[State, str] | None] = {root: None}
-    queue: deque[tuple[State, int]] = deque([(root, 0)])
-    while queue:
-        state, used = queue.popleft()
-        if best.get(state, depth + 1) < used:
+    best: dict[int, int] = {hash(root): 0}
+    parent: dict[int, tuple[int, str] | None] = {hash(root): None}
+    queue: deque[tuple[State, int, int]] = deque([(root, hash(root), 0)])
+    last: list[tuple[State, int, int]] = []  # states with no events left
+    while queue or last:
+        state, key, used = last.pop() if last else queue.popleft()
+        if best.get(key, depth + 1) < used:
             continue
-        steps, broken = _successors(model, state, used, depth, result, parent)
+        steps, broken = _successors(model, state, key, used, depth, result, parent)
         quiet = not broken
         for label, nxt, cost in steps:
             quiet = quiet and cost == 1
             total = used + cost
-            if total >= best.get(nxt, depth + 1):
+            nxt_key = hash(nxt)
+            if total >= best.get(nxt_key, depth + 1):
                 continue
-            best[nxt] = total
-            parent[nxt] = (state, label)
-            if cost == 0:
-                queue.appendleft((nxt, total))
+            best[nxt_key] = total
+            parent[nxt_key] = (key, label)
+            if total == depth:
+                last.append((nxt, nxt_key, total))
+            elif cost == 0:
+                queue.appendleft((nxt, nxt_key, total))
             else:
-                queue.append((nxt, total))
+                queue.append((nxt, nxt_key, total))
         if quiet:
             try:
                 settled(model, state)
             except InvariantError as err:
-                _keep(result, err, _path(parent, state))
+                _keep(result, err, _path(parent, key))
         if len(best) > limit:
             raise RuntimeError(f"more than {limit} states at depth {depth}")
     result.states = len(best)
@@ -121,10 +132,11 @@ def _ctl() -> Ctl:
 def _successors(
     model: Model,
     state: State,
+    key: int,
     used: int,
     depth: int,
     result: Result,
-    parent: dict[State, tuple[State, str] | None],
+    parent: dict[int, tuple[int, str] | None],
 ) -> tuple[list[tuple[str, State, int]], bool]:
     """The steps from ``state`` (events only within the depth), and whether
     a step broke an invariant (the state is then not a settled one)."""
@@ -138,7 +150,7 @@ def _successors(
             for label, nxt in generate(state):
                 steps.append((label, nxt, cost))
         except InvariantError as err:
-            _keep(result, err, (*_path(parent, state), _label_of(err)))
+            _keep(result, err, (*_path(parent, key), _label_of(err)))
             broken = True
     return steps, broken
 
@@ -152,15 +164,13 @@ def _keep(result: Result, err: InvariantError, steps: tuple[str, ...]) -> None:
         result.found[err.invariant] = Found(err.invariant, err.detail, steps)
 
 
-def _path(
-    parent: dict[State, tuple[State, str] | None], state: State
-) -> tuple[str, ...]:
+def _path(parent: dict[int, tuple[int, str] | None], key: int) -> tuple[str, ...]:
     steps: list[str] = []
-    link = parent.get(state)
+    link = parent.get(key)
     while link is not None:
-        state, label = link
+        key, label = link
         steps.append(label)
-        link = parent.get(state)
+        link = parent.get(key)
     return tuple(reversed(steps))
 
 
