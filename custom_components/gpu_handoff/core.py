@@ -497,78 +497,105 @@ def _hook_request_asks(
     )
 
 
+@dataclass(kw_only=True)
+class _Scan:
+    """What one reconcile made of the starts by hand looked at so far."""
+
+    desired: set[str]
+    seen: set[str]
+    stopped: bool
+    followed: list[str] = field(default_factory=list)
+    ended: set[str] = field(default_factory=set)
+    to_read: list[str] = field(default_factory=list)
+
+    def reconciled(
+        self, owned: Owned, memory: Memory, run: Request | None = None
+    ) -> Reconciled:
+        """What the update asks for (``run``: a handoff to start now)."""
+        return Reconciled(
+            desired=frozenset(self.desired),
+            memory=replace(memory, seen_hook_requests=frozenset(self.seen)),
+            run=run,
+            changed=(
+                run is not None
+                or bool(self.followed)
+                or self.seen != memory.seen_hook_requests
+                or self.stopped != owned.gpu_stopped_by_us
+            ),
+            followed=tuple(self.followed),
+            ended=frozenset(self.ended) if run is None else frozenset(),
+            read_hook_jobs=tuple(self.to_read) if run is None else (),
+            gpu_stopped_by_us=self.stopped,
+        )
+
+
 def _starts_by_hand(observed: Observed, owned: Owned, memory: Memory) -> Reconciled:
     """The starts by hand the tower recorded and nothing dealt with yet."""
-    desired, seen = set(owned.desired), set(memory.seen_hook_requests)
-    followed: list[str] = []
-    ended: set[str] = set()
-    to_read: list[str] = []
-    stopped = owned.gpu_stopped_by_us
+    scan = _Scan(
+        desired=set(owned.desired),
+        seen=set(memory.seen_hook_requests),
+        stopped=owned.gpu_stopped_by_us,
+    )
     for request in observed.tower.hook_requests:
-        if request.key in seen:
+        if request.key in scan.seen:
             continue
-        asks = _hook_request_asks(observed, frozenset(desired), request)
+        asks = _hook_request_asks(observed, frozenset(scan.desired), request)
         if asks is StartByHand.ENDED:
             stand = _ended_start(
                 observed, request, memory, stopped_by_us=owned.gpu_stopped_by_us
             )
-            if stand is HookStop.READ and request.job is not None:
-                to_read.append(request.job)
-            elif stand is HookStop.STANDS:
-                # (It counts as GPU Handoff's, as a followed start's does: a
-                # handoff decided below lends after it.)
-                ended.add(request.domain)
-                stopped = True
-            if stand in (HookStop.STANDS, HookStop.OVER):
-                seen.add(request.key)
-            # Otherwise kept unseen: a request for the VM supersedes it
-            # (superseded_hook_requests).
-            continue
-        follows = asks is StartByHand.FOLLOW or (
-            asks is None and _plays_as_ours(observed, frozenset(desired), request)
-        )
-        # Lending, a followed start by hand with the GPU node off is handed
-        # over (its hook's record says whether the free cards go back).
-        lends = follows and _lends_on_follow(observed)
-        follow = _followed_start(observed, request, memory) if follows else None
-        if follow is HookStop.READ and not lends and request.job is not None:
-            to_read.append(request.job)
-            continue  # followed once its record is read
-        stopped = stopped or (follow is HookStop.STANDS and not lends)
-        if follow is not HookStop.KEEP or lends:
-            # (Its hook's stop still to run: looked at again once it ran.)
-            seen.add(request.key)
-        if asks is None and not lends:
-            continue
-        desired.add(request.domain)
-        if asks is StartByHand.FOLLOW and not lends:
-            followed.append(request.domain)
-            continue
-        return Reconciled(
-            desired=frozenset(desired),
-            memory=replace(memory, seen_hook_requests=frozenset(seen)),
-            run=Request(
-                vm=request.domain,
-                kind=Kind.HANDOFF,
-                origin=Origin.HOOK,
-                hook_job=request.job,
-            ),
-            changed=True,
-            followed=tuple(followed),
-            gpu_stopped_by_us=stopped,
-        )
-    return Reconciled(
-        desired=frozenset(desired),
-        memory=replace(memory, seen_hook_requests=frozenset(seen)),
-        changed=(
-            bool(followed)
-            or seen != memory.seen_hook_requests
-            or stopped != owned.gpu_stopped_by_us
-        ),
-        followed=tuple(followed),
-        ended=frozenset(ended),
-        read_hook_jobs=tuple(to_read),
-        gpu_stopped_by_us=stopped,
+            _scan_ended(scan, request, stand)
+        elif (run := _scan_started(observed, memory, scan, request, asks)) is not None:
+            return scan.reconciled(owned, memory, run)
+    return scan.reconciled(owned, memory)
+
+
+def _scan_ended(scan: _Scan, request: HookRequest, stand: HookStop) -> None:
+    """A start by hand whose session ended before GPU Handoff looked."""
+    if stand is HookStop.READ and request.job is not None:
+        scan.to_read.append(request.job)
+    elif stand is HookStop.STANDS:
+        # (It counts as GPU Handoff's, as a followed start's does: a
+        # handoff decided after it lends after it.)
+        scan.ended.add(request.domain)
+        scan.stopped = True
+    if stand in (HookStop.STANDS, HookStop.OVER):
+        scan.seen.add(request.key)
+    # Otherwise kept unseen: a request for the VM supersedes it
+    # (superseded_hook_requests).
+
+
+def _scan_started(
+    observed: Observed,
+    memory: Memory,
+    scan: _Scan,
+    request: HookRequest,
+    asks: StartByHand | None,
+) -> Request | None:
+    """A start by hand that plays, or failed: the handoff to start for it
+    now, if any (else it is followed, or left as it is)."""
+    follows = asks is StartByHand.FOLLOW or (
+        asks is None and _plays_as_ours(observed, frozenset(scan.desired), request)
+    )
+    # Lending, a followed start by hand with the GPU node off is handed over
+    # (its hook's record says whether the free cards go back).
+    lends = follows and _lends_on_follow(observed)
+    follow = _followed_start(observed, request, memory) if follows else None
+    if follow is HookStop.READ and not lends and request.job is not None:
+        scan.to_read.append(request.job)
+        return None  # followed once its record is read
+    scan.stopped = scan.stopped or (follow is HookStop.STANDS and not lends)
+    if follow is not HookStop.KEEP or lends:
+        # (Its hook's stop still to run: looked at again once it ran.)
+        scan.seen.add(request.key)
+    if asks is None and not lends:
+        return None
+    scan.desired.add(request.domain)
+    if asks is StartByHand.FOLLOW and not lends:
+        scan.followed.append(request.domain)
+        return None
+    return Request(
+        vm=request.domain, kind=Kind.HANDOFF, origin=Origin.HOOK, hook_job=request.job
     )
 
 
