@@ -718,6 +718,24 @@ def test_lending_a_session_begun_again_by_hand_is_handed_over_once_its_stop_ran(
     assert reconcile(observed(ran), owned, Memory()).read_hook_jobs == ("j1",)
 
 
+def test_lending_a_vm_that_plays_without_a_start_by_hand_recorded_is_followed() -> None:
+    """Lending, a player started Gaming station 1 on the tower while the
+    GPU node ran without its card, and the agent's record of the GPU node's
+    cards (its last status) said so: libvirt's hook recorded nothing. Its
+    session is followed all the same (its end lends the freed card); not one
+    whose start by hand is still being looked at, nor one not configured."""
+    playing = tower(g1="running")
+    result = reconcile(observed(playing, settings=LENDING), Owned(), Memory())
+    assert (result.run, result.followed, result.changed) == (None, ("gaming-1",), True)
+    assert result.desired == {"gaming-1"}
+    # One whose start by hand's record is still to be read is left to it.
+    to_read = tower(gpu="shut_off", g1="running", hooks=(hook(),))
+    unread = reconcile(observed(to_read), Owned(), Memory())
+    assert (unread.desired, unread.read_hook_jobs) == (frozenset(), ("j1",))
+    unconfigured = replace(observed(playing), configured=frozenset({"gaming-2"}))
+    assert reconcile(unconfigured, Owned(), Memory()).desired == frozenset()
+
+
 def _hook_record(finished: str | None, result: str = "ok") -> JobRecord:
     return JobRecord(
         job=replace(

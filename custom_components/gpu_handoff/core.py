@@ -744,6 +744,13 @@ def reconcile(observed: Observed, owned: Owned, memory: Memory) -> Reconciled:
     found = _starts_by_hand(observed, owned, memory)
     if found.run is not None:
         return found
+    if unannounced := _playing_unannounced(observed, found):
+        found = replace(
+            found,
+            desired=found.desired | unannounced,
+            followed=(*found.followed, *sorted(unannounced)),
+            changed=True,
+        )
     status = observed.tower
     ended = found.ended | {
         vm
@@ -769,6 +776,31 @@ def reconcile(observed: Observed, owned: Owned, memory: Memory) -> Reconciled:
         desired=remaining,
         changed=changed,
         forget_stale_mark=node is not None and node.stale_mark,
+    )
+
+
+def _playing_unannounced(observed: Observed, found: Reconciled) -> frozenset[str]:
+    """Gaming VMs that play with their cards though no start by hand was
+    recorded for them and GPU Handoff did not start them: lending, a VM
+    started on the tower while the agent's record of the GPU node's cards
+    (written at its last status) lacked its card, so libvirt's hook let it
+    start without a word. Their sessions are followed (their end lends the
+    freed card), as a start by hand's would be. Not one whose start by
+    hand is still being looked at."""
+    status = observed.tower
+    pending = {
+        request.domain
+        for request in status.hook_requests
+        if request.key not in found.memory.seen_hook_requests
+    }
+    return frozenset(
+        vm
+        for vm in status.gaming
+        if vm in observed.configured
+        and vm not in found.desired
+        and vm not in pending
+        and (domain := status.domains.get(vm)) is not None
+        and domain.state == RUNNING
     )
 
 

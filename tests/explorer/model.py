@@ -184,6 +184,13 @@ class Model:
                 yield f"turn_off {vm}", after
             if world.state(vm) != RUNNING:
                 yield f"start_by_hand {vm}", State(_start_by_hand(world, vm), ctl)
+                if world.gpu == RUNNING and CARDS[vm] not in world.lent:
+                    # The agent's record of the GPU node's cards (its last
+                    # status) lacks the VM's: the hook does nothing.
+                    yield (
+                        f"start_by_hand_unseen_by_hook {vm}",
+                        State(world.with_vm(vm, RUNNING), replace(ctl, dirty=True)),
+                    )
             else:
                 quit_world = world.with_vm(vm, SHUT_OFF)
                 if vm in ctl.desired:
