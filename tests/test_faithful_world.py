@@ -334,6 +334,49 @@ async def test_a_gpu_node_the_operator_stopped_mid_drain_stays_off(
     assert sim.calls("shutdown", "gpu-node") == []
 
 
+async def test_a_stop_resumed_after_a_restart_does_not_start_the_gpu_node_twice(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    kubelet: Kubelet,
+    no_pdb: None,
+) -> None:
+    """The operator shut the GPU node down; a player started Gaming station 1
+    on the tower. Turning it off ends that session, so the GPU node starts
+    after the stop. While the stop waits for its GPUs the operator shuts the
+    GPU node down again, and Home Assistant restarts: the resumed stop knows
+    from its stored job records that it started the GPU node already, and
+    leaves it off (found by the explorer at depth 5)."""
+    await setup_entry(hass, entry)
+    sim.guest_shutdown("gpu-node")
+    await until(lambda: not sim.is_running("gpu-node"), BOUND)
+    played = await hass.async_add_executor_job(start_by_hand, sim, "gaming-1")
+    assert played.returncode == 0, played.stderr
+    await until(lambda: hass.states.get(SWITCH_1).state == "on", BOUND)
+    await _settled(hass, entry)
+    kubelet.plugin_delay = None  # the GPUs never register: the stop waits
+    steps = async_capture_events(hass, EVENT_HANDOFF_STEP)
+
+    await switch(hass, "turn_off", SWITCH_1)
+    await until(lambda: any(e.data["step"] == "waiting_for_gpus" for e in steps), BOUND)
+    boot = _boot_and_gpus(cluster)[0]
+    controller = entry.runtime_data.controller
+    assert controller.plan is not None
+    assert controller.plan.facts.started_gpu_node  # its release ran
+    sim.guest_shutdown("gpu-node")
+    assert await hass.config_entries.async_unload(entry.entry_id)
+    await until(lambda: not sim.is_running("gpu-node"), BOUND)
+
+    await setup_entry(hass, entry)
+    assert entry.runtime_data.controller.plan is not None  # resumed
+    await _settled(hass, entry)
+    assert not sim.is_running("gpu-node")
+    assert _boot_and_gpus(cluster)[0] == boot
+    assert not sim.is_running("gaming-1")
+    assert hass.states.get(SWITCH_1).state == "off"
+
+
 # --- 5. a gaming VM removed while its job runs -------------------------------------------
 
 

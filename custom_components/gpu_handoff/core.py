@@ -900,18 +900,22 @@ def returns_after_stop(
     facts: JobFacts,
     gpu_stopped_by_us: bool,
 ) -> bool:
-    """After a stop that began while someone else played: whether the cards
-    go back now, as they would have in one job: nobody plays any more (they
-    quit meanwhile, or the view the stop began with lagged), the GPU node is
-    off, the cards go back automatically and are not lent (lending: the
-    controller's return does it), and the stop ended a session (its job
-    shut ``vm`` down) or GPU Handoff shut the GPU node down."""
+    """After a stop that did not release (it began while someone else
+    played, or the GPU node was not GPU Handoff's to start): whether the
+    cards go back now: nobody plays any more (they quit meanwhile, or the
+    view the stop began with lagged), the GPU node is off, the cards go back
+    automatically and are not lent (lending: the controller's return does
+    it), the stop ended a session (its job shut ``vm`` down) or GPU Handoff
+    shut the GPU node down, and the stop's own jobs did not start the GPU
+    node already (a stop resumed after a restart whose release ran: the GPU
+    node off again was shut down by someone else since)."""
     if not settings.auto_return or settings.lend_free or _playing(status):
         return False
     gpu = status.domains.get(status.gpu_node)
     return (
         gpu is not None
         and gpu.state == SHUT_OFF
+        and not facts.started_gpu_node
         and (vm in facts.shut_down or gpu_stopped_by_us)
     )
 

@@ -238,6 +238,32 @@ FIXED_RACES = {
             "hook_stop",
         ],
     ),
+    # Depth 5: a stop of gaming-1, started by hand on a GPU node the
+    # operator shut down; the stop ends its session and starts the GPU node
+    # after it, the operator shuts the GPU node down again, and Home
+    # Assistant restarts before the stop ended: the resumed stop started it
+    # once more. A stop whose own job started the GPU node does not return
+    # the cards again (core.returns_after_stop).
+    "resumed_stop_released_twice": (
+        MODEL,
+        [
+            "turn_off gaming-1",
+            "operator_stops_gpu_node",
+            "start_by_hand gaming-1",
+            "hook_stop",
+            "node_not_ready",
+            "controller",
+            "controller",
+            "tower_job",
+            "controller",
+            "tower_job",
+            "node_ready",
+            "controller",
+            "operator_stops_gpu_node",
+            "home_assistant_restarts",
+            "node_not_ready",
+        ],
+    ),
 }
 
 
