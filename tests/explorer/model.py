@@ -51,7 +51,7 @@ from custom_components.gpu_handoff.protocol import (
     StepName,
 )
 
-from .world import CARDS, FAILED, GPU, OTHER, TIME, VMS, TowerJob, World, hook_time
+from .world import CARDS, FAILED, GPU, OTHER, VMS, TowerJob, World, at, hook_time
 
 # What every decision reads of the options (the defaults a user has).
 BASE = Settings(
@@ -686,13 +686,13 @@ def _submit(world: World, ctl: Ctl, kind: JobKind, vm: str | None) -> State:
 def _record(job: TowerJob) -> JobRecord:
     # The agent runs one job at a time, in the order they were asked for:
     # the time a job was asked for orders its steps among all jobs.
-    at = TIME.format(job.created)
+    when = at(job.created)
     steps = [
         JobStep(
             name=StepName.SHUTDOWN,
             domain=domain,
-            started=at,
-            finished=at,
+            started=when,
+            finished=when,
             result="ok",
             detail=None,
         )
@@ -703,8 +703,8 @@ def _record(job: TowerJob) -> JobRecord:
             JobStep(
                 name=StepName.START,
                 domain=GPU,
-                started=at,
-                finished=at,
+                started=when,
+                finished=when,
                 result="ok",
                 detail="started",
             )
@@ -718,7 +718,7 @@ def _record(job: TowerJob) -> JobRecord:
             step=None,
             request_id="r",
             requested_by="ssh",
-            created=TIME.format(job.created),
+            created=at(job.created),
             finished=None,
             error=None,
         ),
@@ -729,13 +729,13 @@ def _record(job: TowerJob) -> JobRecord:
 def _hook_record(world: World, job_id: str) -> JobRecord:
     """The record of a job of the hook's that ended: its stop of the GPU
     node, skipped if the GPU node was off already."""
-    at = TIME.format(hook_time(job_id))
+    when = at(hook_time(job_id))
     stopped = world.hook_job_stopped(job_id)
     step = JobStep(
         name=StepName.SHUTDOWN,
         domain=GPU,
-        started=at,
-        finished=at,
+        started=when,
+        finished=when,
         result="ok" if stopped else "skipped",
         detail=None if stopped else "already shut off",
     )
@@ -748,8 +748,8 @@ def _hook_record(world: World, job_id: str) -> JobRecord:
             step=None,
             request_id=None,
             requested_by="hook",
-            created=at,
-            finished=at,
+            created=when,
+            finished=when,
             error=None,
         ),
         steps=(step,),

@@ -21,6 +21,7 @@ Two gaming VMs with a card each; the GPU node is defined with both.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+import datetime as dt
 
 from custom_components.gpu_handoff.cluster_model import CORDON_OWNER_US, NodeView
 from custom_components.gpu_handoff.protocol import (
@@ -42,7 +43,12 @@ VMS = ("gaming-1", "gaming-2")
 CARDS = {"gaming-1": "0000:01:00", "gaming-2": "0000:02:00"}
 OTHER = "other"
 FAILED = "failed"  # shut off (failed): the start was refused
-TIME = "2026-12-02T05:{:02d}:00.000+00:00"
+EPOCH = dt.datetime(2026, 12, 2, 5, tzinfo=dt.UTC)
+
+
+def at(moment: int) -> str:
+    """The tower's clock at ``moment`` (a minute each), as the agent writes it."""
+    return (EPOCH + dt.timedelta(minutes=moment)).isoformat(timespec="milliseconds")
 
 
 @dataclass(frozen=True)
@@ -189,7 +195,7 @@ class World:
                     domain=vm,
                     operation="prepare",
                     addresses=(f"{CARDS[vm]}.0",),
-                    time=TIME.format(time),
+                    time=at(time),
                     job=f"hook-{time}",
                     error=None,
                 )
@@ -269,7 +275,7 @@ def _job(job_id: str, kind: JobKind, domain: str | None, by: str) -> Job:
         step=None,
         request_id=None,
         requested_by=by,
-        created=TIME.format(0),
+        created=at(0),
         finished=None,
         error=None,
     )
