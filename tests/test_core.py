@@ -439,9 +439,9 @@ HOOK_HANDOFF = replace(HANDOFF, origin=Origin.HOOK, hook_job="h")
         (HOOK_HANDOFF, True, JobFacts(), Owned(), "shut_off", False),
         (HANDOFF, True, JobFacts(), Owned(), "shut_off", False),
         (HANDOFF, False, JobFacts(stopped_gpu_node=True), Owned(), "shut_off", False),
-        # A failed handoff (what its own job stopped is settled after it):
-        # a GPU node a handoff before it stopped gets the free cards that
-        # handoff left for this one's end.
+        # A failed handoff: a GPU node GPU Handoff stopped gets the free
+        # cards (a handoff before it left them for this one's end; or a start
+        # by hand it supersedes had the hook stop it).
         (HANDOFF, False, JobFacts(), Owned(gpu_stopped_by_us=True), "shut_off", True),
         (
             HANDOFF,
@@ -449,7 +449,7 @@ HOOK_HANDOFF = replace(HANDOFF, origin=Origin.HOOK, hook_job="h")
             JobFacts(stopped_gpu_node=True),
             Owned(gpu_stopped_by_us=True),
             "shut_off",
-            False,
+            True,
         ),
         (HANDOFF, False, JobFacts(), Owned(gpu_stopped_by_us=True), "running", False),
         (

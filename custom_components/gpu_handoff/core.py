@@ -839,15 +839,12 @@ def lends_after(
         if not succeeded or request.vm in facts.shut_down:
             return True
     elif not succeeded:
-        # A failed handoff: what its own job stopped is settled
-        # (settle_failed_handoff); a GPU node a request before it stopped is
-        # still off, its free cards left for this one's end.
-        return (
-            owned.gpu_stopped_by_us
-            and not facts.stopped_gpu_node
-            and gpu is not None
-            and gpu.state == SHUT_OFF
-        )
+        # A failed handoff: a GPU node GPU Handoff stopped (a request before
+        # it, which left its lend to this one's end; or a start by hand it
+        # supersedes, whose hook's stop counts as its own) is still off. What
+        # its own job stopped is settled too (settle_failed_handoff); either
+        # asks for the same return.
+        return owned.gpu_stopped_by_us and gpu is not None and gpu.state == SHUT_OFF
     return (
         owned.gpu_stopped_by_us
         or facts.stopped_gpu_node
@@ -959,12 +956,19 @@ def gpu_stopped_by_us(owned: Owned, facts: JobFacts, tower: TowerStatus) -> bool
     gpu = tower.domains.get(tower.gpu_node)
     if gpu is not None and gpu.state == RUNNING:
         return False
+    return stopped_by_jobs(owned.gpu_stopped_by_us, facts)
+
+
+def stopped_by_jobs(stopped_before: bool, facts: JobFacts) -> bool:
+    """Whether the GPU node, if off, is off because of GPU Handoff: as the
+    owned record says (``stopped_before``), unless the operation's own jobs
+    (``facts``, so far) say otherwise. One that started it since leaves it
+    off only by someone else's hand (libvirt's hook for a start by hand,
+    the operator), unless a later job of its own stopped it: so a stop
+    resumed after a restart whose release ran does not release again."""
     if facts.started_gpu_node:
-        # The operation started it since: off now, someone else stopped it
-        # (libvirt's hook for a start by hand, the operator), unless a later
-        # job of its own did.
         return facts.stopped_gpu_node
-    return owned.gpu_stopped_by_us or facts.stopped_gpu_node
+    return stopped_before or facts.stopped_gpu_node
 
 
 def _recorded_after(request: HookRequest, moment: dt.datetime | None) -> bool:

@@ -27,6 +27,7 @@ from .core import (
     returns_after_stop,
     stop_names,
     stop_releases,
+    stopped_by_jobs,
 )
 from .drain import NodeDrain
 from .health import UnhealthyReturn
@@ -329,6 +330,8 @@ class OperationRunner:
         """Stop ``vm``; True when the cards went back to the cluster too
         (``gpu_stopped_by_us``: the GPU node is off because a tower job of
         GPU Handoff's shut it down; see core.stop_releases)."""
+        # (Resumed: what its own jobs did since counts.)
+        gpu_stopped_by_us = stopped_by_jobs(gpu_stopped_by_us, self.facts)
         pending = self._host.pending_job
         if pending is not None:
             # Resume the job the stored operation asked for.

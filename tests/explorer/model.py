@@ -38,6 +38,7 @@ from custom_components.gpu_handoff.core import (
     settle_hook_job,
     stop_names,
     stop_releases,
+    stopped_by_jobs,
     superseded_hook_requests,
 )
 from custom_components.gpu_handoff.protocol import (
@@ -351,7 +352,7 @@ class Model:
                 world.tower_status(),
                 vm,
                 self.settings,
-                gpu_stopped_by_us=ctl.gpu_stopped_by_us,
+                gpu_stopped_by_us=stopped_by_jobs(ctl.gpu_stopped_by_us, ctl.facts),
             )
             named = self.stop_names(world.tower_status(), vm)
             if releases:
@@ -415,7 +416,7 @@ class Model:
             request.vm,
             self.settings,
             facts=ctl.facts,
-            gpu_stopped_by_us=ctl.gpu_stopped_by_us,
+            gpu_stopped_by_us=stopped_by_jobs(ctl.gpu_stopped_by_us, ctl.facts),
         ):
             return _submit(world, ctl, JobKind.RELEASE, None)
         return State(world, _done(ctl, succeeded=True))

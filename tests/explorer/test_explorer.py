@@ -264,6 +264,66 @@ FIXED_RACES = {
             "node_not_ready",
         ],
     ),
+    # Depth 5: gaming-1's stop (it does not run) finds the GPU node shut
+    # down by a start by hand's hook; gaming-2's stop, which counts that
+    # stop as GPU Handoff's, releases; the operator shuts the GPU node
+    # down again and Home Assistant restarts: the resumed stop released
+    # again. What its own jobs did counts (core.stopped_by_jobs).
+    "resumed_stop_counted_an_old_stop_as_ours": (
+        MODEL,
+        [
+            "turn_off gaming-1",
+            "controller",
+            "start_by_hand gaming-1",
+            "hook_stop",
+            "node_not_ready",
+            "controller",
+            "turn_off gaming-2",
+            "controller",
+            "controller",
+            "controller",
+            "tower_job",
+            "node_ready",
+            "controller",
+            "operator_stops_gpu_node",
+            "home_assistant_restarts",
+            "node_not_ready",
+        ],
+    ),
+    # Depth 5, lending: a handoff for a start by hand of gaming-2 fails
+    # after a lend that a second start by hand's hook stop took down; the
+    # failed handoff supersedes that start, whose stop counts as its own,
+    # and lent nothing (core.lends_after).
+    "failed_handoff_over_a_superseded_stop_lent_nothing": (
+        LENDING,
+        [
+            "turn_on gaming-1",
+            "controller",
+            "controller",
+            "controller",
+            "start_by_hand gaming-2",
+            "tower_job",
+            "node_not_ready",
+            "hook_stop",
+            "controller",
+            "controller",
+            "controller",
+            "controller",
+            "tower_job",
+            "start_by_hand gaming-2",
+            "hook_stop",
+            "controller",
+            "controller",
+            "controller",
+            "controller",
+            "controller",
+            "controller",
+            "next_start_fails",
+            "tower_job",
+            "controller",
+            "home_assistant_restarts",
+        ],
+    ),
 }
 
 
