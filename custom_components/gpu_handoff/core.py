@@ -580,12 +580,14 @@ def _scan_started(
     # Lending, a followed start by hand with the GPU node off is handed over
     # (its hook's record says whether the free cards go back).
     lends = follows and _lends_on_follow(observed)
-    follow = _followed_start(observed, request, memory) if follows else None
-    if follow is HookStop.READ and not lends and request.job is not None:
+    follow = (
+        _followed_start(observed, request, memory) if follows and not lends else None
+    )
+    if follow is HookStop.READ and request.job is not None:
         scan.to_read.append(request.job)
         return None  # followed once its record is read
-    scan.stopped = scan.stopped or (follow is HookStop.STANDS and not lends)
-    if follow is not HookStop.KEEP or lends:
+    scan.stopped = scan.stopped or follow is HookStop.STANDS
+    if follow is not HookStop.KEEP:
         # (Its hook's stop still to run: looked at again once it ran.)
         scan.seen.add(request.key)
     if asks is None and not lends:
@@ -820,11 +822,10 @@ def lends_after(
     hand: their records say so) or the GPU node runs, or (a stop) when the
     stop ended a session (its job shut the VM down: the edge the cards go
     back on) or failed (the requests merged into it changed what is free);
-    after a failed handoff, when a request before it stopped the GPU node
-    (its lend was left for this one's end). A GPU node someone else shut
-    down stays off: a stop of a VM that did not
-    run ends no session, and a hook's stop that found the GPU node off (the
-    operator shut it down first) did nothing."""
+    after a failed handoff, when the GPU node GPU Handoff stopped is still
+    off. A GPU node someone else shut down stays off: a stop of a VM that
+    did not run ends no session, and a hook's stop that found the GPU node
+    off (the operator shut it down first) did nothing."""
     settings = observed.settings
     if not (
         request.kind in (Kind.HANDOFF, Kind.STOP)

@@ -262,11 +262,11 @@ class OperationRunner:
                 record = await self.jobs.follow(hook_job)
                 # What it did counts as the operation's (core.returns_after),
                 # unless GPU Handoff started the GPU node since.
-                before = self.facts
-                self.facts = before.with_hook_record(record, self.gpu_node)
-                stopped_by_us = stopped_by_us or hook_stopped_gpu_node(
-                    record, self.gpu_node, since=before.gpu_started_at
-                )
+                if hook_stopped_gpu_node(
+                    record, self.gpu_node, since=self.facts.gpu_started_at
+                ):
+                    self.facts = self.facts.with_record(record, self.gpu_node)
+                    stopped_by_us = True
                 status = await self.tower.status()
             gpu = status.domains.get(self.gpu_node)
             if gpu is not None and gpu.state == RUNNING:

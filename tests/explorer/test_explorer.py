@@ -331,7 +331,6 @@ FIXED_RACES = {
 def test_a_fixed_race_stays_fixed(name: str) -> None:
     model, steps = FIXED_RACES[name]
     result = run_out(model, steps)
-    assert result.states >= 1
     assert not result.found, result.found
 
 

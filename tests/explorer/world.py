@@ -5,7 +5,11 @@ hashable, and as unkind as the faithful rigs where the decisions can tell.
   (it records a start by hand only for the ones nobody asked GPU Handoff
   for, as agent 0.3.1 does); a start by hand has the hook submit a stop of
   the GPU node, asynchronous to the start, which fails (``shut off
-  (failed)``) while the GPU node holds the VM's card;
+  (failed)``) while the GPU node holds the VM's card. The agent's hook acts
+  only when its record of the GPU node's cards (written at its last status)
+  shares the VM's card: a record that lags a lend makes it act on a GPU
+  node that does not hold the card, a fresh one lets the start go by
+  unrecorded. Where the two differ, the model takes both (model.events);
 - a GPU node shut down keeps its node Ready until a separate step (the node
   monitor's grace period) makes it NotReady; a started one is Ready only
   when its kubelet posts it, from a new boot (bootIDs);
