@@ -214,6 +214,25 @@ def test_a_start_by_hand_with_its_cards_is_followed() -> None:
     assert (result.followed, result.read_hook_jobs) == (("gaming-1",), ())
 
 
+def test_a_vm_playing_unannounced_is_followed_with_a_handoff_to_run() -> None:
+    """Lending: gaming-2 plays though no start by hand was recorded for it
+    (the hook let it start, its card not the GPU node's at the last status),
+    and a failed start by hand of gaming-1 is to be handed over: gaming-2 is
+    followed in the same look, so its end lends its card (found by the
+    explorer: followed only at a look with nothing to hand over, it quit
+    before one came)."""
+    start = hook("gaming-1")
+    status = tower(
+        g1="failed", g2="running", hooks=(start,), jobs=(job(JobKind.STOP, "gpu-node"),)
+    )
+    result = reconcile(observed(status, settings=LENDING), Owned(), Memory())
+    assert result.run == Request(
+        vm="gaming-1", kind=Kind.HANDOFF, origin=Origin.HOOK, hook_job="j1"
+    )
+    assert result.followed == ("gaming-2",)
+    assert result.desired == {"gaming-1", "gaming-2"}
+
+
 def test_a_start_by_hand_that_ended_with_the_gpu_node_serving_is_done_with() -> None:
     """The GPU node runs again: whatever the hook's stop did is over."""
     result = reconcile(observed(tower(hooks=(hook(),))), Owned(), Memory())
@@ -407,17 +426,30 @@ HOOK_HANDOFF = replace(HANDOFF, origin=Origin.HOOK, hook_job="h")
 @pytest.mark.parametrize(
     ("request_", "succeeded", "facts", "owned", "gpu", "lends"),
     [
-        # A stop that ended a session frees its cards.
+        # A stop that ended a session frees its cards: the GPU node GPU
+        # Handoff stopped takes them...
+        (
+            STOP,
+            True,
+            JobFacts(shut_down=frozenset({"gaming-2"})),
+            Owned(gpu_stopped_by_us=True),
+            "shut_off",
+            True,
+        ),
+        # ...one someone else shut down stays off, even if they shut it down
+        # after the stop began, while it served (found by the explorer).
         (
             STOP,
             True,
             JobFacts(shut_down=frozenset({"gaming-2"})),
             Owned(),
             "shut_off",
-            True,
+            False,
         ),
         # A failed stop: the requests merged into it changed what is free.
-        (STOP, False, JobFacts(), Owned(), "shut_off", True),
+        (STOP, False, JobFacts(), Owned(gpu_stopped_by_us=True), "shut_off", True),
+        (STOP, False, JobFacts(), Owned(), "shut_off", False),
+        (STOP, False, JobFacts(), Owned(), "running", True),
         # A stop of a VM that did not run ends no session: a GPU node
         # someone else shut down stays off...
         (STOP, True, JobFacts(), Owned(), "shut_off", False),

@@ -377,6 +377,37 @@ async def test_a_stop_resumed_after_a_restart_does_not_start_the_gpu_node_twice(
     assert hass.states.get(SWITCH_1).state == "off"
 
 
+async def test_lending_an_operator_shutdown_while_a_stop_runs_is_kept(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Lending: Gaming station 2 plays and the GPU node runs with the other
+    cards. While the stop of Gaming station 2 waits for its guest to power
+    off, the operator shuts the GPU node down. The stop ended a session, but
+    the GPU node is not GPU Handoff's to start any more: it stays off (found
+    by the explorer at depth 5; it was started again with every card)."""
+    await lend_free_cards(hass, entry)
+    await play(hass, entry, sim, 2)
+    await until(lambda: lent_cards(sim) == {GTX_960, RTX_1}, BOUND)
+    await _settled(hass, entry)
+    boot = _boot_and_gpus(cluster)[0]
+    sim.set_shutdown_duration("gaming-2", 300.0)  # 3 s at the tests' scale
+
+    await switch(hass, "turn_off", SWITCH_2)
+    await until(lambda: bool(sim.calls("shutdown", "gaming-2")), BOUND)
+    sim.guest_shutdown("gpu-node")
+    await until(lambda: not sim.is_running("gpu-node"), BOUND)
+    assert sim.is_running("gaming-2")  # the stop's job still waits for it
+    await until(lambda: not sim.is_running("gaming-2"), BOUND)
+    await _settled(hass, entry)
+    assert not sim.is_running("gpu-node")
+    assert _boot_and_gpus(cluster)[0] == boot
+    assert hass.states.get(SWITCH_2).state == "off"
+
+
 # --- 5. a gaming VM removed while its job runs -------------------------------------------
 
 

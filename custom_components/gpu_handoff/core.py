@@ -744,15 +744,17 @@ def reconcile(observed: Observed, owned: Owned, memory: Memory) -> Reconciled:
     GPU Handoff while it played ends its session all the same), the cards to
     go back, a stale cordon mark to remove."""
     found = _starts_by_hand(observed, owned, memory)
-    if found.run is not None:
-        return found
     if unannounced := _playing_unannounced(observed, found):
+        # (With a handoff to run too: a session followed only once that
+        # ended would end unseen meanwhile, its freed card never lent.)
         found = replace(
             found,
             desired=found.desired | unannounced,
             followed=(*found.followed, *sorted(unannounced)),
             changed=True,
         )
+    if found.run is not None:
+        return found
     status = observed.tower
     ended = found.ended | {
         vm
@@ -817,15 +819,15 @@ def lends_after(
 ) -> bool:
     """Whether the free cards go back to the cluster after a handoff or a
     stop (lending): not while another request waits, whose own end does it
-    (two requests close together cost one GPU node restart). Only when GPU
-    Handoff stopped the GPU node (its job, or libvirt's hook for a start by
-    hand: their records say so) or the GPU node runs, or (a stop) when the
-    stop ended a session (its job shut the VM down: the edge the cards go
-    back on) or failed (the requests merged into it changed what is free);
-    after a failed handoff, when the GPU node GPU Handoff stopped is still
-    off. A GPU node someone else shut down stays off: a stop of a VM that
-    did not run ends no session, and a hook's stop that found the GPU node
-    off (the operator shut it down first) did nothing."""
+    (two requests close together cost one GPU node restart). Only when the
+    GPU node runs (a stop's freed card, or one a handoff left free, joins
+    it) or GPU Handoff holds it off: its job stopped it, or libvirt's hook
+    for a start by hand (their records say so); after a failed handoff, only
+    when the GPU node GPU Handoff stopped is still off. A GPU node someone
+    else shut down stays off, whatever the operation did: a stop that ended
+    a session does not start a GPU node its operator shut down while the
+    stop ran, and a hook's stop that found the GPU node off (the operator
+    shut it down first) did nothing."""
     settings = observed.settings
     if not (
         request.kind in (Kind.HANDOFF, Kind.STOP)
@@ -836,10 +838,7 @@ def lends_after(
         return False
     status = observed.tower
     gpu = status.domains.get(status.gpu_node)
-    if request.kind is Kind.STOP:
-        if not succeeded or request.vm in facts.shut_down:
-            return True
-    elif not succeeded:
+    if request.kind is Kind.HANDOFF and not succeeded:
         # A failed handoff: a GPU node GPU Handoff stopped (a request before
         # it, which left its lend to this one's end; or a start by hand it
         # supersedes, whose hook's stop counts as its own) is still off. What

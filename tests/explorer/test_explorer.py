@@ -324,6 +324,65 @@ FIXED_RACES = {
             "home_assistant_restarts",
         ],
     ),
+    # Lending: a handoff fails (the start after the hook's stop), a start by
+    # hand of gaming-2 is handed over and its player is asked to stop; the
+    # stop's job shuts gaming-2 down, and the operator shuts the lending GPU
+    # node down before the stop decides to lend. The stop ended a session,
+    # and the lend started the GPU node again: now it lends only a GPU node
+    # that runs or that GPU Handoff holds off (core.lends_after; depth 5).
+    "operator_shuts_the_gpu_node_down_while_a_stop_ends": (
+        LENDING,
+        [
+            "turn_on gaming-1",
+            *["controller"] * 3,
+            "next_start_fails",
+            "tower_job",
+            "turn_off gaming-2",
+            "start_by_hand gaming-2",
+            "hook_stop",
+            "node_not_ready",
+            *["controller"] * 4,
+            "tower_job",
+            "node_ready",
+            *["controller"] * 5,
+            "tower_job",
+            "operator_stops_gpu_node",
+            "node_not_ready",
+            *["controller"] * 3,
+        ],
+    ),
+    # Lending: gaming-1 is started on the tower while the GPU node lends
+    # without its card (libvirt's hook lets it start unseen), and Home
+    # Assistant's next look finds a start by hand of gaming-2 to hand over
+    # too. Following gaming-1 waited for a look with nothing to hand over,
+    # and its player quit before one came: its card was never lent. It is
+    # followed in the same look now (core.reconcile; depth 5).
+    "started_unseen_while_a_start_by_hand_is_handed_over": (
+        LENDING,
+        [
+            "turn_on gaming-1",
+            *["controller"] * 3,
+            "start_by_hand gaming-2",
+            "tower_job",
+            "node_not_ready",
+            "hook_stop",
+            *["controller"] * 4,
+            "tower_job",
+            "node_ready",
+            *["controller"] * 3,
+            "turn_off gaming-1",
+            *["controller"] * 2,
+            "tower_job",
+            *["controller"] * 2,
+            "start_by_hand_unseen_by_hook gaming-1",
+            *["controller"] * 7,
+            "tower_job",
+            "node_not_ready",
+            *["controller"] * 4,
+            "player_quits gaming-1",
+            *["controller"] * 2,
+        ],
+    ),
 }
 
 
