@@ -284,18 +284,7 @@ def parse_kubeconfig(text: str) -> Kubeconfig:
     server = cluster.get("server")
     if not isinstance(server, str) or not server.startswith(("https://", "http://")):
         raise KubeconfigError("the cluster has no https:// server address")
-    if "certificate-authority" in cluster:
-        raise KubeconfigError(
-            "certificate-authority points to a file; paste certificate-authority-data"
-        )
-    if "exec" in user or "auth-provider" in user:
-        raise KubeconfigError(
-            "exec and auth-provider credentials are not supported; use a ServiceAccount token"
-        )
-    if "client-certificate" in user or "client-key" in user or "tokenFile" in user:
-        raise KubeconfigError(
-            "the user's credentials point to files; paste the *-data fields or a token"
-        )
+    _refuse_files_and_plugins(cluster, user)
     ca = cluster.get("certificate-authority-data")
     cert = user.get("client-certificate-data")
     key = user.get("client-key-data")
@@ -313,6 +302,23 @@ def parse_kubeconfig(text: str) -> Kubeconfig:
         client_key_data=_b64(key, "client-key-data") if key else None,
         tls_server_name=cluster.get("tls-server-name"),
     )
+
+
+def _refuse_files_and_plugins(cluster: dict[str, Any], user: dict[str, Any]) -> None:
+    """Credentials Home Assistant would have to read from a file or get by
+    running a program are refused, each with what to paste instead."""
+    if "certificate-authority" in cluster:
+        raise KubeconfigError(
+            "certificate-authority points to a file; paste certificate-authority-data"
+        )
+    if "exec" in user or "auth-provider" in user:
+        raise KubeconfigError(
+            "exec and auth-provider credentials are not supported; use a ServiceAccount token"
+        )
+    if "client-certificate" in user or "client-key" in user or "tokenFile" in user:
+        raise KubeconfigError(
+            "the user's credentials point to files; paste the *-data fields or a token"
+        )
 
 
 def build_ssl_context(kubeconfig: Kubeconfig) -> ssl.SSLContext:
@@ -794,6 +800,35 @@ def _api_error(err: ApiException) -> ClusterError:
     return ClusterRequestError(f"{code} {message}")
 
 
+def node_view_of(
+    name: str, node: Any, pods: list[Any], lease_age: float | None
+) -> NodeView:
+    """What GPU Handoff reads of a node: its Ready, cordon, GPUs and pods."""
+    ready: bool | None = None
+    for condition in (node.status.conditions or []) if node.status else []:
+        if condition.type == "Ready":
+            ready = condition.status == "True"
+    status = node.status
+    running = [pod for pod in pods if not pod_finished(pod)]
+    return NodeView(
+        name=name,
+        ready=ready,
+        unschedulable=bool(node.spec.unschedulable) if node.spec else False,
+        cordon_owner=cordon_owner(node),
+        lease_age=lease_age,
+        gpu_capacity=_gpu_devices(status.capacity) if status else 0,
+        gpu_allocatable=_gpu_devices(status.allocatable) if status else 0,
+        gpu_requested=sum(_pod_gpu_request(pod) for pod in running),
+        pods=len(running),
+        evictable_pods=sum(1 for pod in running if is_evictable(pod)),
+        stale_mark=has_stale_mark(node),
+        unmanaged=tuple(
+            sorted(pod_ref(pod).label for pod in running if is_unmanaged(pod))
+        ),
+        boot_id=boot_id_of(node),
+    )
+
+
 class ClusterClient:
     """One cluster: an ApiClient of its own, closed on ``close``."""
 
@@ -978,36 +1013,11 @@ class ClusterClient:
             try:
                 if version is None:
                     raise ClusterConnectionError("no resourceVersion to watch from")
-                await self._next_node_event(name, version, chunk)
+                await _next_node_event(self, name, version, chunk)
             except ClusterError, aiohttp.ClientError, OSError, ValueError:
                 await asyncio.sleep(min(NODE_POLL_FALLBACK, remaining))
             except TimeoutError:
                 pass  # nothing happened in this chunk: read again
-
-    async def _next_node_event(self, name: str, version: str, seconds: float) -> None:
-        """Until the node changes after ``version`` (a watch event arrives)."""
-        async with asyncio.timeout(seconds + 5):
-            response = await self.call(
-                self.core.list_node,
-                field_selector=f"metadata.name={name}",
-                watch=True,
-                resource_version=version,
-                timeout_seconds=max(1, int(seconds)),
-                _preload_content=False,
-                timeout=seconds + 5,
-            )
-            try:
-                async for line in response.content:
-                    if line.strip():
-                        event = json.loads(line)
-                        if event.get("type") == "ERROR":
-                            raise ClusterConnectionError(
-                                "the watch ended with an error"
-                            )
-                        return
-                raise TimeoutError  # the watch ended with nothing to say
-            finally:
-                response.release()
 
     async def _node_view(self, name: str) -> tuple[NodeView, str | None]:
         node, _pods, view = await self._read_node(name)
@@ -1030,29 +1040,7 @@ class ClusterClient:
         if lease is not None and lease.spec.renew_time is not None:
             renewed = lease.spec.renew_time
             lease_age = max(0.0, (dt.datetime.now(dt.UTC) - renewed).total_seconds())
-        ready: bool | None = None
-        for condition in (node.status.conditions or []) if node.status else []:
-            if condition.type == "Ready":
-                ready = condition.status == "True"
-        status = node.status
-        running = [pod for pod in pods.items if not pod_finished(pod)]
-        view = NodeView(
-            name=name,
-            ready=ready,
-            unschedulable=bool(node.spec.unschedulable) if node.spec else False,
-            cordon_owner=cordon_owner(node),
-            lease_age=lease_age,
-            gpu_capacity=_gpu_devices(status.capacity) if status else 0,
-            gpu_allocatable=_gpu_devices(status.allocatable) if status else 0,
-            gpu_requested=sum(_pod_gpu_request(pod) for pod in running),
-            pods=len(running),
-            evictable_pods=sum(1 for pod in running if is_evictable(pod)),
-            stale_mark=has_stale_mark(node),
-            unmanaged=tuple(
-                sorted(pod_ref(pod).label for pod in running if is_unmanaged(pod))
-            ),
-            boot_id=boot_id_of(node),
-        )
+        view = node_view_of(name, node, pods.items, lease_age)
         return node, pods.items, view
 
     async def cordon(self, name: str, mark: str) -> str:
@@ -1121,3 +1109,29 @@ class ClusterClient:
             except ConflictError:
                 continue
             return result
+
+
+async def _next_node_event(
+    client: ClusterClient, name: str, version: str, seconds: float
+) -> None:
+    """Until the node changes after ``version`` (a watch event arrives)."""
+    async with asyncio.timeout(seconds + 5):
+        response = await client.call(
+            client.core.list_node,
+            field_selector=f"metadata.name={name}",
+            watch=True,
+            resource_version=version,
+            timeout_seconds=max(1, int(seconds)),
+            _preload_content=False,
+            timeout=seconds + 5,
+        )
+        try:
+            async for line in response.content:
+                if line.strip():
+                    event = json.loads(line)
+                    if event.get("type") == "ERROR":
+                        raise ClusterConnectionError("the watch ended with an error")
+                    return
+            raise TimeoutError  # the watch ended with nothing to say
+        finally:
+            response.release()

@@ -35,7 +35,6 @@ from .core import (
     Plan,
     Request,
     hook_stopped_gpu_node,
-    known_desired,
     reconcile,
 )
 from .operations import Operations
@@ -49,7 +48,7 @@ from .runner import (
     check_operator_cordon,
     node_holds_cards_of,
 )
-from .tower_client import TowerError
+from .tower_client import TowerClient, TowerError
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -126,7 +125,7 @@ class HandoffController:
         """Load the desired state and resume what an earlier run left."""
         owned = await self.state.load()
         status = self.coordinator.data.tower
-        self._forget_unknown_vms()
+        self.state.forget_unknown_vms()
         known = self.state.configured_vms | {status.gpu_node}
         if self.plan is not None:
             request = self.plan.request
@@ -162,18 +161,6 @@ class HandoffController:
         self._entry.async_on_unload(
             self.coordinator.async_add_listener(self._reconcile)
         )
-
-    def _forget_unknown_vms(self) -> None:
-        """Drop VMs no longer defined on the tower, or no longer configured
-        and not running, from the desired set (core.known_desired)."""
-        known = known_desired(
-            frozenset(self.desired),
-            self.coordinator.data.tower.domains,
-            self.state.configured_vms,
-        )
-        if known != self.desired:
-            _LOGGER.info("Forgetting %s", ", ".join(sorted(self.desired - known)))
-            self.state.desired = set(known)
 
     # --- requests ------------------------------------------------------------
 
@@ -315,36 +302,19 @@ class HandoffController:
         """Someone lifted GPU Handoff's cordon and left its mark: remove the
         mark now (under the lock: an operation's own cordon is never touched
         while it runs), so a cordon placed later is not taken for ours."""
-        try:
-            async with self._lock:
-                if await self.coordinator.cluster.forget_stale_mark(
-                    self.coordinator.k8s_node
-                ):
-                    _LOGGER.info(
-                        "GPU Handoff's cordon on %s was lifted by someone else; "
-                        "its mark is removed",
-                        self.coordinator.k8s_node,
-                    )
-                    await self.coordinator.async_request_refresh()
-        except ClusterError as err:
-            _LOGGER.warning("Could not remove a stale cordon mark: %s", err)
+        async with self._lock:
+            if await forget_stale_mark(self.coordinator):
+                await self.coordinator.async_request_refresh()
 
     async def _read_hook_jobs(self, jobs: tuple[str, ...]) -> None:
         """Read the records of the hook's ended jobs the decision needs (what
         they did never changes), then decide again."""
-        gpu_node = self.coordinator.data.tower.gpu_node
-        read, stopped = set(), set()
-        for job_id in jobs:
-            try:
-                record = await self.coordinator.tower.job(job_id)
-            except TowerError as err:
-                _LOGGER.warning("Could not read the hook's job %s: %s", job_id, err)
-                continue
-            if record.job.state.active:
-                continue
-            read.add(job_id)
-            if hook_stopped_gpu_node(record, gpu_node, since=self.state.gpu_started_at):
-                stopped.add(job_id)
+        read, stopped = await read_hook_records(
+            self.coordinator.tower,
+            jobs,
+            gpu_node=self.coordinator.data.tower.gpu_node,
+            since=self.state.gpu_started_at,
+        )
         memory = self.state.memory
         self.state.memory = replace(
             memory,
@@ -378,3 +348,46 @@ class HandoffController:
     def job_pushed(self, record: JobRecord) -> None:
         """The session pushed a job's progress."""
         self.runner.jobs.pushed(record)
+
+
+async def forget_stale_mark(coordinator: GpuHandoffCoordinator) -> bool:
+    """Remove GPU Handoff's mark from a node nobody cordons; True if removed."""
+    node = coordinator.k8s_node
+    try:
+        forgotten = await coordinator.cluster.forget_stale_mark(node)
+    except ClusterError as err:
+        _LOGGER.warning("Could not remove a stale cordon mark: %s", err)
+        return False
+    if forgotten:
+        _LOGGER.info(
+            "GPU Handoff's cordon on %s was lifted by someone else; its mark is "
+            "removed",
+            node,
+        )
+    return forgotten
+
+
+async def read_hook_records(
+    tower: TowerClient,
+    jobs: tuple[str, ...],
+    *,
+    gpu_node: str,
+    since: str | None,
+) -> tuple[frozenset[str], frozenset[str]]:
+    """Of the hook's jobs ``jobs``, those that ended and whose records were
+    read, and those of them that shut the GPU node down after GPU Handoff
+    last started it (``since``; core.hook_stopped_gpu_node)."""
+    read: set[str] = set()
+    stopped: set[str] = set()
+    for job_id in jobs:
+        try:
+            record = await tower.job(job_id)
+        except TowerError as err:
+            _LOGGER.warning("Could not read the hook's job %s: %s", job_id, err)
+            continue
+        if record.job.state.active:
+            continue
+        read.add(job_id)
+        if hook_stopped_gpu_node(record, gpu_node, since=since):
+            stopped.add(job_id)
+    return frozenset(read), frozenset(stopped)

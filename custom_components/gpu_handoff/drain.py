@@ -198,23 +198,34 @@ class NodeDrain:
                 raise UnmanagedPodsError(name, tuple(refused), state.progress())
             if not evict:
                 break
-            for pod in evict:
-                state.waiting[pod] = "evicting"
-            state.announce()
-            try:
-                async with asyncio.TaskGroup() as group:
-                    for pod in evict:
-                        group.create_task(self._evict_and_wait(pod, state, pace))
-            except* _DrainTimeoutError:
-                raise DrainError(
-                    f"{len(state.waiting)} pod(s) still on {name} after "
-                    f"{timeout:.0f} s: {state.describe()}",
-                    state.progress(),
-                ) from None
-            except* ClusterError as errors:
-                raise errors.exceptions[0] from None
+            await self._evict_round(name, evict, state, pace, timeout)
         state.announce()
         return state.progress()
+
+    async def _evict_round(
+        self,
+        name: str,
+        evict: list[Any],
+        state: _DrainState,
+        pace: _Pace,
+        timeout: float,
+    ) -> None:
+        """Evict ``evict`` together and wait until each is gone."""
+        for pod in evict:
+            state.waiting[pod] = "evicting"
+        state.announce()
+        try:
+            async with asyncio.TaskGroup() as group:
+                for pod in evict:
+                    group.create_task(self._evict_and_wait(pod, state, pace))
+        except* _DrainTimeoutError:
+            raise DrainError(
+                f"{len(state.waiting)} pod(s) still on {name} after "
+                f"{timeout:.0f} s: {state.describe()}",
+                state.progress(),
+            ) from None
+        except* ClusterError as errors:
+            raise errors.exceptions[0] from None
 
     async def _pods_on(self, name: str, deadline: float) -> list[Any]:
         pods: list[Any] = []

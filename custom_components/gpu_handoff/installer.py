@@ -294,21 +294,7 @@ class AdminSession:
             raise InstallError("tower_no_python", python or "python3")
         if not found.get("virsh"):
             raise InstallError("tower_no_virsh")
-        listed = await self._run(
-            ["virsh", "-q", "-c", uri, "list", "--all", "--name"],
-            as_root=True,
-            timeout=SURVEY_TIMEOUT,
-        )
-        if listed.exit_status != 0:
-            said = _first_line(_text(listed.stderr)) or _first_line(
-                _text(listed.stdout)
-            )
-            raise InstallError("tower_not_libvirt", said)
-        listing = sorted(
-            {line.strip() for line in _text(listed.stdout).splitlines()} - {""}
-        )
-        if not listing:
-            raise InstallError("tower_no_domains", uri)
+        listing = await self._domains(uri)
         # virsh would look such a name up as a domain id or UUID first, and
         # could act on another VM: the agent refuses it, so nobody picks it.
         left_out = [name for name in listing if agent.virsh_reads_as(name)]
@@ -324,6 +310,25 @@ class AdminSession:
             domains=domains,
             left_out=left_out,
         )
+
+    async def _domains(self, uri: str) -> list[str]:
+        """Every domain libvirt at ``uri`` defines, sorted (at least one)."""
+        listed = await self._run(
+            ["virsh", "-q", "-c", uri, "list", "--all", "--name"],
+            as_root=True,
+            timeout=SURVEY_TIMEOUT,
+        )
+        if listed.exit_status != 0:
+            said = _first_line(_text(listed.stderr)) or _first_line(
+                _text(listed.stdout)
+            )
+            raise InstallError("tower_not_libvirt", said)
+        listing = sorted(
+            {line.strip() for line in _text(listed.stdout).splitlines()} - {""}
+        )
+        if not listing:
+            raise InstallError("tower_no_domains", uri)
+        return listing
 
     @contextlib.asynccontextmanager
     async def _uploaded_agent(self) -> AsyncIterator[str]:

@@ -45,6 +45,7 @@ from .core import (
     Request,
     Settings,
     gpu_stopped_by_us,
+    known_desired,
     migrate_store,
 )
 
@@ -127,6 +128,18 @@ class OwnedState:
             seen = frozenset(request.key for request in hooks)
         self.memory = Memory(seen_hook_requests=seen)
         return owned
+
+    def forget_unknown_vms(self) -> None:
+        """Drop VMs no longer defined on the tower, or no longer configured
+        and not running, from the desired set (core.known_desired)."""
+        known = known_desired(
+            frozenset(self.desired),
+            self.coordinator.data.tower.domains,
+            self.configured_vms,
+        )
+        if known != self.desired:
+            _LOGGER.info("Forgetting %s", ", ".join(sorted(self.desired - known)))
+            self.desired = set(known)
 
     def owned(self) -> Owned:
         """What is owned now, as it is stored."""

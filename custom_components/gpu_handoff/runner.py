@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from functools import partial
 import logging
 from typing import Protocol
 
@@ -143,6 +144,23 @@ def serves_free_cards(status: TowerStatus) -> bool:
     return {card_of(address) for address in gpu.cards} == free
 
 
+def check_agent_lends(tower: TowerClient) -> None:
+    """An agent older than lending (0.3.0) has no `lend`: say so before
+    anything is asked of it (with the session down, its answer says it)."""
+    session = tower.session
+    if (
+        session is not None
+        and not session.closed
+        and JobKind.LEND.value not in session.hello.verbs
+    ):
+        raise RunnerError(
+            "agent_cannot_lend",
+            f"the agent on the tower ({session.hello.version}) cannot lend "
+            "cards yet: update it to the version this integration ships",
+            version=session.hello.version,
+        )
+
+
 async def lift_own_cordon_if_serving(
     tower: TowerClient, cluster: ClusterClient, k8s_node: str
 ) -> bool:
@@ -259,14 +277,7 @@ class OperationRunner:
                 if job is not None and job.requested_by == REQUESTED_BY_HOOK:
                     hook_job = job.id
             if hook_job is not None:
-                record = await self.jobs.follow(hook_job)
-                # What it did counts as the operation's (core.returns_after),
-                # unless GPU Handoff started the GPU node since.
-                if hook_stopped_gpu_node(
-                    record, self.gpu_node, since=self.facts.gpu_started_at
-                ):
-                    self.facts = self.facts.with_record(record, self.gpu_node)
-                    stopped_by_us = True
+                stopped_by_us = await self._hook_stopped(hook_job) or stopped_by_us
                 status = await self.tower.status()
             gpu = status.domains.get(self.gpu_node)
             if gpu is not None and gpu.state == RUNNING:
@@ -285,6 +296,18 @@ class OperationRunner:
             # with a report if the tower is still away).
             _LOGGER.warning("Could not settle the failed handoff: %s", err)
             return stopped_by_us
+
+    async def _hook_stopped(self, hook_job: str) -> bool:
+        """Follow libvirt's hook's stop of the GPU node to its end: True when
+        it shut the GPU node down since GPU Handoff last started it (what it
+        did then counts as the operation's: core.returns_after)."""
+        record = await self.jobs.follow(hook_job)
+        if not hook_stopped_gpu_node(
+            record, self.gpu_node, since=self.facts.gpu_started_at
+        ):
+            return False
+        self.facts = self.facts.with_record(record, self.gpu_node)
+        return True
 
     async def _drain(self, reason: str, settings: Settings) -> None:
         """Cordon the GPU node's node (marking the cordon as ours), then drain
@@ -407,25 +430,9 @@ class OperationRunner:
             self._host.phase(PHASE_RETURNING)
         elif not free:
             return False, None
-        self._check_agent_lends()
+        check_agent_lends(self.tower)
         done = await self._job(JobKind.LEND, None)
         return bool(free), done
-
-    def _check_agent_lends(self) -> None:
-        """An agent older than lending (0.3.0) has no `lend`: say so before
-        anything is asked of it (with the session down, its answer says it)."""
-        session = self.tower.session
-        if (
-            session is not None
-            and not session.closed
-            and JobKind.LEND.value not in session.hello.verbs
-        ):
-            raise RunnerError(
-                "agent_cannot_lend",
-                f"the agent on the tower ({session.hello.version}) cannot lend "
-                "cards yet: update it to the version this integration ships",
-                version=session.hello.version,
-            )
 
     async def finish_job(self) -> None:
         """Follow the stored job to its end (an operation being abandoned)."""
@@ -458,17 +465,21 @@ class OperationRunner:
         """Run a tower job of ``kind`` (or the stored operation's) to its end;
         what it did joins the operation's facts."""
         return await self.jobs.run(
-            kind, domain, boot_id=self._boot_id, ended=self._job_ended
+            kind,
+            domain,
+            boot_id=partial(read_boot_id, self.cluster, self.k8s_node),
+            ended=self._job_ended,
         )
 
     def _job_ended(self, record: JobRecord) -> None:
         self.facts = self.facts.with_record(record, self.gpu_node)
 
-    async def _boot_id(self) -> str | None:
-        """The GPU node's bootID now (None when the cluster cannot say: then
-        any Ready counts, as before bootIDs were read)."""
-        try:
-            return await self.cluster.boot_id(self.k8s_node)
-        except ClusterError as err:
-            _LOGGER.warning("Could not read %s's bootID: %s", self.k8s_node, err)
-            return None
+
+async def read_boot_id(cluster: ClusterClient, k8s_node: str) -> str | None:
+    """The GPU node's bootID now (None when the cluster cannot say: then any
+    Ready counts, as before bootIDs were read)."""
+    try:
+        return await cluster.boot_id(k8s_node)
+    except ClusterError as err:
+        _LOGGER.warning("Could not read %s's bootID: %s", k8s_node, err)
+        return None
