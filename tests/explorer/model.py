@@ -4,7 +4,8 @@ gpu_stopped_by_us, superseded_hook_requests, job_stopped_gpu_node,
 start_by_hand_asks through reconcile), and the runner's steps follow
 ``runner.py`` branch by branch (one state per await where the world can
 move: the drain, a tower job followed, the wait for the node, the settle of
-a failed handoff). Home Assistant's parts (storage, the lock, events) are
+a failed handoff); ``conformance.py`` checks that each operation, run
+without interleaving, ends as the real runner's code leaves it. Home Assistant's parts (storage, the lock, events) are
 what a restart keeps or loses: the stored records survive it, the memory
 and the operation's place do not.
 """

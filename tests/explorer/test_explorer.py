@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 
-from custom_components.gpu_handoff import core
+from custom_components.gpu_handoff import core, runner as runner_module
 from custom_components.gpu_handoff.core import Kind, Request
 from custom_components.gpu_handoff.protocol import RUNNING, HookRequest
 
+from .conformance import compare
 from .model import BASE, InvariantError, Model
 from .search import as_test, explore, replay, run_out
 
@@ -545,3 +546,32 @@ def test_the_printed_test_replays_the_sequence() -> None:
     test = next(value for key, value in namespace.items() if key.startswith("test_"))
     with pytest.raises(InvariantError, match="operator_stop_undone"):
         test()
+
+
+# --- the model's runner is the product's ------------------------------------------------
+
+CONFORMANCE_DEPTH = 3
+
+
+@pytest.mark.parametrize("model", [MODEL, LENDING], ids=["base", "lending"])
+def test_the_model_runs_operations_as_the_runner_does(model: Model) -> None:
+    """Every operation that begins within CONFORMANCE_DEPTH events (afresh,
+    or resumed after a restart) leaves the same world, job facts, verdict
+    and follow-up run as the model's steps and as the real OperationRunner's
+    code against stand-ins of the clients on the same world (about 15 s for
+    both; a runner changed without its model, or the other way round,
+    differs: the test mutates the runner below)."""
+    compared, differences = compare(model, CONFORMANCE_DEPTH)
+    print(f"conformance: {compared} operations compared")
+    assert compared > 5_000
+    assert not differences, "\n".join(differences[:5])
+
+
+def test_a_runner_that_differs_from_its_model_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handoff that skipped its drain (and so its cordon) where the GPU
+    node holds the VM's card: the comparison sees it."""
+    monkeypatch.setattr(runner_module, "node_holds_cards_of", lambda *_: False)
+    _, differences = compare(MODEL, 1)
+    assert differences
