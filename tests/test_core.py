@@ -45,6 +45,7 @@ from custom_components.gpu_handoff.core import (
 )
 from custom_components.gpu_handoff.owned import handoff_store
 from custom_components.gpu_handoff.protocol import (
+    RUNNING,
     DomainState,
     HookRequest,
     Job,
@@ -55,6 +56,7 @@ from custom_components.gpu_handoff.protocol import (
     StepName,
     TowerStatus,
 )
+from tests.explorer.world import CARDS, VMS, World
 
 FIXTURES = Path(__file__).parent / "fixtures" / "store_v1"
 SETTINGS = Settings(
@@ -393,6 +395,54 @@ def test_a_refused_lend_is_tried_again_once_its_pods_are_gone() -> None:
     assert (
         reconcile(observed(tower(), node(), LENDING), Owned(), memory).run is not None
     )
+
+
+def test_a_refused_lend_is_not_tried_on_a_gpu_node_shut_down_since() -> None:
+    """The lend drained a GPU node that ran; its operator shut it down while
+    the pod was in the way: it stays off (found by the explorer at depth 5)."""
+    memory = Memory(lend_refused=("default/debug",))
+    off = observed(tower(gpu="shut_off"), node(), LENDING)
+    assert reconcile(off, Owned(), memory).run is None
+
+
+def _lending_tower(gpu: str, lent: frozenset[str], **vms: str) -> TowerStatus:
+    """The explorer's tower (two gaming VMs with a card each, the GPU node
+    defined with both), as the agent reports it."""
+    playing = tuple(RUNNING if vms.get(vm) == RUNNING else "shut_off" for vm in VMS)
+    return World(gpu=gpu, lent=lent, vms=(playing[0], playing[1])).tower_status()
+
+
+def test_lending_a_card_freed_unseen_is_lent() -> None:
+    """Gaming station 1 was started on the tower while an operation ran and
+    its player quit before any look: its card is free and the GPU node GPU
+    Handoff shut down for Gaming station 2 does not run with it. The free
+    cards changed since the last return began: it lends (found by the
+    explorer at depth 5)."""
+    status = _lending_tower("shut_off", frozenset(), **{"gaming-2": RUNNING})
+    ours = Owned(desired=frozenset({"gaming-2"}), gpu_stopped_by_us=True)
+    nothing_was_free = Memory(lent_for=frozenset())
+    result = reconcile(observed(status, settings=LENDING), ours, nothing_was_free)
+    assert result.run == Request(
+        vm="gpu-node", kind=Kind.RETURN, origin=Origin.GPU_HANDOFF
+    )
+    # A GPU node that runs with fewer cards than are free is lent to as well.
+    running = _lending_tower("running", frozenset({CARDS["gaming-2"]}))
+    assert reconcile(observed(running, settings=LENDING), Owned(), Memory()).run
+    # Not again for the same free cards (the last lend failed: reported).
+    tried = Memory(lent_for=frozenset({CARDS["gaming-1"]}))
+    assert reconcile(observed(status, settings=LENDING), ours, tried).run is None
+    # Not to a GPU node someone else shut down, nor without lending.
+    theirs = replace(ours, gpu_stopped_by_us=False)
+    assert reconcile(observed(status, settings=LENDING), theirs, Memory()).run is None
+    assert reconcile(observed(status), ours, Memory()).run is None
+    # Not while a tower job acts on the GPU node.
+    busy = replace(status, active_jobs=(job(JobKind.STOP, "gpu-node"),))
+    assert reconcile(observed(busy, settings=LENDING), ours, Memory()).run is None
+    # At rest, the GPU node serving exactly the free cards, nothing to do.
+    rest = _lending_tower(
+        "running", frozenset({CARDS["gaming-1"]}), **{"gaming-2": RUNNING}
+    )
+    assert reconcile(observed(rest, settings=LENDING), Owned(), Memory()).run is None
 
 
 def test_a_stale_mark_is_forgotten() -> None:

@@ -439,8 +439,8 @@ class Memory:
     """What the controller remembers between updates: the starts by hand
     it has dealt with (stored with the owned records, so one recorded while
     Home Assistant was down is dealt with after it starts), and the pods
-    that refused the last lend (not stored), and what the hook's ended jobs
-    did."""
+    that refused the last lend (not stored), what the hook's ended jobs
+    did, and the free cards the last return began with."""
 
     seen_hook_requests: frozenset[str] = frozenset()
     lend_refused: tuple[str, ...] = ()
@@ -449,6 +449,10 @@ class Memory:
     # down.
     hook_jobs_read: frozenset[str] = frozenset()
     hook_jobs_stopped: frozenset[str] = frozenset()
+    # The free cards when the last return began (not stored): lending, the
+    # GPU node is lent again when they change, not after every update while
+    # a lend that failed is not fixed (see _lend_falls_short).
+    lent_for: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -680,6 +684,43 @@ def _ended_start(
     return HookStop.STANDS if job in memory.hook_jobs_stopped else HookStop.OVER
 
 
+def card_of(address: str) -> str:
+    """The card a PCI function belongs to (``0000:03:00.1`` -> ``0000:03:00``)."""
+    return address.rsplit(".", 1)[0]
+
+
+def free_cards(status: TowerStatus) -> set[str]:
+    """The GPU node's own cards (its persistent definition's) that no other
+    running domain holds, nor a function of their IOMMU group (libvirt passes
+    a group through whole; on a board without ACS two cards can share one):
+    what it can run with now."""
+    gpu = status.domains.get(status.gpu_node)
+    if gpu is None:
+        return set()
+    elsewhere = [
+        card
+        for card in status.cards
+        if card.held_by is not None and card.held_by != status.gpu_node
+    ]
+    groups = {card.iommu_group for card in elsewhere} - {None}
+    taken = {card_of(card.address) for card in elsewhere} | {
+        card_of(card.address) for card in status.cards if card.iommu_group in groups
+    }
+    return {card_of(address) for address in gpu.defined_cards} - taken
+
+
+def serves_free_cards(status: TowerStatus) -> bool:
+    """Whether the GPU node runs with exactly the cards nobody plays with
+    (lending at rest), or is off with none free."""
+    gpu = status.domains.get(status.gpu_node)
+    if gpu is None:
+        return True
+    free = free_cards(status)
+    if gpu.state != RUNNING:
+        return not free
+    return {card_of(address) for address in gpu.cards} == free
+
+
 def _lends_on_follow(observed: Observed) -> bool:
     """Lending, a start by hand followed with the GPU node off is handed
     over all the same: the VM plays already, but the hook's job record says
@@ -721,7 +762,10 @@ def _return_asked(
         and (
             ended
             or (
+                # (A refused lend drained a GPU node that ran: one shut down
+                # since stays off.)
                 bool(memory.lend_refused)
+                and gpu.state == RUNNING
                 and node is not None
                 and not set(memory.lend_refused) & set(node.unmanaged)
             )
@@ -765,7 +809,9 @@ def reconcile(observed: Observed, owned: Owned, memory: Memory) -> Reconciled:
         found.desired - ended, status.domains, set(observed.configured)
     )
     changed = found.changed or remaining != found.desired
-    if _return_asked(observed, remaining, bool(ended), found.memory):
+    if _return_asked(
+        observed, remaining, bool(ended), found.memory
+    ) or _lend_falls_short(observed, found):
         return replace(
             found,
             desired=remaining,
@@ -780,6 +826,32 @@ def reconcile(observed: Observed, owned: Owned, memory: Memory) -> Reconciled:
         desired=remaining,
         changed=changed,
         forget_stale_mark=node is not None and node.stale_mark,
+    )
+
+
+def _lend_falls_short(observed: Observed, found: Reconciled) -> bool:
+    """Lending at rest, the level the edges above may miss: the GPU node GPU
+    Handoff holds (it runs, or GPU Handoff's jobs or a start by hand it
+    followed shut it down) does not run with exactly the free cards, and
+    they changed since the last return began (a player who started a VM on
+    the tower and quit it while an operation ran, unseen by every look).
+    Not while a tower job acts on the GPU node or a start by hand is still
+    to be looked at; not again for the same free cards after a lend that
+    failed or was refused (those are reported, and retried as they say)."""
+    status, settings = observed.tower, observed.settings
+    gpu = status.domains.get(status.gpu_node)
+    unseen = {request.key for request in status.hook_requests}
+    return (
+        settings.lend_free
+        and settings.auto_return
+        and gpu is not None
+        and (
+            gpu.state == RUNNING or (gpu.state == SHUT_OFF and found.gpu_stopped_by_us)
+        )
+        and status.job_for(status.gpu_node) is None
+        and unseen <= found.memory.seen_hook_requests
+        and not serves_free_cards(status)
+        and frozenset(free_cards(status)) != found.memory.lent_for
     )
 
 

@@ -16,6 +16,7 @@ from .core import (
     Plan,
     Request,
     Settle,
+    free_cards,
     job_stopped_gpu_node,
     lends_after,
     returns_after,
@@ -64,7 +65,10 @@ class Operations:
         # A return lends again after a refused lend, or says why not.
         relend = kind is Kind.RETURN and bool(self.state.memory.lend_refused)
         if kind is Kind.RETURN:
-            self.state.memory = replace(self.state.memory, lend_refused=())
+            free = frozenset(free_cards(self.coordinator.data.tower))
+            self.state.memory = replace(
+                self.state.memory, lend_refused=(), lent_for=free
+            )
         self.progress.begin(vm, kind)
         if plan.settle is None:
             self.report.fire(EVENT_HANDOFF_STARTED, vm, kind=kind)

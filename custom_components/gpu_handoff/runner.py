@@ -22,6 +22,8 @@ from .const import PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
 from .core import (
     JobFacts,
     Settings,
+    card_of,
+    free_cards,
     gpu_node_off,
     gpu_node_undisturbed,
     hook_stopped_gpu_node,
@@ -84,31 +86,6 @@ def node_holds_cards_of(status: TowerStatus, vm: str) -> bool:
     )
 
 
-def card_of(address: str) -> str:
-    """The card a PCI function belongs to (``0000:03:00.1`` -> ``0000:03:00``)."""
-    return address.rsplit(".", 1)[0]
-
-
-def free_cards(status: TowerStatus) -> set[str]:
-    """The GPU node's own cards (its persistent definition's) that no other
-    running domain holds, nor a function of their IOMMU group (libvirt passes
-    a group through whole; on a board without ACS two cards can share one):
-    what it can run with now."""
-    gpu = status.domains.get(status.gpu_node)
-    if gpu is None:
-        return set()
-    elsewhere = [
-        card
-        for card in status.cards
-        if card.held_by is not None and card.held_by != status.gpu_node
-    ]
-    groups = {card.iommu_group for card in elsewhere} - {None}
-    taken = {card_of(card.address) for card in elsewhere} | {
-        card_of(card.address) for card in status.cards if card.iommu_group in groups
-    }
-    return {card_of(address) for address in gpu.defined_cards} - taken
-
-
 def cards_in_play(status: TowerStatus) -> bool:
     """Whether a running gaming VM holds one of the GPU node's cards (the GPU
     node cannot start then: libvirt refuses a PCI function in use)."""
@@ -130,18 +107,6 @@ def can_run(status: TowerStatus, settings: Settings) -> bool:
     if settings.lend_free:
         return bool(free_cards(status))
     return not cards_in_play(status)
-
-
-def serves_free_cards(status: TowerStatus) -> bool:
-    """Whether the GPU node runs with exactly the cards nobody plays with
-    (lending at rest), or is off with none free."""
-    gpu = status.domains.get(status.gpu_node)
-    if gpu is None:
-        return True
-    free = free_cards(status)
-    if gpu.state != RUNNING:
-        return not free
-    return {card_of(address) for address in gpu.cards} == free
 
 
 def check_agent_lends(tower: TowerClient) -> None:

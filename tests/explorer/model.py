@@ -29,6 +29,7 @@ from custom_components.gpu_handoff.core import (
     Request,
     Settings,
     Settle,
+    free_cards,
     gpu_stopped_by_us,
     hook_stopped_gpu_node,
     job_stopped_gpu_node,
@@ -334,7 +335,9 @@ class Model:
         plan = ctl.plan
         assert plan is not None
         if request.kind is Kind.RETURN:
-            ctl = replace(ctl, memory=replace(ctl.memory, lend_refused=()))
+            free = frozenset(free_cards(world.tower_status()))
+            memory = replace(ctl.memory, lend_refused=(), lent_for=free)
+            ctl = replace(ctl, memory=memory)
         ctl = replace(ctl, errors=ctl.errors - {request.vm})
         if plan.settle is not None:
             ctl = replace(ctl, desired=ctl.desired - {request.vm})

@@ -384,6 +384,64 @@ FIXED_RACES = {
             *["controller"] * 2,
         ],
     ),
+    # Lending: gaming-1 is started on the tower while the handoff to
+    # gaming-2 runs (libvirt's hook lets it start unseen) and its player
+    # quits before any look: its card is free, and the GPU node GPU Handoff
+    # shut down stays off. Whatever edge is missed, the level is seen: the
+    # free cards changed since the last return began (core._lend_falls_short;
+    # depth 5).
+    "started_and_quit_unseen_during_a_handoff": (
+        LENDING,
+        [
+            "turn_on gaming-1",
+            *["controller"] * 3,
+            "tower_job",
+            "node_not_ready",
+            *["controller"] * 4,
+            "tower_job",
+            "node_ready",
+            *["controller"] * 3,
+            "turn_off gaming-1",
+            *["controller"] * 2,
+            "tower_job",
+            "controller",
+            "turn_on gaming-2",
+            *["controller"] * 4,
+            "start_by_hand_unseen_by_hook gaming-1",
+            "tower_job",
+            "node_not_ready",
+            *["controller"] * 4,
+            "player_quits gaming-1",
+            *["controller"] * 2,
+        ],
+    ),
+    # Lending: the lend after a stop is refused (a pod nothing recreates),
+    # the operator shuts the GPU node down, and the pod goes: the refused
+    # lend was tried again and started the GPU node. It is tried again only
+    # on a GPU node that runs (core._return_asked; depth 5).
+    "operator_shuts_down_a_gpu_node_whose_lend_was_refused": (
+        LENDING,
+        [
+            "turn_on gaming-1",
+            *["controller"] * 3,
+            "tower_job",
+            "node_not_ready",
+            *["controller"] * 4,
+            "tower_job",
+            "node_ready",
+            *["controller"] * 3,
+            "turn_off gaming-1",
+            *["controller"] * 2,
+            "tower_job",
+            *["controller"] * 3,
+            "bare_pod",
+            *["controller"] * 3,
+            "operator_stops_gpu_node",
+            "bare_pod_gone",
+            "node_not_ready",
+            "controller",
+        ],
+    ),
 }
 
 
