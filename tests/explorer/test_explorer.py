@@ -393,13 +393,7 @@ FIXED_RACES = {
     "started_and_quit_unseen_during_a_handoff": (
         LENDING,
         [
-            "turn_on gaming-1",
-            *["controller"] * 3,
-            "tower_job",
-            "node_not_ready",
-            *["controller"] * 4,
-            "tower_job",
-            "node_ready",
+            *LENT_WHILE_GAMING_1_PLAYS,
             *["controller"] * 3,
             "turn_off gaming-1",
             *["controller"] * 2,
@@ -422,13 +416,7 @@ FIXED_RACES = {
     "operator_shuts_down_a_gpu_node_whose_lend_was_refused": (
         LENDING,
         [
-            "turn_on gaming-1",
-            *["controller"] * 3,
-            "tower_job",
-            "node_not_ready",
-            *["controller"] * 4,
-            "tower_job",
-            "node_ready",
+            *LENT_WHILE_GAMING_1_PLAYS,
             *["controller"] * 3,
             "turn_off gaming-1",
             *["controller"] * 2,
