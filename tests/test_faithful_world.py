@@ -585,6 +585,37 @@ async def test_a_refused_lend_is_reported_and_tried_again_when_its_pod_is_gone(
     await until(lambda: not cordoned(cluster))
 
 
+async def test_a_refused_lend_is_not_tried_on_a_gpu_node_shut_down_since(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """As above, but the operator shuts the GPU node down before the pod is
+    deleted: the refused lend is not tried again, and the GPU node stays off
+    (found by the explorer at depth 5; it was started with the free cards)."""
+    await lend_free_cards(hass, entry)
+    await play(hass, entry, sim, 1)
+    await until(lambda: lent_cards(sim) == {GTX_960, RTX_2}, BOUND)
+    await _settled(hass, entry)
+    failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
+    cluster.add_pod("debug", node=GPU_NODE)  # no controller: kubectl refuses
+    await switch(hass, "turn_off", SWITCH_1)
+    await until(lambda: bool(failed), BOUND)
+    await _settled(hass, entry)
+    assert lent_cards(sim) == {GTX_960, RTX_2}
+    boot = _boot_and_gpus(cluster)[0]
+
+    sim.guest_shutdown("gpu-node")
+    await until(lambda: not sim.is_running("gpu-node"), BOUND)
+    cluster.delete("Pod", "debug", "default")
+    await _settled(hass, entry)
+    assert not sim.is_running("gpu-node")
+    assert _boot_and_gpus(cluster)[0] == boot
+    assert len(failed) == 1
+
+
 # --- 2. back means Ready from the new boot -----------------------------------------------
 
 
