@@ -361,15 +361,38 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "no_lending_after_a_handoff",
-        "with lending on, the GPU node serves the free cards while someone plays",
+        "with lending on, the GPU node serves the free cards while someone plays "
+        "(the lend decided with the handoff, and the net that lends on the level "
+        "at the next update: either alone keeps the promise)",
         (
             Patch(
                 OPERATIONS,
                 "            or lends_after(\n",
                 "            or False and lends_after(\n",
             ),
+            Patch(
+                CORE,
+                "    ) or _lend_falls_short(observed, found):\n",
+                "    ) or False:\n",
+            ),
         ),
         ("tests/test_lending.py::test_one_player_leaves_the_cluster_two_cards",),
+    ),
+    Mutant(
+        "no_lending_on_the_level",
+        "lending, a card freed while nobody looked (a VM started on the tower and "
+        "quit during an operation) is lent once the free cards changed",
+        (
+            Patch(
+                CORE,
+                "    ) or _lend_falls_short(observed, found):\n",
+                "    ) or False:\n",
+            ),
+        ),
+        (
+            "tests/test_core.py::test_lending_a_card_freed_unseen_is_lent",
+            "tests/explorer/test_explorer.py::test_a_fixed_race_stays_fixed",
+        ),
     ),
     Mutant(
         "admin_password_stored",
