@@ -486,12 +486,22 @@ HOOK_HANDOFF = replace(HANDOFF, origin=Origin.HOOK, hook_job="h")
             "shut_off",
             True,
         ),
-        # ...one someone else shut down stays off, even if they shut it down
-        # after the stop began, while it served (found by the explorer).
+        # ...and so does one that was off as the stop began (a session's
+        # end brings the cards back, as without lending)...
         (
             STOP,
             True,
             JobFacts(shut_down=frozenset({"gaming-2"})),
+            Owned(),
+            "shut_off",
+            True,
+        ),
+        # ...but one someone else shut down while the stop ran, after it
+        # began with the GPU node serving, stays off (found by the explorer).
+        (
+            STOP,
+            True,
+            JobFacts(shut_down=frozenset({"gaming-2"}), gpu_was_running=True),
             Owned(),
             "shut_off",
             False,

@@ -377,6 +377,36 @@ async def test_a_stop_resumed_after_a_restart_does_not_start_the_gpu_node_twice(
     assert hass.states.get(SWITCH_1).state == "off"
 
 
+async def test_lending_a_session_end_brings_back_a_gpu_node_shut_down_before(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Lending: the operator shuts the GPU node down while Gaming station 2
+    plays; it stays off. Turning Gaming station 2 off ends the session, and
+    the cards go back, as they do without lending (the chaos soak's seed 11
+    with lending, cycle 51: the stop lent only to a GPU node that ran or
+    that GPU Handoff held off, and left it off with nobody playing)."""
+    await lend_free_cards(hass, entry)
+    await play(hass, entry, sim, 2)
+    await until(lambda: lent_cards(sim) == {GTX_960, RTX_1}, BOUND)
+    await _settled(hass, entry)
+    coordinator = entry.runtime_data.coordinator
+    sim.guest_shutdown("gpu-node")
+    await until(lambda: not sim.is_running("gpu-node"), BOUND)
+    await _settled(hass, entry)
+    # (Seen off by Home Assistant too: the agent's view may lag the tower's.)
+    await until(lambda: not coordinator.data.tower.gpus_held_by("gpu-node"), BOUND)
+    assert not sim.is_running("gpu-node")
+
+    await switch(hass, "turn_off", SWITCH_2)
+    await until(lambda: lent_cards(sim) == {GTX_960, RTX_1, RTX_2}, BOUND)
+    await _settled(hass, entry)
+    assert not sim.is_running("gaming-2")
+
+
 async def test_lending_an_operator_shutdown_while_a_stop_runs_is_kept(
     hass: HomeAssistant,
     entry: MockConfigEntry,

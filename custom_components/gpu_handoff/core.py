@@ -160,6 +160,10 @@ class JobFacts:
     # the GPU node libvirt's hook made before it is over: the GPU node ran
     # again since.
     gpu_started_at: str | None = None
+    # A stop: the GPU node ran when it began (read before its first job; a
+    # GPU node off after it and not by its jobs was shut down by someone
+    # else while the stop ran).
+    gpu_was_running: bool = False
 
     def with_record(self, record: JobRecord, gpu_node: str) -> JobFacts:
         """These facts and what ``record`` says its job did, step by step."""
@@ -207,6 +211,7 @@ class JobFacts:
             "shut_down": sorted(self.shut_down),
             "pods_came_back": list(self.pods_came_back),
             "gpu_started_at": self.gpu_started_at,
+            "gpu_was_running": self.gpu_was_running,
         }
 
     @classmethod
@@ -221,6 +226,7 @@ class JobFacts:
             shut_down=frozenset(data.get("shut_down", ())),
             pods_came_back=tuple(data.get("pods_came_back", ())),
             gpu_started_at=data.get("gpu_started_at"),
+            gpu_was_running=bool(data.get("gpu_was_running")),
         )
 
 
@@ -894,12 +900,14 @@ def lends_after(
     (two requests close together cost one GPU node restart). Only when the
     GPU node runs (a stop's freed card, or one a handoff left free, joins
     it) or GPU Handoff holds it off: its job stopped it, or libvirt's hook
-    for a start by hand (their records say so); after a failed handoff, only
-    when the GPU node GPU Handoff stopped is still off. A GPU node someone
-    else shut down stays off, whatever the operation did: a stop that ended
-    a session does not start a GPU node its operator shut down while the
-    stop ran, and a hook's stop that found the GPU node off (the operator
-    shut it down first) did nothing."""
+    for a start by hand (their records say so); after a stop that ended a
+    session (its job shut the VM down), also when the GPU node was off
+    already as the stop began (a session's end brings the cards back, as it
+    does without lending); after a failed handoff, only when the GPU node
+    GPU Handoff stopped is still off. A GPU node someone else shut down
+    stays off otherwise: a stop does not start a GPU node its operator shut
+    down while the stop ran, and a hook's stop that found the GPU node off
+    (the operator shut it down first) did nothing."""
     settings = observed.settings
     if not (
         request.kind in (Kind.HANDOFF, Kind.STOP)
@@ -910,6 +918,14 @@ def lends_after(
         return False
     status = observed.tower
     gpu = status.domains.get(status.gpu_node)
+    if (
+        request.kind is Kind.STOP
+        and request.vm in facts.shut_down
+        and not facts.gpu_was_running
+    ):
+        # A session's end: the cards go back to a GPU node that was off when
+        # the stop began, as they do without lending (returns_after_stop).
+        return True
     if request.kind is Kind.HANDOFF and not succeeded:
         # A failed handoff: a GPU node GPU Handoff stopped (a request before
         # it, which left its lend to this one's end; or a start by hand it

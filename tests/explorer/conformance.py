@@ -71,6 +71,7 @@ class Outcome:
             facts.started_gpu_node,
             facts.shut_down,
             facts.gpu_started_at,
+            facts.gpu_was_running,
             self.failed,
             self.follow_up,
         )

@@ -352,6 +352,8 @@ class Model:
                 return State(world, replace(ctl, stage="drain"))
             return _submit(world, ctl, JobKind.START, vm)
         if request.kind is Kind.STOP:
+            facts = replace(ctl.facts, gpu_was_running=world.gpu == RUNNING)
+            ctl = replace(ctl, facts=facts)
             releases = self.stop_releases(
                 world.tower_status(),
                 vm,
@@ -680,7 +682,8 @@ def _submit(world: World, ctl: Ctl, kind: JobKind, vm: str | None) -> State:
     starts = kind in (JobKind.RELEASE, JobKind.LEND)
     ctl = replace(
         ctl,
-        plan=replace(ctl.plan, job=job),
+        # (Stored with what its jobs did so far, as save_job does.)
+        plan=replace(ctl.plan, job=job, facts=ctl.facts),
         stage="follow",
         old_boot=world.boot if starts else None,
     )
