@@ -39,6 +39,7 @@ from custom_components.gpu_handoff.core import (
     returns_after,
     returns_after_stop,
     settle_hook_job,
+    start_by_hand_over,
     stop_names,
     stop_releases,
     superseded_hook_requests,
@@ -233,6 +234,15 @@ def test_a_vm_playing_unannounced_is_followed_with_a_handoff_to_run() -> None:
     )
     assert result.followed == ("gaming-2",)
     assert result.desired == {"gaming-1", "gaming-2"}
+
+
+def test_a_start_by_hand_is_over_when_its_vm_is_off_but_not_refused() -> None:
+    """A handoff for it, run only now, starts nothing once its player quit
+    (or it crashed); a refused start is still the player's to retry."""
+    status = tower(g1="shut_off", g2="failed")
+    assert start_by_hand_over(status.domains["gaming-1"])
+    assert not start_by_hand_over(replace(status.domains["gaming-2"], reason="failed"))
+    assert not start_by_hand_over(tower(g1="running").domains["gaming-1"])
 
 
 def test_a_start_by_hand_that_ended_with_the_gpu_node_serving_is_done_with() -> None:

@@ -414,6 +414,14 @@ def start_by_hand_asks(
     return StartByHand.FOLLOW
 
 
+def start_by_hand_over(vm: DomainState | None) -> bool:
+    """Whether a start by hand's VM is off for a reason other than a refused
+    start (its player quit, or it crashed): a handoff for that start, run
+    only now, starts nothing (the player's session is over, and the cards go
+    back as at any session's end)."""
+    return start_by_hand_asks(vm, None, hook_job_running=False) is StartByHand.ENDED
+
+
 def known_desired(
     desired: frozenset[str], domains: Mapping[str, DomainState], configured: set[str]
 ) -> frozenset[str]:

@@ -28,6 +28,7 @@ from .core import (
     gpu_node_undisturbed,
     hook_stopped_gpu_node,
     returns_after_stop,
+    start_by_hand_over,
     stop_names,
     stop_releases,
     stopped_by_jobs,
@@ -179,11 +180,11 @@ class OperationRunner:
         A handoff for a start by hand (``hook_job``: the stop of the GPU node
         libvirt's hook asked for) reads that job's record too: whether the
         GPU node is off because of it is what it says, not a guess."""
-        await self._hand_over(vm, settings)
+        await self._hand_over(vm, settings, by_hand=hook_job is not None)
         if hook_job is not None:
             await self._read_hook_job(hook_job)
 
-    async def _hand_over(self, vm: str, settings: Settings) -> None:
+    async def _hand_over(self, vm: str, settings: Settings, *, by_hand: bool) -> None:
         pending = self._host.pending_job
         if pending is not None:
             # Resume: the stored job, whatever the tower looks like now.
@@ -192,7 +193,8 @@ class OperationRunner:
             await self._job(pending.kind, pending.domain)
             return
         status = await self.tower.status()
-        if status.domains[vm].state == RUNNING:
+        domain = status.domains[vm]
+        if domain.state == RUNNING or (by_hand and start_by_hand_over(domain)):
             return
         node_holds = node_holds_cards_of(status, vm)
         if node_holds:

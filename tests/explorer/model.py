@@ -38,6 +38,7 @@ from custom_components.gpu_handoff.core import (
     returns_after,
     returns_after_stop,
     settle_hook_job,
+    start_by_hand_over,
     stop_names,
     stop_releases,
     stopped_by_jobs,
@@ -197,7 +198,7 @@ class Model:
             else:
                 quit_world = world.with_vm(vm, SHUT_OFF)
                 if vm in ctl.desired:
-                    quit_world = replace(quit_world, operator_off=False, edge=True)
+                    quit_world = _session_ends(quit_world)
                 yield f"player_quits {vm}", State(quit_world, replace(ctl, dirty=True))
         yield (
             "return_cards",
@@ -268,8 +269,7 @@ class Model:
         else:
             desired = ctl.desired - {vm}
             if world.running(vm):
-                # a session ends
-                world = replace(world, operator_off=False, edge=True)
+                world = _session_ends(world)
         request = Request(vm=vm, kind=kind)
         return State(world, replace(ctl, desired=desired, queue=(*ctl.queue, request)))
 
@@ -346,7 +346,10 @@ class Model:
             return State(world, replace(ctl, stage="follow"))
         vm = request.vm
         if request.kind is Kind.HANDOFF:
-            if world.running(vm):
+            by_hand = request.hook_job is not None
+            if world.running(vm) or (
+                by_hand and start_by_hand_over(world.tower_status().domains[vm])
+            ):
                 return State(world, replace(ctl, stage="hook_record"))
             if world.gpu_holds(vm):
                 return State(world, replace(ctl, stage="drain"))
@@ -618,6 +621,15 @@ class Model:
             started_gpu=started,
         )
         return replace(world, job=done)
+
+
+def _session_ends(world: World) -> World:
+    """A session GPU Handoff follows ends (the switch turned off, the player
+    quitting): a start of the GPU node after it is not held against GPU
+    Handoff. (An operator's shutdown before it still excuses a GPU node
+    left off: GPU Handoff cannot tell from one look whether the shutdown
+    came before or after the session's end.)"""
+    return replace(world, operator_off=False, edge=True)
 
 
 def _return_under_way(state: State) -> bool:

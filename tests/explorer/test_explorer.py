@@ -22,7 +22,7 @@ from custom_components.gpu_handoff.protocol import RUNNING, HookRequest
 
 from .conformance import compare
 from .model import BASE, InvariantError, Model
-from .search import as_test, explore, replay, run_out
+from .search import _walk, as_test, explore, replay, run_out
 
 CI_DEPTH: dict[bool, int] = {False: 4, True: 3}
 MODEL = Model()
@@ -431,6 +431,41 @@ FIXED_RACES = {
         ],
     ),
 }
+
+
+# Lending: the operator shut the GPU node down; a player starts gaming-1 on the tower
+# (the hook's stop finds the GPU node off) and Home Assistant follows it with
+# a handoff (a no-op start: it plays), but the player quits before the
+# handoff runs. The handoff started gaming-1 again; now a start by hand whose
+# VM is off for any reason but a refused start starts nothing
+# (core.start_by_hand_over; found with the model made as strict as the soak
+# about an operator's shutdown before a session's end, depth 3).
+QUIT_BEFORE_ITS_HANDOFF = [
+    "operator_stops_gpu_node",
+    "start_by_hand gaming-1",
+    "hook_stop",
+    "node_not_ready",
+    "controller",  # followed: a handoff queued
+    "player_quits gaming-1",
+]
+
+
+def test_a_start_by_hand_quit_before_its_handoff_is_not_started_again() -> None:
+    """Lending (a followed start by hand with the GPU node off is handed
+    over): in every order of what happens on its own after the quit,
+    gaming-1 stays off."""
+    model = LENDING
+    start = _walk(model, QUIT_BEFORE_ITS_HANDOFF)
+    assert start.ctl.queue  # the handoff waits
+    seen, todo = {start}, [start]
+    while todo:
+        state = todo.pop()
+        assert not state.world.running("gaming-1")
+        for _, nxt in model.free_steps(state):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    assert len(seen) > 5
 
 
 @pytest.mark.parametrize("name", sorted(FIXED_RACES))
