@@ -469,6 +469,35 @@ async def test_a_vm_removed_while_its_job_stops_the_gpu_node_gives_the_cards_bac
     assert controller.desired == set()
 
 
+async def test_lending_a_start_by_hand_removed_while_its_handoff_runs_lends(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Lending: a start by hand of Gaming station 2 is refused and handed
+    over, and Gaming station 2 is removed from GPU Handoff while the handoff
+    runs. The handoff, ended after the reload, gave it its cards; the hook's
+    stop of the GPU node counts as its own, as in a handoff that ran to its
+    end, so the free cards are lent (the chaos soak's seed 3 with lending,
+    cycle 46: the GPU node stayed off)."""
+    sim.set_shutdown_duration("gpu-node", 300.0)  # 3 s at the tests' scale
+    await lend_free_cards(hass, entry)
+    controller = entry.runtime_data.controller
+    refused = await hass.async_add_executor_job(start_by_hand, sim, "gaming-2")
+    assert refused.returncode != 0
+    await until(
+        lambda: controller.plan is not None and controller.plan.job is not None,
+        BOUND,
+    )
+    await remove_gaming_vm(hass, entry, "gaming-2")
+    await until(lambda: lent_cards(sim) == {GTX_960, RTX_1}, BOUND)
+    await _settled(hass, entry)
+    assert sim.is_running("gaming-2")
+    await until(lambda: not cordoned(cluster))
+
+
 async def test_a_vm_removed_while_it_plays_returns_the_cards_when_it_stops(
     hass: HomeAssistant,
     entry: MockConfigEntry,
