@@ -1,5 +1,5 @@
 """The explorer in CI: every interleaving of up to CI_DEPTH events
-(depth 4 without lending, about 40 s on the 2-core machine; depth 3 with
+(depth 4 without lending, about a minute on the 2-core machine; depth 3 with
 lending, whose depth 4 takes over a minute) breaks only the invariants of
 the violations kept as known below (none now; one found and not fixed yet
 would be kept with its replay as a strict xfail until fixed). The races

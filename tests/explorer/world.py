@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 import datetime as dt
+from functools import lru_cache
 
 from custom_components.gpu_handoff.cluster_model import CORDON_OWNER_US, NodeView
 from custom_components.gpu_handoff.protocol import (
@@ -168,6 +169,11 @@ class World:
     # --- as the product reads it ------------------------------------------------
 
     def tower_status(self) -> TowerStatus:
+        """The agent's status of this world (the same object for an equal
+        world: each step asks for it several times)."""
+        return _tower_status(self)
+
+    def _status(self) -> TowerStatus:
         domains = {GPU: _domain(GPU, self.gpu, None, self._gpu_cards())}
         for vm in VMS:
             state = self.state(vm)
@@ -237,6 +243,11 @@ class World:
 
     def our_cordon(self) -> bool:
         return self.cordon == CORDON_OWNER_US
+
+
+@lru_cache(maxsize=4096)
+def _tower_status(world: World) -> TowerStatus:
+    return world._status()
 
 
 def hook_time(job_id: str) -> int:
