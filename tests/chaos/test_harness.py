@@ -962,11 +962,16 @@ async def test_a_tower_that_stops_lending_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Lending on, a product that never restarts the GPU node with the free
-    cards after a handoff: the GPU node stays off while a player uses one
-    card, reported as exactly that."""
+    cards after a handoff (neither with it nor on the level at a later
+    update): the GPU node stays off while a player uses one card, reported
+    as exactly that."""
     monkeypatch.setattr(
         "custom_components.gpu_handoff.operations.lends_after",
         lambda request, **kwargs: False,
+    )
+    monkeypatch.setattr(
+        "custom_components.gpu_handoff.core._lend_falls_short",
+        lambda observed, found: False,
     )
     plans = [Plan(0, 1, "on", "gaming-1")]
     summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
