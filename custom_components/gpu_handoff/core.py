@@ -854,7 +854,7 @@ def _lend_falls_short(observed: Observed, found: Reconciled) -> bool:
     failed or was refused (those are reported, and retried as they say)."""
     status, settings = observed.tower, observed.settings
     gpu = status.domains.get(status.gpu_node)
-    unseen = {request.key for request in status.hook_requests}
+    recorded = {request.key for request in status.hook_requests}
     return (
         settings.lend_free
         and settings.auto_return
@@ -863,7 +863,7 @@ def _lend_falls_short(observed: Observed, found: Reconciled) -> bool:
             gpu.state == RUNNING or (gpu.state == SHUT_OFF and found.gpu_stopped_by_us)
         )
         and status.job_for(status.gpu_node) is None
-        and unseen <= found.memory.seen_hook_requests
+        and recorded <= found.memory.seen_hook_requests
         and not serves_free_cards(status)
         and frozenset(free_cards(status)) != found.memory.lent_for
     )

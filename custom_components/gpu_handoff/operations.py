@@ -261,10 +261,11 @@ class Operations:
                     # Reported as any failed operation is: the request the
                     # user made before the removal did not happen.
                     await self.failed(plan.vm, plan.kind, err)
-            if plan.request.hook_job is not None:
-                # As a handoff for a start by hand does once its job ended:
-                # what the hook's stop did counts as its own.
-                await self.runner.read_hook_jobs((plan.request.hook_job,))
+                if plan.request.hook_job is not None:
+                    # As a handoff for a start by hand does once its job
+                    # ended: what the hook's stop did counts as its own (a
+                    # stored settle reads it itself).
+                    await self.runner.read_hook_jobs((plan.request.hook_job,))
             await self.coordinator.async_refresh()
             follow_up = await self._left_behind(plan, err)
             self.state.plan = self.state.return_plan() if follow_up else None
