@@ -361,6 +361,7 @@ def test_the_session_ends_and_the_cards_go_back() -> None:
     assert result.run == Request(
         vm="gpu-node", kind=Kind.RETURN, origin=Origin.GPU_HANDOFF
     )
+    assert not result.run.if_running  # a session's end starts it
     assert result.desired == frozenset()
 
 
@@ -390,7 +391,11 @@ def test_a_gpu_node_seen_off_is_never_a_reason_to_return() -> None:
 
 def test_our_cordon_left_on_a_serving_gpu_node_is_lifted_by_a_return() -> None:
     ours = node(unschedulable=True, cordon_owner=CORDON_OWNER_US)
-    assert reconcile(observed(tower(), ours), Owned(), Memory()).run is not None
+    # Decided because the GPU node runs: if it is off when the return acts,
+    # it stays off.
+    assert reconcile(observed(tower(), ours), Owned(), Memory()).run == Request(
+        vm="gpu-node", kind=Kind.RETURN, origin=Origin.GPU_HANDOFF, if_running=True
+    )
     # Not while a tower job may still stop it, nor before it is Ready.
     busy = tower(jobs=(job(JobKind.HANDOFF, "gaming-1"),))
     assert reconcile(observed(busy, ours), Owned(), Memory()).run is None
@@ -402,9 +407,9 @@ def test_a_refused_lend_is_tried_again_once_its_pods_are_gone() -> None:
     memory = Memory(lend_refused=("default/debug",))
     still = node(unmanaged=("default/debug",))
     assert reconcile(observed(tower(), still, LENDING), Owned(), memory).run is None
-    assert (
-        reconcile(observed(tower(), node(), LENDING), Owned(), memory).run is not None
-    )
+    retry = reconcile(observed(tower(), node(), LENDING), Owned(), memory).run
+    assert retry is not None
+    assert retry.if_running  # its act looks again (a poll, a push may lag)
 
 
 def test_a_refused_lend_is_not_tried_on_a_gpu_node_shut_down_since() -> None:
@@ -435,9 +440,12 @@ def test_lending_a_card_freed_unseen_is_lent() -> None:
     assert result.run == Request(
         vm="gpu-node", kind=Kind.RETURN, origin=Origin.GPU_HANDOFF
     )
-    # A GPU node that runs with fewer cards than are free is lent to as well.
+    # A GPU node that runs with fewer cards than are free is lent to as well,
+    # as long as it runs when the lend acts.
     running = _lending_tower("running", frozenset({CARDS["gaming-2"]}))
-    assert reconcile(observed(running, settings=LENDING), Owned(), Memory()).run
+    lend = reconcile(observed(running, settings=LENDING), Owned(), Memory()).run
+    assert lend is not None
+    assert lend.if_running
     # Not again for the same free cards (the last lend failed: reported).
     tried = Memory(lent_for=frozenset({CARDS["gaming-1"]}))
     assert reconcile(observed(status, settings=LENDING), ours, tried).run is None
@@ -963,6 +971,18 @@ def test_the_records_round_trip() -> None:
         gpu_started_at="2026-12-02T05:10:00.000+00:00",
     )
     assert Owned.from_dict(json.loads(json.dumps(owned.as_dict()))) == owned
+    level = replace(
+        owned,
+        plan=Plan(
+            request=Request(
+                vm="gpu-node",
+                kind=Kind.RETURN,
+                origin=Origin.GPU_HANDOFF,
+                if_running=True,
+            )
+        ),
+    )
+    assert Owned.from_dict(json.loads(json.dumps(level.as_dict()))) == level
 
 
 def _v1(name: str) -> dict[str, Any]:

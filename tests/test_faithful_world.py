@@ -28,9 +28,11 @@ kubelet stand-in.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 import subprocess
 import time
+from typing import Any
 
 from homeassistant.core import Event, HomeAssistant, callback
 from homeassistant.helpers import issue_registry as ir
@@ -48,7 +50,7 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_STARTED,
     EVENT_HANDOFF_STEP,
 )
-from custom_components.gpu_handoff.protocol import JobKind
+from custom_components.gpu_handoff.protocol import SHUT_OFF, JobKind
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.kubelet import Kubelet
 from tests.support.stories import (
@@ -653,12 +655,16 @@ async def test_a_refused_lend_is_not_tried_on_a_gpu_node_shut_down_since(
 ) -> None:
     """As above, but the operator shuts the GPU node down before the pod is
     deleted: the refused lend is not tried again, and the GPU node stays off
-    (found by the explorer at depth 5; it was started with the free cards)."""
+    (found by the explorer at depth 5; it was started with the free cards).
+    The tower's push of the shutdown is held back until the pod is gone, so
+    Home Assistant decides on a look that still shows the GPU node running
+    (a CI run drew that order by chance: the lend's act must look again)."""
     await lend_free_cards(hass, entry)
     await play(hass, entry, sim, 1)
     await until(lambda: lent_cards(sim) == {GTX_960, RTX_2}, BOUND)
     await _settled(hass, entry)
     failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
+    started = async_capture_events(hass, EVENT_HANDOFF_STARTED)
     cluster.add_pod("debug", node=GPU_NODE)  # no controller: kubectl refuses
     await switch(hass, "turn_off", SWITCH_1)
     await until(lambda: bool(failed), BOUND)
@@ -666,13 +672,59 @@ async def test_a_refused_lend_is_not_tried_on_a_gpu_node_shut_down_since(
     assert lent_cards(sim) == {GTX_960, RTX_2}
     boot = _boot_and_gpus(cluster)[0]
 
+    coordinator = entry.runtime_data.coordinator
+    before = coordinator.data  # the look before the operator's shutdown
     sim.guest_shutdown("gpu-node")
     await until(lambda: not sim.is_running("gpu-node"), BOUND)
+    await until(
+        lambda: coordinator.data.tower.domains["gpu-node"].state == SHUT_OFF, BOUND
+    )
+    returns = len(started)
     cluster.delete("Pod", "debug", "default")
+    # A look older than the tower: the node's view read now, with the
+    # tower's status from before the shutdown (a poll that read the tower
+    # first and the cluster after, landing late). The refused lend is tried
+    # again on it; its act looks again and finds the GPU node off.
+    reading = await coordinator.cluster.node_reading(GPU_NODE)
+    coordinator.async_set_updated_data(replace(before, node=reading.view))
+    await until(lambda: len(started) > returns, BOUND)
     await _settled(hass, entry)
     assert not sim.is_running("gpu-node")
     assert _boot_and_gpus(cluster)[0] == boot
     assert len(failed) == 1
+
+
+async def test_a_refresh_keeps_the_status_pushed_while_it_read_the_cluster(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A refresh reads the tower, then the cluster. The operator shuts the
+    GPU node down between the two reads, and its status is pushed before
+    the cluster answers: the refresh shows the GPU node off (it used to land
+    with the status it read first, and every decision until the next push
+    took the GPU node as running)."""
+    await setup_entry(hass, entry)
+    coordinator = entry.runtime_data.coordinator
+    assert sim.is_running("gpu-node")
+    read = coordinator.cluster.node_reading
+
+    async def read_after_the_push(name: str) -> Any:
+        monkeypatch.undo()
+        sim.guest_shutdown("gpu-node")
+        await until(
+            lambda: coordinator.data.tower.domains["gpu-node"].state == SHUT_OFF,
+            BOUND,
+        )
+        return await read(name)
+
+    monkeypatch.setattr(coordinator.cluster, "node_reading", read_after_the_push)
+    await coordinator.async_refresh()
+    assert coordinator.last_update_success
+    assert coordinator.data.tower.domains["gpu-node"].state == SHUT_OFF
 
 
 # --- 2. back means Ready from the new boot -----------------------------------------------

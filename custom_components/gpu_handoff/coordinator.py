@@ -107,6 +107,9 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
         # change is logged once.
         self._cluster_ok = True
         self._refresh_listeners: list[CALLBACK_TYPE] = []
+        # Statuses the tower pushed so far: a refresh that saw one arrive
+        # after its own read of the tower keeps the pushed one.
+        self._pushes = 0
 
     @classmethod
     async def create(
@@ -131,6 +134,7 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
 
     async def _async_update_data(self) -> Snapshot:
         status = await self._async_read_tower()
+        pushes = self._pushes
         try:
             reading = await self.cluster.node_reading(self.k8s_node)
         except ClusterError as err:
@@ -140,7 +144,7 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
                 )
                 self._cluster_ok = False
             return Snapshot(
-                tower=status,
+                tower=self._newest(status, pushes),
                 node=None,
                 cluster_error=cluster_error_key(err),
                 operation=self._operation,
@@ -148,11 +152,22 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
         if not self._cluster_ok:
             _LOGGER.info("Kubernetes node %s available again", self.k8s_node)
             self._cluster_ok = True
+        status = self._newest(status, pushes)
         previous = self.data.health if self.data is not None else None
         health = judge(reading, status, dt_util.utcnow(), previous)
         return Snapshot(
             tower=status, node=reading.view, health=health, operation=self._operation
         )
+
+    def _newest(self, status: TowerStatus, pushes: int) -> TowerStatus:
+        """The tower's state a refresh shows: ``status``, read at the count of
+        pushes ``pushes``, unless one was pushed since (while the cluster was
+        read). The session's messages come in order, so that one is newer: a
+        refresh landing with an older one would decide on a GPU node the
+        operator shut down meanwhile as if it still ran."""
+        if self._pushes != pushes and self.data is not None:
+            return self.data.tower
+        return status
 
     @property
     def _operation(self) -> OperationView:
@@ -216,6 +231,7 @@ class GpuHandoffCoordinator(DataUpdateCoordinator[Snapshot]):
         the tower pushes far more often than the cluster is read, and only
         the poll reads the cluster (and judges the GPU node's health).
         """
+        self._pushes += 1
         self.data = replace(self.data, tower=status)
         self.last_update_success = True
         self.async_update_listeners()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 import datetime as dt
-from enum import StrEnum
+from enum import Enum, StrEnum, auto
 from typing import Any, Final
 
 from .cluster_model import CORDON_OWNER_US, SKIP_WAIT_FOR_DELETE, NodeView
@@ -111,19 +111,23 @@ class Request:
     # The stop of the GPU node libvirt's hook asked for with a start by hand
     # (None: none, or not known: a store written before hook jobs were kept).
     hook_job: str | None = None
+    # A return GPU Handoff decided on because it saw the GPU node run (see
+    # Ask.LEVEL): found off when it acts, it starts nothing.
+    if_running: bool = False
 
     @property
     def by_hook(self) -> bool:
         """Whether libvirt's hook asked for it (a start by hand)."""
         return self.origin is Origin.HOOK
 
-    def as_dict(self) -> dict[str, str | None]:
+    def as_dict(self) -> dict[str, str | bool | None]:
         """For storage."""
         return {
             "vm": self.vm,
             "kind": self.kind.value,
             "origin": self.origin.value,
             "hook_job": self.hook_job,
+            **({"if_running": True} if self.if_running else {}),
         }
 
     @classmethod
@@ -134,6 +138,7 @@ class Request:
             kind=Kind(data["kind"]),
             origin=Origin(data.get("origin") or Origin.USER),
             hook_job=data.get("hook_job"),
+            if_running=bool(data.get("if_running", False)),
         )
 
 
@@ -751,39 +756,49 @@ def _lends_on_follow(observed: Observed) -> bool:
     )
 
 
+class Ask(Enum):
+    """Why the cards go back to the cluster (see reconcile)."""
+
+    # A session's end: they go back, the GPU node started if it is off.
+    EDGE = auto()
+    # What GPU Handoff saw of the GPU node (it runs with our cordon left, or
+    # without the free cards, or a refused lend's pods are gone): the act
+    # looks again, as the tower may have moved since (a poll reads the tower
+    # before the cluster; a push may be late), and a GPU node found off then
+    # stays off unless GPU Handoff holds it off.
+    LEVEL = auto()
+
+
 def _return_asked(
     observed: Observed, desired: frozenset[str], ended: bool, memory: Memory
-) -> bool:
-    """Whether the cards go back to the cluster now: the session GPU Handoff
-    knew of ended (automatic return), a player quit while another plays
-    (lending: their cards are free), a refused lend's pods are gone, or our
-    own cordon is left on a GPU node that serves again (an operation
+) -> Ask | None:
+    """Whether the cards go back to the cluster now, and why: the session
+    GPU Handoff knew of ended (automatic return), a player quit while another
+    plays (lending: their cards are free), a refused lend's pods are gone, or
+    our own cordon is left on a GPU node that serves again (an operation
     interrupted between the node's return and the uncordon, a failed handoff
     whose rollback could not reach the tower). Never because the GPU node is
     seen off: someone may have shut it down on purpose."""
     status, node, settings = observed.tower, observed.node, observed.settings
     gpu = status.domains.get(status.gpu_node)
     if gpu is None:
-        return False
+        return None
     playing = any(
         (domain := status.domains.get(vm)) is not None and domain.state == RUNNING
         for vm in status.gaming
     )
     session_ended = ended and not playing and not desired
+    if settings.auto_return and (session_ended or (ended and settings.lend_free)):
+        return Ask.EDGE
     lend_again = (
         settings.lend_free
         and settings.auto_return
-        and (
-            ended
-            or (
-                # (A refused lend drained a GPU node that ran: one shut down
-                # since stays off.)
-                bool(memory.lend_refused)
-                and gpu.state == RUNNING
-                and node is not None
-                and not set(memory.lend_refused) & set(node.unmanaged)
-            )
-        )
+        # (A refused lend drained a GPU node that ran: one shut down since
+        # stays off.)
+        and bool(memory.lend_refused)
+        and gpu.state == RUNNING
+        and node is not None
+        and not set(memory.lend_refused) & set(node.unmanaged)
     )
     leftover = (
         gpu.state == RUNNING
@@ -792,7 +807,7 @@ def _return_asked(
         and node.cordon_owner == CORDON_OWNER_US
         and status.job_for(status.gpu_node) is None
     )
-    return (session_ended and settings.auto_return) or leftover or lend_again
+    return Ask.LEVEL if leftover or lend_again else None
 
 
 def reconcile(observed: Observed, owned: Owned, memory: Memory) -> Reconciled:
@@ -823,15 +838,19 @@ def reconcile(observed: Observed, owned: Owned, memory: Memory) -> Reconciled:
         found.desired - ended, status.domains, set(observed.configured)
     )
     changed = found.changed or remaining != found.desired
-    if _return_asked(
-        observed, remaining, bool(ended), found.memory
-    ) or _lend_falls_short(observed, found):
+    ask = _return_asked(observed, remaining, bool(ended), found.memory)
+    if ask is None and _lend_falls_short(observed, found):
+        ask = Ask.LEVEL
+    if ask is not None:
         return replace(
             found,
             desired=remaining,
             changed=changed,
             run=Request(
-                vm=status.gpu_node, kind=Kind.RETURN, origin=Origin.GPU_HANDOFF
+                vm=status.gpu_node,
+                kind=Kind.RETURN,
+                origin=Origin.GPU_HANDOFF,
+                if_running=ask is Ask.LEVEL and not found.gpu_stopped_by_us,
             ),
         )
     node = observed.node

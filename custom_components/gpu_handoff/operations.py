@@ -192,7 +192,9 @@ class Operations:
                     vm, settings, gpu_stopped_by_us=self.state.gpu_stopped_by_us
                 )
             else:
-                returned = await self.runner.return_cards(settings)
+                returned = await self.runner.return_cards(
+                    settings, if_running=request.if_running
+                )
         except Exception as err:  # noqa: BLE001 - every failure must end the operation
             await self.failed(vm, kind, err)
             if kind is Kind.RETURN:

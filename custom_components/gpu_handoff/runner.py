@@ -367,30 +367,40 @@ class OperationRunner:
         self._host.phase(PHASE_RETURNING)
         return await self._node_back(await self._job(JobKind.RELEASE, None))
 
-    async def return_cards(self, settings: Settings) -> bool:
+    async def return_cards(self, settings: Settings, *, if_running: bool) -> bool:
         """Start the GPU node if it is off, wait until its node is Ready, and
         lift our own cordon. Lending: restart it with every card nobody plays
-        with (none free: it stays off). True when the cluster has cards back."""
+        with (none free: it stays off). ``if_running`` (core.Ask.LEVEL): a
+        GPU node found off stays off. True when the cluster has cards back."""
         self._host.phase(PHASE_RETURNING)
         pending = self._host.pending_job
         done: DoneJob | None = None
         if pending is None and settings.lend_free:
-            lent, done = await self._lend(settings)
+            lent, done = await self._lend(settings, if_running=if_running)
             if not lent:
                 return False
-        else:
-            status = await self.tower.status()
-            gpu = status.domains[status.gpu_node]
-            if pending is not None or gpu.state != RUNNING:
+        elif pending is None:
+            if not await self._gpu_node_runs():
+                if if_running:
+                    return False
                 done = await self._job(JobKind.RELEASE, None)
+        else:
+            done = await self._job(JobKind.RELEASE, None)
         return await self._node_back(done)
 
-    async def _lend(self, settings: Settings) -> tuple[bool, DoneJob | None]:
+    async def _gpu_node_runs(self) -> bool:
+        status = await self.tower.status()
+        return status.domains[status.gpu_node].state == RUNNING
+
+    async def _lend(
+        self, settings: Settings, *, if_running: bool
+    ) -> tuple[bool, DoneJob | None]:
         """Have the GPU node run with every free card: as it is if it does
         already; else drained, stopped through its guest agent and started
         again with them (a live-only definition on the tower: its persistent
-        one never changes). False when no card is free (it stays off); the
-        lend job, when one ran."""
+        one never changes). False when no card is free (it stays off), or,
+        ``if_running``, when it is off (also once drained); the lend job,
+        when one ran."""
         status = await self.tower.status()
         gpu = status.domains[status.gpu_node]
         free = free_cards(status)
@@ -399,7 +409,9 @@ class OperationRunner:
                 return True, None
             await self._drain("lending the cards nobody plays with", settings)
             self._host.phase(PHASE_RETURNING)
-        elif not free:
+            if if_running and not await self._gpu_node_runs():
+                return False, None
+        elif if_running or not free:
             return False, None
         check_agent_lends(self.tower)
         done = await self._job(JobKind.LEND, None)

@@ -290,7 +290,7 @@ async def produced(model: Model, state: State) -> Outcome:
                     request.vm, settings, gpu_stopped_by_us=ctl.gpu_stopped_by_us
                 )
             else:
-                await runner.return_cards(settings)
+                await runner.return_cards(settings, if_running=request.if_running)
         except InvariantError:
             raise
         except Exception as err:  # noqa: BLE001 - as operations._attempt

@@ -375,11 +375,13 @@ class Model:
                 if world.lent >= free:
                     return State(world, replace(ctl, stage="node_back", old_boot=None))
                 return State(world, replace(ctl, stage="drain"))
-            if not free:
+            if request.if_running or not free:
                 return State(world, _done(ctl, succeeded=True))
             return _submit(world, ctl, JobKind.LEND, None)
         if world.gpu == RUNNING:
             return State(world, replace(ctl, stage="node_back", old_boot=None))
+        if request.if_running:
+            return State(world, _done(ctl, succeeded=True))
         return _submit(world, ctl, JobKind.RELEASE, None)
 
     def _stage_drain(self, world: World, ctl: Ctl, request: Request) -> State | None:
@@ -390,6 +392,9 @@ class Model:
             return self._fail(world, ctl, request, "operator_cordon")
         if world.bare_pod and not self.settings.evict_unmanaged:
             return self._fail(world, ctl, request, "unmanaged_pods")
+        if request.if_running and world.gpu != RUNNING:
+            # (runner._lend: shut down while it drained, it stays off.)
+            return State(world, _done(ctl, succeeded=True))
         kind = JobKind.HANDOFF if request.kind is Kind.HANDOFF else JobKind.LEND
         return _submit(
             world, ctl, kind, request.vm if kind is JobKind.HANDOFF else None
@@ -646,7 +651,11 @@ def _return_under_way(state: State) -> bool:
         *((ctl.running,) if ctl.running is not None else ()),
         *((ctl.plan.request,) if ctl.plan is not None else ()),
     )
-    return any(request.kind is Kind.RETURN for request in requests)
+    # (Not one decided because the GPU node was seen running: its act looks
+    # again, and one found off stays off.)
+    return any(
+        request.kind is Kind.RETURN and not request.if_running for request in requests
+    )
 
 
 def _begin(ctl: Ctl, request: Request, queue: tuple[Request, ...]) -> Ctl:

@@ -19,6 +19,7 @@ NODE_RETURN = "custom_components/gpu_handoff/node_return.py"
 CONTROLLER = "custom_components/gpu_handoff/controller.py"
 OPERATIONS = "custom_components/gpu_handoff/operations.py"
 CORE = "custom_components/gpu_handoff/core.py"
+COORDINATOR = "custom_components/gpu_handoff/coordinator.py"
 CLUSTER = "custom_components/gpu_handoff/cluster_client.py"
 DRAIN = "custom_components/gpu_handoff/drain.py"
 CONFIG_FLOW = "custom_components/gpu_handoff/config_flow.py"
@@ -372,11 +373,46 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
             Patch(
                 CORE,
-                "    ) or _lend_falls_short(observed, found):\n",
-                "    ) or False:\n",
+                "    if ask is None and _lend_falls_short(observed, found):\n",
+                "    if ask is None and False:\n",
             ),
         ),
         ("tests/test_lending.py::test_one_player_leaves_the_cluster_two_cards",),
+    ),
+    Mutant(
+        "no_second_look_before_a_level_return",
+        "a return decided because the GPU node was seen running looks again "
+        "when it acts: the operator's GPU node shut down since stays off",
+        (
+            Patch(
+                CORE,
+                "                if_running=ask is Ask.LEVEL and not found.gpu_stopped_by_us,\n",
+                "                if_running=False,\n",
+            ),
+        ),
+        (
+            (
+                "tests/test_faithful_world.py::"
+                "test_a_refused_lend_is_not_tried_on_a_gpu_node_shut_down_since"
+            ),
+        ),
+    ),
+    Mutant(
+        "a_refresh_lands_with_the_tower_it_read_first",
+        "a refresh keeps the status the tower pushed while it read the cluster",
+        (
+            Patch(
+                COORDINATOR,
+                "        if self._pushes != pushes and self.data is not None:\n",
+                "        if False:\n",
+            ),
+        ),
+        (
+            (
+                "tests/test_faithful_world.py::"
+                "test_a_refresh_keeps_the_status_pushed_while_it_read_the_cluster"
+            ),
+        ),
     ),
     Mutant(
         "no_lending_on_the_level",
@@ -385,8 +421,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 CORE,
-                "    ) or _lend_falls_short(observed, found):\n",
-                "    ) or False:\n",
+                "    if ask is None and _lend_falls_short(observed, found):\n",
+                "    if ask is None and False:\n",
             ),
         ),
         (
