@@ -11,7 +11,17 @@ step "mypy --strict"
 mypy
 step "pytest"
 # pytest exits 5 when it collected no test: that is a failure here too.
-pytest --cov=custom_components.gpu_handoff --cov-report=term-missing \
+pytest --cov=custom_components.gpu_handoff --cov-report=term-missing --durations=25 \
   --cov-fail-under=95 "$@"
 step "config flow coverage"
 coverage report --include='custom_components/gpu_handoff/config_flow*.py' --fail-under=100
+step "benchmark, quick pass"
+# One sample of each figure (scripts/bench --quick): it fails when the
+# benchmark breaks; nothing asserts a timing. The figures to quote come from
+# the full run, scripts/bench.
+GPU_HANDOFF_BENCH_QUICK=1 pytest tests/bench/bench_handoff.py \
+  -o python_files='bench_*.py' -q -s
+step "the newest Home Assistant release"
+# Installed once into the cache beside the pinned tool chain; the scripted
+# demo (config flow, a handoff and its return, a clean log) runs on it.
+python -m scripts.newest_home_assistant

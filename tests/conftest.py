@@ -207,8 +207,32 @@ def entry(
     return add_tower_entry(hass, sim_sshd, cluster, vms=(1, 2), drain_timeout=5)
 
 
+# Seconds spent per part of the suite (setup, call and teardown of every
+# test), printed at the end: where the suite's time goes.
+PART_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    """Add a test phase's duration to its part: a directory under tests/,
+    or the file for a test at the top of tests/."""
+    parts = report.nodeid.split("::", 1)[0].split("/")
+    part = "/".join(parts[:2])
+    PART_SECONDS[part] = PART_SECONDS.get(part, 0.0) + float(report.duration)
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """How long the tower boxes took to boot (tests/support/box.py)."""
+    """Where the time went, by part; how long the tower boxes took to boot
+    (tests/support/box.py)."""
+    if PART_SECONDS:
+        total = sum(PART_SECONDS.values())
+        terminalreporter.write_line(
+            f"time by part (setup + call + teardown, {total:.0f} s in all):"
+        )
+        ranked = sorted(PART_SECONDS.items(), key=lambda item: -item[1])
+        for part, seconds in ranked[:20]:
+            terminalreporter.write_line(
+                f"  {seconds:8.1f} s  {100 * seconds / total:5.1f} %  {part}"
+            )
     from tests.support.box import BOOT_SECONDS
 
     if BOOT_SECONDS:

@@ -473,8 +473,8 @@ def test_page_text_check() -> None:
 
 
 def test_log_check(tmp_path: Path) -> None:
-    """Errors, tracebacks and blocking calls in the event loop are found, one
-    line each; other warnings are not."""
+    """Errors, tracebacks, blocking calls in the event loop and deprecations
+    naming gpu_handoff are found, one line each; other warnings are not."""
     log = tmp_path / "home-assistant.out"
     log.write_text(
         "2026-12-01 03:20:24.094 WARNING (MainThread) [homeassistant.bootstrap] "
@@ -491,7 +491,13 @@ def test_log_check(tmp_path: Path) -> None:
         "2026-12-01 03:20:27.000 WARNING (MainThread) "
         "[homeassistant.util.loop] Detected blocking call to read_bytes with "
         "args (...) inside the event loop by custom integration 'gpu_handoff'\n"
-        '  File "installer.py", line 333, in _uploaded_agent\n',
+        '  File "installer.py", line 333, in _uploaded_agent\n'
+        # A deprecation naming the integration (Home Assistant's report, or
+        # Python's through py.warnings); one naming another is not ours.
+        "2026-12-01 03:20:28.000 WARNING (MainThread) [homeassistant.helpers.frame] "
+        "Detected that custom integration 'gpu_handoff' uses a deprecated call\n"
+        "2026-12-01 03:20:29.000 WARNING (MainThread) [py.warnings] "
+        "/x/custom_components/other/a.py:1: DeprecationWarning: old\n",
         encoding="utf-8",
     )
     assert log_problems(log) == [
@@ -501,6 +507,10 @@ def test_log_check(tmp_path: Path) -> None:
         (
             "WARNING [homeassistant.util.loop] Detected blocking call to read_bytes "
             "with args (...) inside the event loop by custom integration 'gpu_handoff'"
+        ),
+        (
+            "WARNING [homeassistant.helpers.frame] Detected that custom integration "
+            "'gpu_handoff' uses a deprecated call"
         ),
     ]
     assert log_problems(tmp_path / "missing") == []

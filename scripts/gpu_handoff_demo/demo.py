@@ -164,7 +164,8 @@ class Demo:
         await ha.wait_until_up(self.ha_process)
         log(f"Home Assistant answers after {time.monotonic() - started:.1f} s")
         await ha.onboard(self.password)
-        log(f"onboarded: owner user '{USERNAME}'")
+        version = (await ha.request("GET", "/api/config"))["version"]
+        log(f"onboarded: owner user '{USERNAME}' (Home Assistant {version})")
         self.events_task = asyncio.create_task(
             ha.follow_events(self.events, self.vm_names)
         )

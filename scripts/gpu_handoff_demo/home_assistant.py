@@ -127,12 +127,21 @@ def prepare_config(config: Path, port: int) -> None:
     )
 
 
+# A directory holding another Home Assistant release and the packages it
+# pins (scripts/newest-home-assistant), put first on Home Assistant's path:
+# the demo then runs that release instead of the tool chain's.
+OTHER_RELEASE = "GPU_HANDOFF_DEMO_HOME_ASSISTANT"
+
+
 def start(config: Path, packages: Path, output: Path) -> subprocess.Popen[bytes]:
     """``python -m homeassistant`` in its own session (stopped by us, in order),
-    with the demo's extra packages on its path only."""
+    with the demo's extra packages on its path only (and another release
+    before them, when OTHER_RELEASE names one)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(packages), env.get("PYTHONPATH", "")) if p
+        p
+        for p in (env.get(OTHER_RELEASE, ""), str(packages), env.get("PYTHONPATH", ""))
+        if p
     )
     with output.open("wb") as out:
         return subprocess.Popen(
@@ -182,8 +191,10 @@ def log_problems(output: Path) -> list[str]:
         record = LOG_RECORD.match(line)
         if record:
             in_traceback = False
-            if record["level"] in ("ERROR", "CRITICAL") or record["message"].startswith(
-                "Detected blocking call"
+            if (
+                record["level"] in ("ERROR", "CRITICAL")
+                or record["message"].startswith("Detected blocking call")
+                or _deprecation_of_ours(line)
             ):
                 problems.append(
                     f"{record['level']} [{record['logger']}] {record['message']}"
@@ -195,3 +206,11 @@ def log_problems(output: Path) -> list[str]:
             problems.append(f"traceback: {line}")
             in_traceback = False
     return problems
+
+
+def _deprecation_of_ours(line: str) -> bool:
+    """A warning that something GPU Handoff uses is deprecated (Home
+    Assistant's report of a deprecated call, or Python's DeprecationWarning
+    through py.warnings): it names the integration."""
+    lowered = line.lower()
+    return "gpu_handoff" in lowered and "deprecat" in lowered
