@@ -181,6 +181,15 @@ class Fake:
                 "Guest agent not available for now\n",
                 "agent_left": AGENT_NOT_CONNECTED,
             }.get(dom.get("agent_shutdown", ""))
+            if mode == "agent" and dom.get("agent_shutdown") == "ended_with_error":
+                # The guest went down at once and QEMU exited while libvirt
+                # still waited: the call fails, the domain is off.
+                dom.update(state="shut off", reason="shutdown", pending_shutdown=None)
+                self.err.append(
+                    f"error: Failed to shutdown domain '{name[0]}'\n"
+                    "error: internal error: End of file from qemu monitor\n"
+                )
+                return 1
             if mode == "agent" and going is not None:
                 dom["pending_shutdown"] = dom.get("shutdown_polls", 0)
                 self.err.append(

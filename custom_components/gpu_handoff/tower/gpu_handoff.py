@@ -2147,6 +2147,12 @@ class JobRunner:
             going_down = going_down or may_be_going_down(result)
             if not going_down:
                 state = self.state_of(domain)
+                if state == "shut_off" and (refusals or not was_not_running(result)):
+                    # An earlier mode's request (or this one) took it down
+                    # while libvirt answered with an error: this step did.
+                    error = "; ".join([*refusals, f"{mode}: {result.error_text()}"])
+                    self.end(step, "ok", f"shut off; libvirt answered: {error}")
+                    return
                 if state == "shut_off":
                     self.skip_rest(index, domain, "already shut off")
                     return
@@ -2374,6 +2380,13 @@ def vfio_busy(result: VirshResult) -> bool:
     """Whether a failed start failed on a VFIO device still busy (QEMU's
     EBUSY opening /dev/vfio/N)."""
     return bool(VFIO_BUSY_RE.search(result.err))
+
+
+def was_not_running(result: VirshResult) -> bool:
+    """libvirt refused a shutdown because the domain was not running when it
+    looked (virDomainObjCheckActive: VIR_ERR_OPERATION_INVALID, "domain is
+    not running")."""
+    return "domain is not running" in result.err
 
 
 def may_be_going_down(result: VirshResult) -> bool:
