@@ -2137,7 +2137,7 @@ class JobRunner:
         """
         domain = step["domain"]
         self.begin(index)
-        refusals = []
+        refusals: List[str] = []
         going_down = False
         for mode in self.cfg.shutdown_modes:
             result = self.virsh.run(cmd_shutdown(domain, mode))
