@@ -379,12 +379,9 @@ class OperationRunner:
             lent, done = await self._lend(settings, if_running=if_running)
             if not lent:
                 return False
-        elif pending is None:
-            if not await self._gpu_node_runs():
-                if if_running:
-                    return False
-                done = await self._job(JobKind.RELEASE, None)
-        else:
+        elif pending is not None or not await self._gpu_node_runs():
+            if pending is None and if_running:
+                return False
             done = await self._job(JobKind.RELEASE, None)
         return await self._node_back(done)
 
