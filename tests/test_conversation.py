@@ -1,9 +1,9 @@
-"""Voice: the README's sentences, typed to Home Assistant's default agent.
+"""Voice: the sentences of docs/voice.md, typed to Home Assistant's default agent.
 
 Each sentence goes through the conversation agent as Assist hands it text
 (hassil with home-assistant-intents, the gazetteer fallback behind it) to the
 real integration: sshd forcing the real agent on the simulated tower, and the
-Kubernetes API emulator. Every phrase the README quotes is said here, and the
+Kubernetes API emulator. Every phrase that page quotes is said here, and the
 answer and the effect are checked.
 """
 
@@ -96,7 +96,7 @@ async def reload(hass: HomeAssistant, entry: MockConfigEntry) -> None:
     await hass.async_block_till_done()
 
 
-# --- the README's sentences ---------------------------------------------------
+# --- the sentences of docs/voice.md -------------------------------------------
 
 
 @pytest.mark.parametrize(

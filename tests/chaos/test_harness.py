@@ -714,7 +714,7 @@ async def test_a_drain_that_deletes_instead_of_evicting_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A product whose drain deletes the pods instead of evicting them (its
-    ServiceAccount granted the delete the README's ClusterRole leaves out):
+    ServiceAccount granted the delete the documented ClusterRole leaves out):
     the pods the cluster deletes itself (the taint eviction controller's, on
     the unreachable node) are not held against it, these are."""
     k8s_emulator.set_rules((*PRODUCT_RULES, rule(["delete"], ["pods"])))

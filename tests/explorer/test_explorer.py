@@ -6,8 +6,8 @@ would be kept with its replay as a strict xfail until fixed). The races
 found and fixed are replayed, and the bugs found before by the chaos soak
 and the faithful-world stories are found on the decisions as they were
 (the old rule restored in the model, a mutant) at the smallest depth that
-reaches each. ``scripts/explore --depth N`` runs deeper; the README quotes
-the deepest run made."""
+reaches each. ``scripts/explore --depth N`` runs deeper;
+docs/chaos-and-mutants.md quotes the deepest run made."""
 
 from __future__ import annotations
 

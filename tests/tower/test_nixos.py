@@ -107,15 +107,14 @@ def test_module_files_parse(name: str) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
-def readme_nix_blocks() -> list[str]:
-    """The Nix examples of the README's NixOS section."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("\n#### NixOS\n", 1)[1].split("\n#### ", 1)[0]
-    return re.findall(r"```nix\n(.*?)```", section, flags=re.DOTALL)
+def docs_nix_blocks() -> list[str]:
+    """The Nix examples of the NixOS page (docs/nixos.md)."""
+    text = (REPO / "docs" / "nixos.md").read_text(encoding="utf-8")
+    return re.findall(r"```nix\n(.*?)```", text, flags=re.DOTALL)
 
 
-def test_readme_examples_parse(tmp_path: Path) -> None:
-    blocks = readme_nix_blocks()
+def test_docs_examples_parse(tmp_path: Path) -> None:
+    blocks = docs_nix_blocks()
     assert len(blocks) == 2
     for i, block in enumerate(blocks):
         example = tmp_path / f"example-{i}.nix"
