@@ -13,7 +13,7 @@ and the operation's place do not.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from custom_components.gpu_handoff.cluster_model import CORDON_OWNER_US
 from custom_components.gpu_handoff.core import (
@@ -55,7 +55,18 @@ from custom_components.gpu_handoff.protocol import (
     StepName,
 )
 
-from .world import CARDS, FAILED, GPU, OTHER, VMS, TowerJob, World, at, hook_time
+from .world import (
+    CARDS,
+    FAILED,
+    GPU,
+    OTHER,
+    VMS,
+    TowerJob,
+    World,
+    at,
+    hook_time,
+    replace,
+)
 
 # What every decision reads of the options (the defaults a user has).
 BASE = Settings(
