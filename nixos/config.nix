@@ -60,7 +60,8 @@ in
     // (if detach == null then { } else { inherit detach; });
 
   # The libvirt qemu hook: libvirt's arguments, as they are, to the `hook`
-  # verb. It sets no PATH (see module.nix).
+  # verb, for "prepare begin" only (the one step it acts on). It sets no PATH
+  # (see module.nix).
   hookScript =
     {
       program,
@@ -69,6 +70,7 @@ in
     ''
       #!/bin/sh
       # libvirt qemu hook of gpu-handoff: records, never waits.
+      [ "$2 $3" = "prepare begin" ] || exit 0
       exec ${shellQuote program} --config ${shellQuote configPath} hook "$@"
     '';
 

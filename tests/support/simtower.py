@@ -3,16 +3,20 @@
 The agent reaches libvirt through the simulator's ``virsh`` and detaches its
 jobs through the simulator's ``systemd-run``, both named in its configuration,
 so it runs unchanged under sshd's forced command. As the agent's ``install``
-does, the configuration comes with the agent installed as libvirt's qemu hook:
-the simulator runs it on every start and stop, the agent's own included.
+does, the configuration comes with the agent installed as libvirt's qemu hook
+(the very script ``install`` writes, calling the agent through a launcher
+where ``install`` puts the program): the simulator runs it at every step of
+every start and stop, the agent's own included.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+import shlex
 import sys
 
+from custom_components.gpu_handoff.tower.gpu_handoff import hook_script
 from tests.support.testdriver import AGENT
 from tests.towersim import Tower
 
@@ -24,8 +28,9 @@ def write_agent_config(
     tower: Tower, directory: Path, *, poll_interval: float = 0.02, **timeouts: float
 ) -> Path:
     """Write the agent's configuration for ``tower`` and install the agent as
-    the tower's qemu hook (``gpu-handoff --config PATH hook``, as the hook
-    script ``install`` writes runs it); return the configuration's path."""
+    the tower's qemu hook (the script ``install`` writes, which runs
+    ``gpu-handoff --config PATH hook`` for "prepare begin"); return the
+    configuration's path."""
     directory.mkdir(parents=True, exist_ok=True)
     config = directory / "agent.json"
     config.write_text(
@@ -53,7 +58,14 @@ def write_agent_config(
         ),
         encoding="utf-8",
     )
-    tower.set_hook(
-        [sys.executable, str(AGENT), "--config", str(config), "hook"], path=HOOK_PATH
+    program = directory / "gpu-handoff"
+    program.write_text(
+        f'#!/bin/sh\nexec {shlex.join([sys.executable, str(AGENT)])} "$@"\n',
+        encoding="utf-8",
     )
+    program.chmod(0o755)
+    hook = directory / "qemu-hook"
+    hook.write_text(hook_script(str(program), str(config)), encoding="utf-8")
+    hook.chmod(0o755)
+    tower.set_hook([str(hook)], path=HOOK_PATH)
     return config

@@ -5,9 +5,12 @@ from __future__ import annotations
 import fcntl
 import json
 from pathlib import Path
+import shlex
+import subprocess
 
 import pytest
 
+from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from tests.tower import nodes
 from tests.tower.conftest import FakeTower
 from tests.tower.test_jobs import queue, write_systemd_run
@@ -188,3 +191,54 @@ def test_a_start_by_hand_beside_a_job_is_a_request(
         assert run.rc == 0
         requests = fake_tower.run("status").reply["hook_requests"]
     assert [r["domain"] for r in requests] == ["win-1"]
+
+
+# Every (operation, sub-operation) libvirt runs the qemu hook with (libvirt's
+# docs/hooks.rst, "Calling convention", and src/util/virhook.h).
+LIBVIRT_QEMU_HOOK_CALLS = [
+    ("prepare", "begin"),
+    ("start", "begin"),
+    ("started", "begin"),
+    ("stopped", "end"),
+    ("release", "end"),
+    ("migrate", "begin"),
+    ("restore", "begin"),
+    ("reconnect", "begin"),
+    ("attach", "begin"),
+]
+
+
+@pytest.mark.parametrize(("operation", "subop"), LIBVIRT_QEMU_HOOK_CALLS)
+def test_the_hook_script_starts_the_agent_only_for_prepare_begin(
+    tmp_path: Path, operation: str, subop: str
+) -> None:
+    """The script install writes, run as libvirtd runs it (the domain XML on
+    stdin, LC_ALL=C and no PATH of ours): the four other steps of a start and
+    stop, and the rest, are answered by the shell alone, in silence, with 0
+    (libvirt fails a start whose hook fails); prepare begin runs the agent
+    with libvirt's arguments as they are."""
+    calls = tmp_path / "calls"
+    program = tmp_path / "gpu handoff's program"
+    program.write_text(
+        f'#!/bin/sh\nprintf "%s|" "$@" >> {shlex.quote(str(calls))}\ncat > /dev/null\n',
+        encoding="utf-8",
+    )
+    program.chmod(0o755)
+    script = tmp_path / "qemu-hook"
+    script.write_text(agent.hook_script(str(program), "/etc/gh/config.json"))
+    script.chmod(0o755)
+    run = subprocess.run(
+        [str(script), "win-1", operation, subop, "-"],
+        input=WIN1_XML,
+        capture_output=True,
+        text=True,
+        env={"LC_ALL": "C", "PATH": "/usr/bin:/bin"},
+        check=False,
+        timeout=10,
+    )
+    assert (run.returncode, run.stdout, run.stderr) == (0, "", "")
+    called = calls.read_text(encoding="utf-8") if calls.exists() else None
+    if (operation, subop) == ("prepare", "begin"):
+        assert called == "--config|/etc/gh/config.json|hook|win-1|prepare|begin|-|"
+    else:
+        assert called is None

@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 import xml.etree.ElementTree as ET
 import zlib
@@ -1484,6 +1483,8 @@ def log_internal(cfg: Optional[Config], where: str, err: BaseException) -> str:
     without a usable state directory, syslog (tag gpu-handoff). The client only
     learns the incident id: never the exception's text.
     """
+    import traceback  # noqa: PLC0415 - 17 ms of every start, needed only here
+
     incident = secrets.token_hex(4)
     detail = "".join(traceback.format_exception(type(err), err, err.__traceback__))
     text = (
@@ -3889,9 +3890,18 @@ def agent_config(
 
 def hook_script(program: str, config_path: str) -> str:
     """The libvirt qemu hook: libvirt's arguments to the `hook` verb, as is
-    (nixos/config.nix, hookScript, writes the same text)."""
+    (nixos/config.nix, hookScript, writes the same text).
+
+    libvirtd runs the hook, and waits for it, at every step of every
+    domain's start and stop (prepare, start, started, stopped, release: five
+    times a start and stop), and only "prepare begin" may ask for the cards
+    (verb_hook): the shell answers the other four itself, sparing a start of
+    this program on the way to each VM's boot. Leaving the domain XML on
+    stdin unread is safe: libvirt's vircommand.c (virCommandProcessIO)
+    ignores the EPIPE ("child closed stdin early")."""
     return (
         "#!/bin/sh\n# libvirt qemu hook of gpu-handoff: records, never waits.\n"
+        '[ "$2 $3" = "prepare begin" ] || exit 0\n'
         f'exec {shlex.quote(program)} --config {shlex.quote(config_path)} hook "$@"\n'
     )
 
