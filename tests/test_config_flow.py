@@ -604,25 +604,29 @@ def _move(tower: Sshd, *, new_host_key: bool) -> None:
     tower.start_again()
 
 
-async def test_reconfigure_new_address_confirms_its_host_key(
+async def test_reconfigure_to_another_tower_aborts(
     hass: HomeAssistant, tower: Sshd, tower_entry: MockConfigEntry
 ) -> None:
-    """Another address that presents another host key asks to confirm it;
-    once confirmed, that key is pinned and is the tower's identity."""
-    old_port = tower.port
+    """An address that presents another host key leads to another tower (a
+    tower is its host key, the entry's unique id): refused with both
+    fingerprints, and nothing is asked, pinned or stored."""
+    before = dict(tower_entry.data)
+    pinned = tower.host_fingerprint
     _move(tower, new_host_key=True)
     result = await tower_entry.start_reconfigure_flow(hass)
     result = await hass.config_entries.flow.async_configure(
         result["flow_id"],
         {CONF_HOST: "127.0.0.1", CONF_PORT: tower.port, CONF_USERNAME: "root"},
     )
-    assert result["step_id"] == "reconfigure_host_key"
-    assert result["description_placeholders"]["fingerprint"] == tower.host_fingerprint
-    result = await hass.config_entries.flow.async_configure(result["flow_id"], {})
-    assert result["reason"] == "reconfigure_successful"
-    assert tower_entry.data[CONF_PORT] == tower.port != old_port
-    assert tower_entry.data[CONF_HOST_KEY].split() == tower.host_public_key.split()[:2]
-    assert tower_entry.unique_id == tower.host_fingerprint
+    assert result["type"] is FlowResultType.ABORT
+    assert result["reason"] == "different_tower"
+    assert result["description_placeholders"] == {
+        "fingerprint": tower.host_fingerprint,
+        "pinned": pinned,
+    }
+    assert tower.host_fingerprint != pinned
+    assert dict(tower_entry.data) == before
+    assert tower_entry.unique_id == pinned
 
 
 async def test_reconfigure_new_address_same_host_key(
@@ -690,10 +694,13 @@ async def test_reconfigure_errors(
     assert dict(tower_entry.data) == before
 
 
-async def test_reconfigure_to_another_tower_aborts(
+async def test_reconfigure_when_the_agent_names_another_gpu_node_aborts(
     hass: HomeAssistant, tower: Sshd, tower_entry: MockConfigEntry, tower_dir: Path
 ) -> None:
-    """An address whose agent manages another GPU node is another tower."""
+    """The same tower (its host key) whose agent now names another GPU node:
+    the entry's devices and entities are the old one's, so it is refused and
+    nothing is stored."""
+    before = dict(tower_entry.data)
     config = tower_dir / "config.json"
     data = json.loads(config.read_text(encoding="utf-8"))
     data["gpu_node"], data["gaming"] = "gaming-2", ["gaming-1"]
@@ -703,7 +710,13 @@ async def test_reconfigure_to_another_tower_aborts(
         result["flow_id"],
         {CONF_HOST: "127.0.0.1", CONF_PORT: tower.port, CONF_USERNAME: "root"},
     )
-    assert result["reason"] == "different_tower"
+    assert result["type"] is FlowResultType.ABORT
+    assert result["reason"] == "gpu_node_changed"
+    assert result["description_placeholders"] == {
+        "gpu_node": "gaming-2",
+        "configured": "gpu-node",
+    }
+    assert dict(tower_entry.data) == before
 
 
 async def test_reconfigure_with_refused_key_aborts(

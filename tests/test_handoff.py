@@ -13,9 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 import subprocess
 
+from homeassistant.config_entries import ConfigEntryState
+from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
 from homeassistant.core import HomeAssistant
 from homeassistant.exceptions import HomeAssistantError, ServiceValidationError
 from homeassistant.helpers import issue_registry as ir
+from homeassistant.setup import async_setup_component
 import pytest
 from pytest_homeassistant_custom_component.common import (
     MockConfigEntry,
@@ -25,6 +28,12 @@ from pytest_homeassistant_custom_component.common import (
 from custom_components.gpu_handoff.cluster_client import CORDON_ANNOTATION
 from custom_components.gpu_handoff.const import (
     CONF_AUTO_RETURN,
+    CONF_GPU_NODE,
+    CONF_HOST_KEY,
+    CONF_K8S_NODE,
+    CONF_KUBECONFIG,
+    CONF_PASSPHRASE,
+    CONF_PRIVATE_KEY,
     DOMAIN,
     EVENT_CARDS_RETURNED,
     EVENT_HANDOFF_FAILED,
@@ -32,6 +41,7 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
 )
+from custom_components.gpu_handoff.tower_client import generate_key_pair
 from tests.conftest import add_tower_entry
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.sshd import Sshd
@@ -274,6 +284,65 @@ async def test_actions(
     await until(lambda: bool(returned))
     assert sim.is_running("gpu-node")
     assert not cordoned(cluster)
+
+
+# Each action with the fields it needs, on an entry that is not loaded.
+NOT_LOADED_CALLS = {
+    "return_cards": {},
+    "start_handoff": {"vm": "gaming-1", "wait": True},
+    "capture_screen": {"vm": "gpu-node", "filename": "/config/www/screen.png"},
+}
+
+
+@pytest.mark.parametrize(
+    "state", [ConfigEntryState.NOT_LOADED, ConfigEntryState.SETUP_ERROR]
+)
+@pytest.mark.parametrize("action", sorted(NOT_LOADED_CALLS))
+async def test_actions_on_an_entry_that_is_not_loaded(
+    hass: HomeAssistant, action: str, state: ConfigEntryState
+) -> None:
+    """Every action on a tower whose entry is not loaded (never set up, or
+    failed to set up) raises the translated entry_not_loaded, with the
+    entry's id in the message, and touches nothing."""
+    private, public = generate_key_pair()
+    entry = MockConfigEntry(
+        domain=DOMAIN,
+        title="tower",
+        minor_version=2,
+        data={
+            CONF_HOST: "127.0.0.1",
+            CONF_PORT: 1,
+            CONF_USERNAME: "gpu-handoff",
+            CONF_PRIVATE_KEY: private,
+            CONF_PASSPHRASE: None,
+            CONF_HOST_KEY: public,
+            CONF_GPU_NODE: "gpu-node",
+            # Unusable: setting the entry up fails before any connection.
+            CONF_KUBECONFIG: "clusters: [",
+            CONF_K8S_NODE: "gpu-node",
+        },
+    )
+    if state is ConfigEntryState.SETUP_ERROR:
+        entry.add_to_hass(hass)
+    assert await async_setup_component(hass, DOMAIN, {})
+    await hass.async_block_till_done()
+    if state is ConfigEntryState.NOT_LOADED:
+        entry.add_to_hass(hass)
+    assert entry.state is state
+    with pytest.raises(ServiceValidationError) as err:
+        await hass.services.async_call(
+            DOMAIN,
+            action,
+            {"config_entry_id": entry.entry_id, **NOT_LOADED_CALLS[action]},
+            blocking=True,
+            return_response=action != "return_cards",
+        )
+    assert err.value.translation_domain == DOMAIN
+    assert err.value.translation_key == "entry_not_loaded"
+    assert err.value.translation_placeholders == {"entry_id": entry.entry_id}
+    # strings.json's message, which Home Assistant ends without its stop.
+    assert str(err.value) == f"The tower {entry.entry_id} is not loaded"
+    assert entry.state is state
 
 
 async def test_requests_while_the_tower_is_away(

@@ -1013,7 +1013,12 @@ def test_every_reason_has_words_and_a_repair() -> None:
         assert set(shown) == {health.NO_PROBLEM, *health.REASONS}, name
         for reason in health.REASONS:
             issue = strings["issues"][f"node_{reason}"]
-            assert {"title", "description"} <= set(issue), name
+            assert "title" in issue, name
+            # A fixable issue is shown by its fix flow: the words are its
+            # step's, which also shows the screen.
+            screen = issue["fix_flow"]["step"]["screen"]["description"]
+            assert "{node}" in screen, name
+            assert "{screen}" in screen, name
 
 
 async def test_the_health_repair_shows_the_gpu_nodes_screen(

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 from pathlib import Path
+import re
 from typing import Any
 
 from homeassistant.components.diagnostics import REDACTED
@@ -60,6 +61,7 @@ from tests.support.sshd import Sshd, generate_key
 from tests.support.testdriver import write_tower
 
 HANDOFF = "sensor.gpu_node_handoff_state"
+COMPONENT = Path(__file__).resolve().parent.parent / "custom_components" / DOMAIN
 
 
 def _configure_agent(tower_dir: Path, **changes: Any) -> None:
@@ -386,6 +388,11 @@ async def test_findings_become_repair_issues(
     issue = ir.async_get(hass).async_get_issue(DOMAIN, issue_id)
     assert issue is not None
     assert "0000:03:00.1" in issue.translation_placeholders["details"]
+    # Every placeholder of its text is given (the XML comes as one).
+    strings = json.loads((COMPONENT / "strings.json").read_text(encoding="utf-8"))
+    text = strings["issues"]["rom_bar_not_off"]["description"]
+    assert set(re.findall(r"\{(\w+)\}", text)) <= set(issue.translation_placeholders)
+    assert issue.translation_placeholders["rom_element"] == "<rom bar='off'/>"
     write_tower(tower_dir)
     await _refresh(hass, entry)
     assert ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is None
@@ -496,14 +503,20 @@ async def test_diagnostics_are_redacted(
 
 
 async def test_unload(hass: HomeAssistant, entry: MockConfigEntry) -> None:
-    """Unloading closes the SSH connection and the cluster session."""
+    """Unloading closes the SSH connection and the cluster session: the
+    cluster client's aiohttp session, and with it its connections."""
     await _setup(hass, entry)
     coordinator = entry.runtime_data.coordinator
+    session = coordinator.cluster._api.rest_client.pool_manager
     assert coordinator.tower.connected
+    assert not session.closed
+    assert await coordinator.cluster.node_names()  # the session is in use
     assert await hass.config_entries.async_unload(entry.entry_id)
     await hass.async_block_till_done()
     assert entry.state is ConfigEntryState.NOT_LOADED
     assert not coordinator.tower.connected
+    assert session.closed
+    assert session.connector is None
 
 
 async def test_entity_snapshot(

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import homeassistant
 import pytest
 
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
@@ -14,16 +15,18 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPONENT = ROOT / "custom_components" / "gpu_handoff"
 REQUIREMENTS = ROOT / "requirements_test.txt"
 
-# The shared strings HA core resolves for its own integrations; a custom
-# integration must ship them resolved in translations/en.json.
-COMMON_KEYS = {
-    "common::config_flow::data::host": "Host",
-    "common::config_flow::data::port": "Port",
-    "common::config_flow::data::username": "Username",
-    "common::config_flow::abort::already_configured_device": "Device is already configured",
-    "common::config_flow::abort::reauth_successful": "Re-authentication was successful",
-    "common::config_flow::abort::reconfigure_successful": "Re-configuration was successful",
-}
+# The shared strings HA core resolves for its own integrations, as the
+# installed Home Assistant words them; a custom integration must ship them
+# resolved in translations/en.json.
+HA_STRINGS = Path(homeassistant.__file__).parent / "strings.json"
+
+
+def _common(key: str) -> str:
+    tree: Any = json.loads(HA_STRINGS.read_text(encoding="utf-8"))
+    for part in key.split("::"):
+        tree = tree[part]
+    assert isinstance(tree, str), key
+    return tree
 
 
 def _load(path: Path) -> Any:
@@ -63,7 +66,7 @@ def _resolve(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _resolve(item) for key, item in value.items()}
     if isinstance(value, str) and value.startswith("[%key:"):
-        return COMMON_KEYS[value.removeprefix("[%key:").removesuffix("%]")]
+        return _common(value.removeprefix("[%key:").removesuffix("%]"))
     return value
 
 

@@ -228,14 +228,6 @@ def _key_fields(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _identity_after(entry: ConfigEntry, data: dict[str, Any]) -> str | None:
-    """The entry's unique id after a reconfigure: a newly confirmed key is
-    the tower's new identity."""
-    if data[CONF_HOST_KEY] == entry.data[CONF_HOST_KEY]:
-        return entry.unique_id
-    return fingerprint(data[CONF_HOST_KEY])
-
-
 def _guess_gpu_node(domains: list[str]) -> str:
     """The domain most likely to be the GPU node, by its name."""
     for hint in ("gpu", "k3s", "k8s", "kube", "node"):
@@ -312,6 +304,13 @@ def _pinned_identity(entry: ConfigEntry) -> str | None:
         return fingerprint(entry.data.get(CONF_HOST_KEY) or "")
     except ValueError:
         return None
+
+
+def _is_tower_of(entry: ConfigEntry, host_key: str) -> bool:
+    """Whether the host key is the entry's tower's: the fingerprint that is
+    the entry's unique id (or, for an entry not migrated yet, that of the key
+    it pinned)."""
+    return fingerprint(host_key) in (entry.unique_id, _pinned_identity(entry))
 
 
 def entry_with_host_key(
@@ -726,38 +725,37 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
 
     async def _async_new_address(self, host_key: str | None) -> ConfigFlowResult:
         """The same address (None), or the same host key at a new one, is the
-        same tower: nothing new to trust. Another key is confirmed first, and
-        refused if it is the key of another tower that is already set up."""
+        same tower. A tower is its host key (the entry's unique id): another
+        key is another tower, refused, whether it is set up already or not."""
         entry = self._get_reconfigure_entry()
-        pinned = entry.data[CONF_HOST_KEY]
-        if host_key is None or fingerprint(host_key) == fingerprint(pinned):
+        if host_key is None or _is_tower_of(entry, host_key):
             return await self._async_finish_reconfigure()
         if entry_with_host_key(self._async_current_entries(), host_key, entry):
             return self.async_abort(reason="other_tower_configured")
-        self._data[CONF_HOST_KEY] = host_key
-        return await self.async_step_reconfigure_host_key()
-
-    async def async_step_reconfigure_host_key(
-        self, user_input: dict[str, Any] | None = None
-    ) -> ConfigFlowResult:
-        """Confirm the host key of the tower's new address."""
-        if user_input is not None:
-            return await self._async_finish_reconfigure()
-        return self.async_show_form(
-            step_id="reconfigure_host_key",
-            description_placeholders=_key_placeholders(self._data),
+        return self.async_abort(
+            reason="different_tower",
+            description_placeholders={
+                "fingerprint": fingerprint(host_key),
+                "pinned": fingerprint(entry.data[CONF_HOST_KEY]),
+            },
         )
 
     async def _async_finish_reconfigure(self) -> ConfigFlowResult:
+        """Log in with the entry's key. The tower's agent must still name the
+        entry's GPU node: the entry's devices and entities are that VM's."""
         entry = self._get_reconfigure_entry()
         answer, error = await _check_tower(self._data)
         if answer is None:
             return self.async_abort(reason=error or "cannot_connect")
-        if answer[1].gpu_node != entry.data[CONF_GPU_NODE]:
-            return self.async_abort(reason="different_tower")
-        return self.async_update_reload_and_abort(
-            entry, unique_id=_identity_after(entry, self._data), data=self._data
-        )
+        if (gpu_node := answer[1].gpu_node) != entry.data[CONF_GPU_NODE]:
+            return self.async_abort(
+                reason="gpu_node_changed",
+                description_placeholders={
+                    "gpu_node": gpu_node,
+                    "configured": entry.data[CONF_GPU_NODE],
+                },
+            )
+        return self.async_update_reload_and_abort(entry, data=self._data)
 
 
 class GpuHandoffOptionsFlow(OptionsFlow):

@@ -29,6 +29,7 @@ from .const import CONF_HOST_KEY, DOMAIN
 from .coordinator import GpuHandoffCoordinator
 from .health import CONTAINERS_NOT_STARTING, NodeHealth, issue_placeholders
 from .protocol import PROTOCOL, TowerStatus
+from .tower import gpu_handoff as agent
 from .tower_client import (
     AgentVersionError,
     TowerError,
@@ -40,6 +41,18 @@ from .tower_client import (
 ISSUE_HOST_KEY: Final = "host_key_mismatch"
 ISSUE_AGENT_OUTDATED: Final = "agent_outdated"
 ISSUE_NODE_HEALTH: Final = "node_health"
+# The libvirt XML a finding's text names. A placeholder, not part of the
+# text: Home Assistant's strings hold no markup (hassfest refuses it).
+FINDING_PLACEHOLDERS: Final[dict[str, dict[str, str]]] = {
+    agent.FINDING_ROM_BAR: {
+        "rom_element": "<rom bar='off'/>",
+        "hostdev_element": "<hostdev>",
+    },
+    agent.FINDING_NO_AGENT_CHANNEL: {
+        "channel_element": "<channel type='unix'><target type='virtio' "
+        "name='org.qemu.guest_agent.0'/></channel>",
+    },
+}
 
 
 def agent_outdated_issue_id(entry: ConfigEntry) -> str:
@@ -214,7 +227,8 @@ class RepairSync:
                 translation_placeholders={
                     "domain": domain,
                     "details": "; ".join(sorted(lines)),
-                },
+                }
+                | FINDING_PLACEHOLDERS.get(code, {}),
             )
         for issue_id in self._finding_issues - wanted:
             ir.async_delete_issue(self._hass, DOMAIN, issue_id)
