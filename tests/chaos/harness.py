@@ -240,7 +240,7 @@ from tests.conftest import gaming_subentries, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.k8semu.objects import UNREACHABLE_NO_EXECUTE, UNSCHEDULABLE_TAINT
 from tests.support.kubelet import NETWORK_DELAY, SANDBOX_RETRY, Kubelet, Workload
-from tests.support.simtower import HOOK_PATH, write_agent_config
+from tests.support.simtower import install_hook, write_agent_config
 from tests.support.sshd import Sshd
 from tests.support.testdriver import AGENT
 from tests.towersim import Tower, model as sim_model, realistic_tower
@@ -1079,8 +1079,10 @@ class ChaosRig:
         self.state_dir = Path(data["state_dir"])
         command = [sys.executable, str(self.agent), "--config", str(self.config)]
         # libvirt's qemu hook is the rig's agent too (a broken copy under test
-        # is broken there as well).
-        await asyncio.to_thread(self.sim.set_hook, [*command, "hook"], path=HOOK_PATH)
+        # is broken there as well), through the script its install writes.
+        await asyncio.to_thread(
+            install_hook, self.sim, self.root / "agent", self.agent, self.config
+        )
         self.sshd = await asyncio.to_thread(
             Sshd(self.root / "sshd", [*command, "serve"]).start
         )

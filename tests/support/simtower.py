@@ -58,9 +58,17 @@ def write_agent_config(
         ),
         encoding="utf-8",
     )
+    install_hook(tower, directory, AGENT, config)
+    return config
+
+
+def install_hook(tower: Tower, directory: Path, agent: Path, config: Path) -> None:
+    """Install the hook script the agent's ``install`` writes, for the agent
+    at ``agent`` (reached through a launcher, where ``install`` puts the
+    program) with ``config``, as the tower's qemu hook."""
     program = directory / "gpu-handoff"
     program.write_text(
-        f'#!/bin/sh\nexec {shlex.join([sys.executable, str(AGENT)])} "$@"\n',
+        f'#!/bin/sh\nexec {shlex.join([sys.executable, str(agent)])} "$@"\n',
         encoding="utf-8",
     )
     program.chmod(0o755)
@@ -68,4 +76,3 @@ def write_agent_config(
     hook.write_text(hook_script(str(program), str(config)), encoding="utf-8")
     hook.chmod(0o755)
     tower.set_hook([str(hook)], path=HOOK_PATH)
-    return config
