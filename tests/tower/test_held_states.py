@@ -184,13 +184,19 @@ def test_session_says_once_and_sees_libvirt_back_at_once(
             assert time.monotonic() < deadline, out.messages()
             session.step()
 
+    def status_after_the_errors() -> bool:
+        types = [m["type"] for m in out.messages()]
+        errors = [i for i, kind in enumerate(types) if kind == "error"]
+        return bool(errors) and "status" in types[errors[-1] + 1 :]
+
     time.sleep(0.3)  # the event stream connects
+    back = time.monotonic() + 1.0  # when libvirtd answers again
     sim.restart_libvirtd(100.0)  # 1 s here
     step_until(lambda: any(m["type"] == "error" for m in out.messages()))
-    back = time.monotonic() + 1.0
-    step_until(lambda: time.monotonic() >= back)
-    pushed = len(out.messages())
-    step_until(lambda: out.messages()[-1]["type"] == "status")
+    # A status comes after the errors, within moments of libvirtd's return
+    # (whether the session's next look falls before or after a given
+    # instant is the machine's load, not the product: not asserted).
+    step_until(status_after_the_errors)
     assert time.monotonic() - back < 2.0
     errors = [m for m in out.messages() if m["type"] == "error"]
     assert [(e["source"], e["error"]["code"]) for e in errors] == [
@@ -200,8 +206,9 @@ def test_session_says_once_and_sees_libvirt_back_at_once(
     # "Disconnected from ... due to end of file" when the stream had
     # connected before the restart, else "failed to connect"
     assert errors[0]["error"]["message"].startswith(("Disconnected", "failed"))
-    assert len(out.messages()) > pushed
-    assert session.events is not None
+    # and the event stream is back (its reconnection is the session's next
+    # step after libvirtd answers: within the deadline, whatever the load)
+    step_until(lambda: session.events is not None)
     assert session.events_failure is None
     session.stop_events()
 

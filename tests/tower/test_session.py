@@ -620,9 +620,12 @@ def sim(tmp_path: Path) -> Iterator[tuple[Tower, Path]]:
 
 
 def listening(tower: Tower) -> None:
-    """Wait until the session's `virsh event` runs (it sees what comes after)."""
-    wait_until(lambda: tower.calls("event"), timeout=30, what="virsh event")
-    time.sleep(0.3)
+    """Wait until the session's `virsh event` sees every event from now on."""
+    wait_until(
+        lambda: any(c.subscribed for c in tower.calls("event")),
+        timeout=30,
+        what="virsh event subscribed",
+    )
 
 
 def test_event_pushes_event_then_status(

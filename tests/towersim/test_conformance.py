@@ -102,7 +102,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
                 daemon.define(spec.define_xml("test"))
             # defined while both listen: both report `Defined Added`
             wait_until(
-                lambda: tower.calls("event"), timeout=20, what="the event listener"
+                lambda: any(c.subscribed for c in tower.calls("event")),
+                timeout=20,
+                what="the event listener",
             )
             for spec in specs:
                 tower.define(spec)

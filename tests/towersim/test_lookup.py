@@ -175,7 +175,11 @@ def test_events_of_a_domain_by_id_follow_that_domain(tower: Tower) -> None:
         stdout=subprocess.PIPE,
     ) as events:
         reader = LineReader(events)
-        tower.wait_until(lambda: tower.calls("event"), timeout=20, what="the listener")
+        tower.wait_until(
+            lambda: any(c.subscribed for c in tower.calls("event")),
+            timeout=20,
+            what="the listener",
+        )
         assert sim(tower, "start", "--domain", "1").rc == 0  # by name: no event
         assert sim(tower, "shutdown", "--mode", "agent", "--domain", "gpu-node").rc == 0
         tower.wait_until(

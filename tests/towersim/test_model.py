@@ -187,7 +187,11 @@ def test_events_stream_as_they_happen(tower: Tower) -> None:
         stdout=subprocess.PIPE,
     ) as events:
         reader = LineReader(events)
-        tower.wait_until(lambda: tower.calls("event"), timeout=20, what="the listener")
+        tower.wait_until(
+            lambda: any(c.subscribed for c in tower.calls("event")),
+            timeout=20,
+            what="the listener",
+        )
         assert sim(tower, "shutdown", "--mode", "agent", "gpu-node").rc == 0
         # the guest powers off 0.1 s later: the lines come when it does
         tower.wait_until(
@@ -233,7 +237,11 @@ def test_event_process_ends_cleanly(tower: Tower, how: str) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    tower.wait_until(lambda: tower.calls("event"), timeout=20, what="the listener")
+    tower.wait_until(
+        lambda: any(c.subscribed for c in tower.calls("event")),
+        timeout=20,
+        what="the listener",
+    )
     if how == "SIGTERM":
         events.terminate()
         expected = -signal.SIGTERM

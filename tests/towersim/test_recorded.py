@@ -109,7 +109,11 @@ def test_recorded_agent_shutdown_events(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
     ) as events:
         reader = LineReader(events)
-        Tower.wait_until(lambda: tower.calls("event"), timeout=20, what="the listener")
+        Tower.wait_until(
+            lambda: any(c.subscribed for c in tower.calls("event")),
+            timeout=20,
+            what="the listener",
+        )
         tower.define(DomainSpec("gpu-node", agent_delay=5.0, shutdown_duration=1.0))
         assert sim(tower, "start", "gpu-node").rc == 0
         tower.advance(6.0)

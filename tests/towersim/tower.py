@@ -92,6 +92,8 @@ class Command:
     end: float | None  # when it ended; None while running (or killed)
     rc: int | None
     pid: int
+    # an event stream's: when it began to see every event (None: not yet)
+    subscribed: float | None = None
 
     def names(self) -> list[str]:
         return [c[0] for c in self.commands or []]
@@ -591,13 +593,16 @@ class Tower:
 
     def commands(self) -> list[Command]:
         """Every virsh invocation, in the order they started."""
-        starts: dict[str, dict[str, Any]] = {}
-        ends: dict[str, dict[str, Any]] = {}
+        records: dict[str, dict[str, dict[str, Any]]] = {
+            "start": {},
+            "end": {},
+            "subscribed": {},
+        }
         for rec in model.read_commands(self.state_dir):
-            (starts if rec["kind"] == "start" else ends)[rec["id"]] = rec
+            records[rec["kind"]][rec["id"]] = rec
         out = []
-        for key, rec in starts.items():
-            end = ends.get(key, {})
+        for key, rec in records["start"].items():
+            end = records["end"].get(key, {})
             out.append(
                 Command(
                     argv=rec["argv"],

@@ -349,10 +349,17 @@ SHUTDOWN_MODES = ("acpi", "agent", "initctl", "signal", "paravirt")
 
 
 class Session:
-    def __init__(self, state_dir: str, out: Out, uri: str = "qemu:///system") -> None:
+    def __init__(
+        self,
+        state_dir: str,
+        out: Out,
+        uri: str = "qemu:///system",
+        call_id: str | None = None,
+    ) -> None:
         self.state_dir = state_dir
         self.out = out
         self.uri = uri
+        self.call_id = call_id  # this invocation's record (Tower.commands)
 
     def lookup(
         self, data: JsonObj, world: model.World, word: str, *, by_id: bool = True
@@ -842,6 +849,13 @@ class Session:
                 data = model.load(self.state_dir)
                 domain = self.lookup(data, model.world(data), domain).name
         stream = EventStream(self.state_dir, domain, wanted)
+        if self.call_id is not None:
+            # From here on it sees every event (Command.subscribed): what a
+            # test waits for, rather than a while after the call began.
+            model.append_command(
+                self.state_dir,
+                {"kind": "subscribed", "id": self.call_id, "t": time.time()},
+            )
         count = 0
         interrupted: list[bool] = []
 
@@ -1226,7 +1240,7 @@ def main(
     if args == [""]:
         _record_end(state_dir, record, 1)
         return 1
-    session = Session(state_dir, out, uri or DEFAULT_URI)
+    session = Session(state_dir, out, uri or DEFAULT_URI, record["id"])
     if uri is not None and not _libvirtd_answers(state_dir):
         # virshInit: a URI given with -c is connected to before any command
         for line in model.CONNECT_FAILED:
