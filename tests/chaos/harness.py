@@ -1077,7 +1077,7 @@ class ChaosRig:
         data["commands"]["virsh"] = str(virsh)
         self.config.write_text(json.dumps(data), encoding="utf-8")
         self.state_dir = Path(data["state_dir"])
-        command = [sys.executable, str(self.agent), "--config", str(self.config)]
+        command = [sys.executable, "-S", str(self.agent), "--config", str(self.config)]
         # libvirt's qemu hook is the rig's agent too (a broken copy under test
         # is broken there as well), through the script its install writes.
         await asyncio.to_thread(

@@ -68,7 +68,7 @@ def install_hook(tower: Tower, directory: Path, agent: Path, config: Path) -> No
     program) with ``config``, as the tower's qemu hook."""
     program = directory / "gpu-handoff"
     program.write_text(
-        f'#!/bin/sh\nexec {shlex.join([sys.executable, str(agent)])} "$@"\n',
+        f'#!/bin/sh\nexec {shlex.join([sys.executable, "-S", str(agent)])} "$@"\n',
         encoding="utf-8",
     )
     program.chmod(0o755)

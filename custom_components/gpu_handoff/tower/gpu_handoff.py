@@ -1834,8 +1834,12 @@ def find_request(cfg: Config, request_id: str) -> Optional[str]:
 
 
 def program_argv(cfg: Config, job_id: str) -> List[str]:
+    """A runner's command line: this program, under this interpreter, without
+    site-packages if this process was started without (-S: the agent is the
+    standard library alone)."""
     return [
         sys.executable,
+        *(["-S"] if sys.flags.no_site else []),
         os.path.realpath(__file__),
         "--config",
         os.path.abspath(cfg.path),
