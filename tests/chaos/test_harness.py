@@ -22,6 +22,7 @@ import pytest
 from custom_components.gpu_handoff.cluster_client import ClusterClient
 from custom_components.gpu_handoff.cluster_model import DrainProgress
 from custom_components.gpu_handoff.drain import NodeDrain
+from tests.chaos import harness
 from tests.chaos.harness import (
     DISABLED_FAULTS,
     EARLY_MOMENTS,
@@ -42,6 +43,7 @@ from tests.chaos.harness import (
 )
 from tests.k8semu import K8sEmulator
 from tests.k8semu.auth import PRODUCT_RULES, rule
+from tests.support.simtower import install_hook
 from tests.support.testdriver import AGENT
 from tests.towersim import Tower
 
@@ -577,18 +579,29 @@ async def test_libvirtd_restarts_leave_a_sound_product_sound(
 
 @NO_LIBVIRTD_RESTART
 async def test_a_hook_that_fails_on_reconnect_is_caught(
-    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+    hass: HomeAssistant,
+    k8s_emulator: K8sEmulator,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """An agent whose qemu hook fails on ``reconnect``: libvirtd, back from
-    its restart, kills every running domain it takes back (qemuProcessReconnect),
-    reported as exactly that."""
-    agent = _broken_agent(
-        tmp_path / "broken-agent",
-        "    domain, operation, subop = args[0], args[1], args[2]\n",
-        "    domain, operation, subop = args[0], args[1], args[2]\n"
-        "    if operation == 'reconnect':\n"
-        "        raise SystemExit(1)\n",
-    )
+    """A qemu hook script (the one the agent's install writes) that fails on
+    ``reconnect``: libvirtd, back from its restart, kills every running
+    domain it takes back (qemuProcessReconnect), reported as exactly that.
+    The script answers reconnect itself (only prepare begin reaches the
+    agent), so the script is what is broken here."""
+    passes = '[ "$2 $3" = "prepare begin" ] || exit 0\n'
+
+    def broken_hook(tower: Tower, directory: Path, agent: Path, config: Path) -> None:
+        install_hook(tower, directory, agent, config)
+        script = directory / "qemu-hook"
+        text = script.read_text(encoding="utf-8")
+        assert text.count(passes) == 1
+        script.write_text(
+            text.replace(passes, f'[ "$2" = reconnect ] && exit 1\n{passes}'),
+            encoding="utf-8",
+        )
+
+    monkeypatch.setattr(harness, "install_hook", broken_hook)
     plans = [
         Plan(
             0,
@@ -598,7 +611,7 @@ async def test_a_hook_that_fails_on_reconnect_is_caught(
             (_restart(0.5, "before", socket_activated=False),),
         )
     ]
-    summary = await _replay(hass, k8s_emulator, tmp_path, plans, agent=agent)
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
     assert (1, "killed_on_reconnect") in _invariants(summary)
 
 
