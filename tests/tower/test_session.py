@@ -513,10 +513,19 @@ def test_event_child_dies_and_comes_back(
             timeout=30,
             what="event child restarted",
         )
-        child = wait_until(
-            lambda: session.events, timeout=30, what="event child running"
-        )
-        time.sleep(0.5)
+        # A child started as the state changed may still have read the
+        # failing one and die at once: the session's child that stays up
+        # for half a second is the one that came back.
+        first_seen: dict[int, float] = {}
+
+        def steady() -> Any:
+            child = session.events
+            if child is None or child.proc.poll() is not None:
+                return None
+            since = first_seen.setdefault(child.proc.pid, time.monotonic())
+            return child if time.monotonic() - since >= 0.5 else None
+
+        child = wait_until(steady, timeout=30, what="event child running steadily")
         assert child.proc.poll() is None
         assert session.events is child
     finally:

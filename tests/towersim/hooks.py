@@ -43,6 +43,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from typing import Any
 
@@ -157,6 +158,25 @@ def _quote(word: str) -> str:
     return "'" + word.replace("'", "'\\''") + "'"
 
 
+@contextlib.contextmanager
+def _sigpipe_ignored() -> Iterator[None]:
+    """As in libvirtd, which ignores SIGPIPE: a hook that leaves the domain
+    XML unread costs its writer an EPIPE, which virCommandProcessIO ignores
+    ("child closed stdin early"), never the process. Here the writer is
+    whichever simulated virsh runs the hook; ``virsh event`` takes SIGPIPE
+    as virsh does (for its own output), and died of the hook's closed stdin.
+    Signal handlers can only change in the main thread: elsewhere the
+    process's own disposition stays (Python ignores SIGPIPE by default)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGPIPE, previous)
+
+
 def _run_script(
     state_dir: str, path: str, hook: JsonObj, args: list[str], xml: str
 ) -> str | None:
@@ -181,7 +201,8 @@ def _run_script(
     else:
         _set_holder(state_dir, proc.pid)
         try:
-            _out, err_bytes = proc.communicate(xml.encode("utf-8"), timeout=timeout)
+            with _sigpipe_ignored():
+                _out, err_bytes = proc.communicate(xml.encode("utf-8"), timeout=timeout)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
