@@ -14,9 +14,9 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 PAGES = (README, *sorted((REPO / "docs").glob("*.md")))
 
-# Paths that only exist on one machine: a checkout's own location, pytest's
-# temporary directories, home directories.
-MACHINE_PATHS = ("/work/", "/tmp/pytest", "/home/", "/Users/")
+# Paths that only exist on one machine: pytest's
+# temporary directories, home directories (root's included).
+MACHINE_PATHS = ("/tmp/pytest", "/home/", "/Users/", "/root/")
 
 # [text](target) and ![alt](target), with an optional "title".
 LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
