@@ -36,11 +36,11 @@ PACKAGE = "custom_components/gpu_handoff"
 AGENT = f"{PACKAGE}/tower/gpu_handoff.py"
 # Tests that read the integration's data files, by file name.
 DATA_READERS = {
-    "strings.json": ("tests/test_manifest.py", "tests/validation/test_hassfest.py"),
-    "manifest.json": ("tests/test_manifest.py", "tests/validation/test_hassfest.py"),
-    "services.yaml": ("tests/test_manifest.py", "tests/validation/test_hassfest.py"),
-    "icons.json": ("tests/test_manifest.py", "tests/validation/test_hassfest.py"),
-    "quality_scale.yaml": ("tests/validation/test_hassfest.py",),
+    "strings.json": ("tests/test_manifest.py", "tests/test_hassfest.py"),
+    "manifest.json": ("tests/test_manifest.py", "tests/test_hassfest.py"),
+    "services.yaml": ("tests/test_manifest.py", "tests/test_hassfest.py"),
+    "icons.json": ("tests/test_manifest.py", "tests/test_hassfest.py"),
+    "quality_scale.yaml": ("tests/test_hassfest.py",),
 }
 # Run only when one of their own files changed: a minute or more each (the
 # whole suite's "time by part" names them).

@@ -28,7 +28,7 @@ data_description. The keys are read from the code's syntax tree, following a
 key through the variables, returns and exceptions that carry it; a key the
 reading cannot follow must be listed in DYNAMIC_KEYS, so none goes unchecked.
 
-tests/validation/test_hassfest.py runs it, and proves that every check can fail.
+tests/test_hassfest.py runs it, and proves that every check can fail.
 """
 
 from __future__ import annotations

@@ -141,7 +141,10 @@ class FakeTower:
         return result
 
     def save(self, state: dict[str, Any]) -> None:
-        self.state_path.write_text(json.dumps(state), encoding="utf-8")
+        """Replace the state whole: a running `event` reads it at any time."""
+        tmp = self.state_path.with_suffix(".save")
+        tmp.write_text(json.dumps(state), encoding="utf-8")
+        tmp.replace(self.state_path)
 
     def set_domain(self, name: str, **values: Any) -> None:
         state = self.load()

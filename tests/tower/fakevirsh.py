@@ -16,10 +16,11 @@ before it is shut off (-1 = never), "acpi": whether ACPI is honoured,
 still going down) or "agent_left" (the guest shuts itself down and its agent
 left: refused, the guest going down), "ping_sleep": seconds a ping waits (an
 agent job held elsewhere)}},
-"event_fails": `event` fails at once as when libvirt is unreachable,
+"event_fails": `event` fails at once as when libvirt is unreachable, and a
+running `event` ends as virsh's does when libvirtd goes away ("Disconnected
+from URI due to end of file"),
 "screenshot_no_file": `screenshot` says it saved a file but writes none}.
-`event` prints nothing otherwise (and never ends): the tower simulator has
-events.
+`event` prints nothing otherwise: the tower simulator has events.
 
 The domain is the value of `--domain` (as the agent passes it) or the first
 word that is not an option, as for real virsh. Like a virsh with translations
@@ -262,8 +263,18 @@ def main(argv: list[str]) -> int:
                 "No such file or directory\n"
             )
             return 1
+        seen = state_path.stat().st_mtime_ns
         while True:
-            time.sleep(3600)
+            time.sleep(0.1)
+            now = state_path.stat().st_mtime_ns
+            if now == seen:
+                continue
+            seen = now
+            if json.loads(state_path.read_text(encoding="utf-8")).get("event_fails"):
+                sys.stderr.write(
+                    f"error: Disconnected from {argv[1]} due to end of file\n"
+                )
+                return 1
     with state_path.with_suffix(".lock").open("a", encoding="utf-8") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         state = json.loads(state_path.read_text(encoding="utf-8"))

@@ -89,6 +89,18 @@ class Client:
             if match(message):
                 return message
 
+    def received(self) -> list[Message]:
+        """Every message so far (those waiting are moved to ``lines``)."""
+        while True:
+            try:
+                message = self.queue.get_nowait()
+            except queue.Empty:
+                return self.lines
+            if message is None:  # the session ended: later waits still see it
+                self.queue.put(None)
+                return self.lines
+            self.lines.append(message)
+
     def next(self, timeout: float = 30.0) -> Message:
         return self.expect(lambda m: True, timeout)
 
@@ -485,6 +497,9 @@ class Collector(Client):
 def test_event_child_dies_and_comes_back(
     fake_tower: FakeTower, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """libvirt's event stream cannot connect: the error is pushed once for
+    the outage while the child is tried again; once a child stays up the
+    outage is over, and the next loss is pushed again."""
     monkeypatch.setattr(agent, "EVENT_RESTART_SECONDS", 0.2)
     fake_tower.configure(session_refresh=60)
     state = fake_tower.load()
@@ -496,23 +511,28 @@ def test_event_child_dies_and_comes_back(
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(session.run()))
     thread.start()
+
+    def errors() -> list[Message]:
+        return [m for m in client.received() if m["type"] == "error"]
+
     try:
         opened(client)
         error = client.expect(lambda m: m["type"] == "error")
         assert error["source"] == "events"
         assert error["error"]["code"] == "libvirt_unreachable"
         assert "failed to connect to the hypervisor" in error["error"]["message"]
-        # The session goes on: requests answered, the child tried again.
+        # The session goes on: requests answered, the child tried again and
+        # again (each dies as it starts), the outage's error not pushed again.
         assert client.call(1, "status")["ok"] is True
-        client.expect(lambda m: m["type"] == "error")
+        tried = fake_tower.commands().count("event")
+        wait_until(
+            lambda: fake_tower.commands().count("event") >= tried + 3,
+            timeout=30,
+            what="event child tried again",
+        )
+        assert errors() == [error]
         state["event_fails"] = False
         fake_tower.save(state)
-        restarts = fake_tower.commands().count("event")
-        wait_until(
-            lambda: fake_tower.commands().count("event") > restarts,
-            timeout=30,
-            what="event child restarted",
-        )
         # A child started as the state changed may still have read the
         # failing one and die at once: the session's child that stays up
         # for half a second is the one that came back.
@@ -528,6 +548,22 @@ def test_event_child_dies_and_comes_back(
         child = wait_until(steady, timeout=30, what="event child running steadily")
         assert child.proc.poll() is None
         assert session.events is child
+        # Up for EVENT_STEADY_SECONDS: the outage is over.
+        wait_until(
+            lambda: session.events_failure is None,
+            timeout=30,
+            what="the outage seen over",
+        )
+        assert session.events is child
+        assert errors() == [error]
+        # libvirtd goes away again: news, pushed though the code is the same.
+        state["event_fails"] = True
+        fake_tower.save(state)
+        again = client.expect(lambda m: m["type"] == "error")
+        assert again["source"] == "events"
+        assert again["error"]["code"] == "libvirt_unreachable"
+        assert again["error"]["message"].startswith("Disconnected from")
+        assert child.proc.wait(timeout=30) == 1
     finally:
         os.close(client.stdin_w)
         thread.join(timeout=30)

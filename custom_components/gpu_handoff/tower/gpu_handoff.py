@@ -51,7 +51,7 @@ import zlib
 # --- protocol: the Home Assistant side imports these ---------------------------
 
 PROTOCOL = 2
-VERSION = "0.3.4"
+VERSION = "0.3.5"
 
 ERR_BAD_REQUEST = "bad_request"
 ERR_NOT_ALLOWED = "not_allowed"
@@ -162,6 +162,10 @@ JOB_LIBVIRT_WAIT = 60.0
 # While libvirt does not answer (libvirtd restarting), its event stream is
 # tried again this often, so that its return is seen at once.
 EVENT_RETRY_UNREACHABLE = 0.5
+# An event stream is up once its child has run this long: `virsh event` says
+# nothing when it connects, and one that cannot connect ends within moments.
+# Only then is an outage over, and a later loss news again.
+EVENT_STEADY_SECONDS = 2.0
 # Status fields left out when deciding whether the status changed.
 VOLATILE_STATUS_KEYS = ("virsh_calls",)
 
@@ -3145,6 +3149,11 @@ class EventChild:
         self.stdout: IO[bytes] = self.proc.stdout
         os.set_blocking(self.stdout.fileno(), False)
         self.buffer = b""
+        self.started = time.monotonic()
+
+    def steady(self, now: float) -> bool:
+        """Whether it has run for EVENT_STEADY_SECONDS and still runs."""
+        return now - self.started >= EVENT_STEADY_SECONDS and self.proc.poll() is None
 
     def read(self) -> Tuple[List[JsonObj], Optional[JsonObj]]:
         """The events (of every domain) read now; the error once the child ended."""
@@ -3483,6 +3492,15 @@ class Session:
                 self.mark_dirty()  # events were missed while it was down
             else:
                 self.events_lost(failure)
+        elif (
+            self.events_failure is not None
+            and self.events is not None
+            and self.failure is None
+            and self.events.steady(now)
+        ):
+            # libvirt answers and the stream stayed up: the outage is over,
+            # a later loss is news (a child that dies as it starts is not up)
+            self.events_failure = None
         if self.due(time.monotonic()):
             self.recompute()
 
@@ -3677,9 +3695,6 @@ class Session:
             self.pushed = None  # the next good status is pushed, changed or not
             return
         self.failure = None
-        if self.events is not None and self.events.proc.poll() is None:
-            # libvirt answered and the stream runs: a later loss is news
-            self.events_failure = None
         self.body = body
         comparable = {k: v for k, v in body.items() if k not in VOLATILE_STATUS_KEYS}
         if force or comparable != self.pushed:

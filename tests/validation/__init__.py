@@ -1,1 +1,0 @@
-"""Home Assistant's own checks of the integration's files (run after the tower tests: see test_hassfest)."""
