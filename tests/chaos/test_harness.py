@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 import shutil
+import sys
+import time
 from typing import Any
 
 from homeassistant.core import HomeAssistant
@@ -38,6 +40,7 @@ from tests.chaos.harness import (
     Fault,
     Plan,
     Violation,
+    own_lags,
     plan_cycle,
     run_soak,
 )
@@ -227,6 +230,68 @@ async def test_a_controller_that_skips_the_uncordon_is_caught(
     )
     assert (2, "own_cordon_outlives") in _invariants(summary)
     assert {cycle for cycle, _ in _invariants(summary)} == {2}
+
+
+def test_a_lag_the_canary_shared_is_the_machines_not_the_loops() -> None:
+    """own_lags: a loop sample keeps only the part of its lag that no
+    overlapping canary sleep had; a sample the canary did not overlap keeps
+    it all; canary sleeps that ended before it began or began after it
+    woke do not count."""
+    period = 0.01
+    samples = [
+        (0.0, 0.6),  # 0.00-0.61: the canary was 0.55 late within it
+        (1.0, 0.7),  # 1.00-1.71: the canary on time
+        (3.0, 0.4),  # 3.00-3.41: no canary sleep overlaps it
+    ]
+    canary = [
+        (0.0, 0.55),  # 0.00-0.56
+        (0.56, 0.0),
+        (0.9, 0.8),  # 0.90-1.71: woke after 1.00: overlaps the second
+        (1.2, 0.001),
+        (2.0, 0.9),  # 2.00-2.91: ended before the third began
+        (3.5, 0.9),  # began after the third woke
+    ]
+    own = own_lags(samples, canary, period)
+    assert own == pytest.approx([0.05, 0.0, 0.4])
+    canary[2] = (0.9, 0.05)  # 0.90-0.96: ended before the second began
+    own = own_lags(samples, canary, period)
+    assert own == pytest.approx([0.05, 0.7 - 0.001, 0.4])
+    assert own_lags(samples, [], period) == pytest.approx([0.6, 0.7, 0.4])
+
+
+async def test_a_product_that_blocks_the_loop_is_caught_on_a_busy_machine(
+    hass: HomeAssistant,
+    k8s_emulator: K8sEmulator,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cordon holds the event loop for 0.8 s (a blocking call in a
+    coroutine) while two processes keep both cores busy: the canary thread,
+    free while the loop thread sleeps, tells the loop's own lag from the
+    machine's, and loop_blocked is reported."""
+    cordon = ClusterClient.cordon
+
+    async def blocking_cordon(self: ClusterClient, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.8)  # noqa: ASYNC251 - the bug this test plants
+        return await cordon(self, *args, **kwargs)
+
+    monkeypatch.setattr(ClusterClient, "cordon", blocking_cordon)
+    hogs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-S", "-c", "while True: pass"
+        )
+        for _ in range(2)
+    ]
+    try:
+        summary = await _replay(
+            hass, k8s_emulator, tmp_path, [Plan(0, 1, "on", "gaming-1")], recover=False
+        )
+    finally:
+        for hog in hogs:
+            hog.kill()
+            await hog.wait()
+    assert (1, "loop_blocked") in _invariants(summary)
+    assert summary["loop_lag_own_max_ms"] >= 500
 
 
 def _agent_without_wait(directory: Path) -> Path:
