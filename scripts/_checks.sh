@@ -10,8 +10,12 @@ ruff format --check .
 step "mypy --strict"
 mypy
 step "pytest"
-# pytest exits 5 when it collected no test: that is a failure here too.
-pytest --cov=custom_components.gpu_handoff --cov-report=term-missing --durations=25 \
+# Two workers (pytest-xdist), one per core of the machines the suite is made
+# for; each takes the next test when it is free. GPU_HANDOFF_WORKERS=0 runs
+# it in one process. pytest exits 5 when it collected no test: that is a
+# failure here too.
+pytest -n "${GPU_HANDOFF_WORKERS:-2}" --dist worksteal \
+  --cov=custom_components.gpu_handoff --cov-report=term-missing --durations=25 \
   --cov-fail-under=95 "$@"
 step "config flow coverage"
 coverage report --include='custom_components/gpu_handoff/config_flow*.py' --fail-under=100
