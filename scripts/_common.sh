@@ -143,6 +143,14 @@ gh_root_exec() {
       extra=()
       if [ -n "$GH_OLDPREFIX" ] && [ -d "$GH_OLDPREFIX" ]; then
         mount --bind -o ro "$GH_OLDPREFIX" "$r/opt/oldpython"
+        # Its libpython where the loader looks without being told, as a
+        # tower'"'"'s own Python finds its library: the agent'"'"'s runners start
+        # with systemd'"'"'s environment, not the caller'"'"'s.
+        for lib in "$GH_OLDPREFIX"/lib/libpython3*.so.1.0; do
+          [ -f "$lib" ] || continue
+          [ -e "$r/usr/lib/${lib##*/}" ] || : > "$r/usr/lib/${lib##*/}"
+          mount --bind -o ro "$lib" "$r/usr/lib/${lib##*/}"
+        done
         extra+=("GPU_HANDOFF_OLD_PYTHON=/opt/oldpython/bin/$GH_OLDPY" "GPU_HANDOFF_OLD_PYTHON_LIB=/opt/oldpython/lib")
       fi
       while IFS= read -r -d $'"'"'\v'"'"' kv; do extra+=("$kv"); done <<<"$GH_PASS_ENV"

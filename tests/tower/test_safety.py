@@ -13,7 +13,8 @@ import subprocess
 import pytest
 
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
-from tests.tower.conftest import REQUIRE_SYSTEM, FakeTower, run_agent, write_config
+from tests.support.oldpython import oldest_python
+from tests.tower.conftest import FakeTower, run_agent, write_config
 
 SOURCE = Path(agent.__file__)
 
@@ -82,17 +83,8 @@ def test_protocol_constants() -> None:
 
 
 def old_python() -> tuple[str, dict[str, str]]:
-    python = os.environ.get("GPU_HANDOFF_OLD_PYTHON")
-    if not python:
-        if REQUIRE_SYSTEM:
-            pytest.fail(
-                "GPU_HANDOFF_OLD_PYTHON is unset (GPU_HANDOFF_REQUIRE_SYSTEM=1)"
-            )
-        pytest.skip("GPU_HANDOFF_OLD_PYTHON is unset")
-    env = dict(os.environ)
-    if os.environ.get("GPU_HANDOFF_OLD_PYTHON_LIB"):
-        env["LD_LIBRARY_PATH"] = os.environ["GPU_HANDOFF_OLD_PYTHON_LIB"]
-    return python, env
+    python, extra = oldest_python()
+    return python, {**os.environ, **extra}
 
 
 def test_python39(tmp_path: Path) -> None:

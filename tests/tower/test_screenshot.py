@@ -30,8 +30,9 @@ import pytest
 
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from tests.realvm.test_screenshot import RECORDED_FRAME
+from tests.support.oldpython import oldest_python
 from tests.support.png import chunks, decode, ppm_pixels
-from tests.tower.conftest import REQUIRE_SYSTEM, Run, run_agent, write_config
+from tests.tower.conftest import Run, run_agent, write_config
 from tests.towersim import Tower, realistic_tower
 
 PPM = "image/x-portable-pixmap"
@@ -354,16 +355,8 @@ def test_a_malformed_ppm_from_virsh_is_refused(
 
 def test_python39_converts_the_real_frame(shots: ShotTower) -> None:
     """The tower may run Python 3.9: the agent converts there as well."""
-    python = os.environ.get("GPU_HANDOFF_OLD_PYTHON")
-    if not python:
-        if REQUIRE_SYSTEM:
-            pytest.fail(
-                "GPU_HANDOFF_OLD_PYTHON is unset (GPU_HANDOFF_REQUIRE_SYSTEM=1)"
-            )
-        pytest.skip("GPU_HANDOFF_OLD_PYTHON is unset")
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(shots.directory)}
-    if os.environ.get("GPU_HANDOFF_OLD_PYTHON_LIB"):
-        env["LD_LIBRARY_PATH"] = os.environ["GPU_HANDOFF_OLD_PYTHON_LIB"]
+    python, extra = oldest_python()
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(shots.directory), **extra}
     shots.tower.set_screen("gpu-node", mime=PPM, frame=RECORDED_FRAME)
     proc = subprocess.run(
         [

@@ -4,7 +4,6 @@ events, batches, screenshots, destroy refusal and concurrent callers."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-import os
 from pathlib import Path
 import re
 import signal
@@ -12,6 +11,7 @@ import subprocess
 
 import pytest
 
+from tests.support.oldpython import oldest_python
 from tests.towersim import DomainSpec, Hostdev, Tower
 from tests.towersim.helpers import LineReader, png_size, run, sim
 
@@ -290,12 +290,7 @@ def test_realistic_tower_xml(tower: Tower) -> None:
 
 def test_runs_on_the_oldest_python(tmp_path: Path) -> None:
     """The agent's compatibility tests may run the simulator on Python 3.9."""
-    old = os.environ.get("GPU_HANDOFF_OLD_PYTHON")
-    if not old:
-        pytest.skip("no old Python here (GPU_HANDOFF_OLD_PYTHON)")
-    env = {}
-    if os.environ.get("GPU_HANDOFF_OLD_PYTHON_LIB"):
-        env["LD_LIBRARY_PATH"] = os.environ["GPU_HANDOFF_OLD_PYTHON_LIB"]
+    old, env = oldest_python()
     tower = Tower.create(
         tmp_path / "tower",
         [DomainSpec("a", hostdevs=[Hostdev("0000:01:00.0")], agent_delay=0.0)],
