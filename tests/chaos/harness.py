@@ -72,6 +72,12 @@ the domains running, and runs the qemu hook's ``reconnect begin -`` for each
 when it is back. These three strike before the stop they change is sent
 (``EARLY_MOMENTS``) or, the restart, at any moment.
 
+Apart from the faults, a quarter of the cycles (``Plan.socket_race``, drawn
+from a generator of its own so that the seeds' requests and faults stay
+what they were) have every ``shutdown --mode agent`` lose libvirt's race
+with QEMU's exit: the guest powers off and the call fails with "internal
+error: End of file from agent socket", as a real guest did under load.
+
 A start by hand is ``virsh start`` on the tower: the simulator runs libvirt's
 qemu hook (the agent) as libvirtd does, and refuses the start while the GPU
 node holds the VM's cards. A gaming VM removed from GPU Handoff is added back
@@ -346,6 +352,9 @@ EARLY_MOMENTS: Final = {
 # support is missing can be left out here for a while; empty, the plans are
 # those of rng.sample(FAULTS, ...), so a replay line stays valid.
 DISABLED_FAULTS: Final[frozenset[str]] = frozenset()
+# The share of cycles whose agent shutdowns lose libvirt's race with QEMU's
+# exit (Plan.socket_race).
+SOCKET_RACE_ODDS: Final = 0.25
 FAULT_COUNT_WEIGHTS: Final = (2, 4, 3, 2)  # 0, 1, 2 or 3 faults
 
 # slow_graceful_stop: libvirt's wait in ``virsh shutdown --mode agent`` for
@@ -455,6 +464,10 @@ class Plan:
     request: str
     vm: str | None = None
     faults: tuple[Fault, ...] = ()
+    # Every agent shutdown of this cycle loses libvirt's race with QEMU's
+    # exit: "End of file from agent socket" as the guest powers off
+    # (Tower.agent_sockets_close_first).
+    socket_race: bool = False
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -462,6 +475,7 @@ class Plan:
             "request": self.request,
             "vm": self.vm,
             "faults": [fault.as_json() for fault in self.faults],
+            "socket_race": self.socket_race,
         }
 
 
@@ -533,7 +547,10 @@ def plan_cycle(seed: int, cycle: int) -> Plan:
     faults = tuple(
         _fault(rng, kind, _draw_moment(rng, kind, moments), vm) for kind in kinds
     )
-    return Plan(seed, cycle, request, vm, faults)
+    # Drawn apart, so the requests and faults of a seed stay those that were
+    # drawn before it existed (the regression seeds replay what they found).
+    race = random.Random(f"gpu-handoff-chaos:{seed}:{cycle}:socket")  # noqa: S311
+    return Plan(seed, cycle, request, vm, faults, race.random() < SOCKET_RACE_ODDS)
 
 
 # --- results ------------------------------------------------------------------------
@@ -1544,6 +1561,8 @@ class ChaosRig:
         self._pending = {}
         for fault in plan.faults:
             self._pending.setdefault(fault.moment, []).append(fault)
+        racing = (GPU, *GAMING) if plan.socket_race else ()
+        await asyncio.to_thread(self.sim.agent_sockets_close_first, *racing)
         asks = await self._asks(plan)
         record.asks = self._asks_sent = asks
         # "before": every fault of the moment has struck when the request goes.
@@ -1563,6 +1582,10 @@ class ChaosRig:
         self._pending = {}
         record.fired = list(self._fired)
         record.inapplicable = list(self._inapplicable)
+        if racing:
+            left = await asyncio.to_thread(self.sim.agent_sockets_still_to_close)
+            record.observed["agent_socket_eof"] += len(racing) - len(left)
+            await asyncio.to_thread(self.sim.agent_sockets_close_first)
         await self._check(plan, record, settled)
         if not settled and self.recover:
             await self._recover()
@@ -1579,6 +1602,7 @@ class ChaosRig:
         self.log(
             f"chaos: cycle {plan.cycle}: {plan.request} {plan.vm or ''} "
             f"faults={[f'{f.kind}@{f.moment}' for f in plan.faults]} "
+            f"{'socket_race ' if plan.socket_race else ''}"
             f"unreached={record.unreached} inapplicable={record.inapplicable} "
             f"-> {record.outcome} "
             f"[{', '.join(f'{a.vm} {a.want}: {a.status} {a.detail}' for a in asks)}] "

@@ -142,7 +142,18 @@ def test_stop_waits_for_the_guest_agent_then_shuts_the_domain_off(
     assert job["state"] == "succeeded", job
     steps = {s["name"]: s for s in job["steps"]}
     assert [s["result"] for s in job["steps"]] == ["ok", "ok", "ok"], job["steps"]
-    assert steps["shutdown"]["detail"] == "shutdown --mode agent accepted"
+    # libvirt returns once it sees QEMU's SHUTDOWN event; when the guest
+    # agent's socket reaches end of file first (QEMU exiting; a loaded
+    # machine makes it likelier), the call fails while the domain is off,
+    # and the step says so (qemu_agent.c, qemuAgentIO; the simulator's
+    # agent_sockets_close_first)
+    assert steps["shutdown"]["detail"] in (
+        "shutdown --mode agent accepted",
+        (
+            f"shut off; libvirt answered: agent: Failed to shutdown domain "
+            f"'{GPU_NODE}' / internal error: End of file from agent socket"
+        ),
+    )
     assert stop_jobs.states[GPU_NODE] == "shut off (shutdown)"
     assert "shutting down, reason=shutdown" in stop_jobs.domain_logs[GPU_NODE]
 

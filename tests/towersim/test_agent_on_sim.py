@@ -251,6 +251,29 @@ def test_hook_fires_while_a_handoff_runs(
     _assert_clean(agent, tower)
 
 
+def test_a_stop_whose_agent_socket_closes_first_succeeds(
+    agent_tower: Tower, tmp_path: Path, python: Python
+) -> None:
+    """libvirt answers the agent shutdown with "End of file from agent
+    socket" as the guest powers off (QEMU's exit raced its SHUTDOWN event):
+    the domain is off, so the step succeeded, and says what libvirt
+    answered; nothing more is sent, nothing destroyed."""
+    tower = agent_tower
+    agent = Agent(tower, tmp_path, python)
+    tower.agent_sockets_close_first("gpu-node")
+    job = agent.wait(agent.submit("stop", "gpu-node"))
+    assert job["state"] == "succeeded", job
+    step = next(s for s in job["steps"] if s["name"] == "shutdown")
+    assert step["result"] == "ok"
+    assert step["detail"] == (
+        "shut off; libvirt answered: agent: Failed to shutdown domain 'gpu-node' "
+        "/ internal error: End of file from agent socket"
+    )
+    assert tower.domstate("gpu-node") == "shut off (shutdown)"
+    assert len(tower.calls("shutdown", "gpu-node")) == 1
+    _assert_clean(agent, tower)
+
+
 def test_guest_agent_never_comes_up(
     agent_tower: Tower, tmp_path: Path, python: Python
 ) -> None:

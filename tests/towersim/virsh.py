@@ -339,6 +339,8 @@ AGENT_NOT_CONNECTED = "Guest agent is not responding: QEMU guest agent is not co
 AGENT_NOT_CONFIGURED = "argument unsupported: QEMU guest agent is not configured"
 # qemuAgentSend: no reply (nor the awaited SHUTDOWN event) within its wait
 AGENT_NOT_AVAILABLE = "Guest agent is not responding: Guest agent not available for now"
+# qemu_agent.c, qemuAgentIO: the agent's socket closed under a waiting command
+AGENT_SOCKET_EOF = "internal error: End of file from agent socket"
 # virDomainObjBeginJobInternal, after VIR_JOB_WAIT_TIME, the agent job held
 JOB_TIMED_OUT = (
     "Timed out during operation: cannot acquire state change lock "
@@ -444,11 +446,13 @@ class Session:
             time.sleep(POLL)
 
     def _agent_shutdown_wait(
-        self, name: str, boot_t: float | None, until: float
+        self, name: str, boot_t: float | None, until: float, socket_eof: bool
     ) -> bool:
         """qemuAgentShutdown's wait: True when the guest powered off (QEMU's
         SHUTDOWN event, qemuAgentNotifyEvent) or its agent went away
-        (qemuAgentNotifyClose) before ``until``; False at ``until``."""
+        (qemuAgentNotifyClose) before ``until``; False at ``until``. With
+        ``socket_eof`` its agent's socket reaches end of file as QEMU exits,
+        before either is seen: only the power-off ends the wait."""
         while True:
             with model.locked(self.state_dir, exclusive=False):
                 data = model.load(self.state_dir)
@@ -457,7 +461,7 @@ class Session:
             if dom is None or not dom.running or dom.boot_t != boot_t:
                 hooks.dispatch_stops(self.state_dir)
                 return True
-            if not dom.agent_connected:
+            if not dom.agent_connected and not socket_eof:
                 return True
             if t >= until:
                 return False
@@ -669,7 +673,7 @@ class Session:
                 modes.append(mode)
         # cmdShutdown names the domain as it was given (an id, a UUID)
         failed = f"Failed to shutdown domain '{cmd.get('domain')}'"
-        blocked: tuple[str, float | None, float] | None = None
+        blocked: tuple[str, float | None, float, bool] | None = None
         with self.agent_job(cmd.get("domain"), failed) as (data, t, _world, found):
             dom = found
             if not dom.running:
@@ -703,11 +707,19 @@ class Session:
                 model.record(
                     data, "shutdown", dom.name, t, mode="agent", job_until=until
                 )
-                blocked = (dom.name, dom.boot_t, until)
+                closes = data.get("agent_socket_closes_first", [])
+                socket_eof = dom.name in closes
+                if socket_eof:
+                    closes.remove(dom.name)
+                blocked = (dom.name, dom.boot_t, until, socket_eof)
             else:
                 self._acpi(data, dom, t)
             model.save(self.state_dir, data)
-        if blocked is not None and not self._agent_shutdown_wait(*blocked):
+        if blocked is not None and self._agent_shutdown_wait(*blocked):
+            if blocked[3]:
+                # QEMU exited under the waiting command (Tower.agent_sockets_close_first)
+                raise CommandFailedError(failed, AGENT_SOCKET_EOF)
+        elif blocked is not None:
             if not modes or "acpi" in modes:
                 # qemuDomainShutdownFlags: the agent failed, not forced: ACPI
                 # (unless the guest went away meanwhile)
