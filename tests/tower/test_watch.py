@@ -144,9 +144,10 @@ def test_watch_ends_on_broken_pipe(fake_tower: FakeTower) -> None:
             os.close(write_fd)
     assert rc == 0
     assert stdout.lines == 1
-    # The event child (the stand-in sleeps forever) was killed.
+    # The event child (the stand-in sleeps forever) was killed: none of this
+    # process's children is one (another test worker may run its own).
     children = subprocess.run(
-        ["pgrep", "-f", "fakevirsh.py -c test:///fake event"],
+        ["pgrep", "-P", str(os.getpid()), "-f", "fakevirsh.py -c test:///fake event"],
         capture_output=True,
         check=False,
     )

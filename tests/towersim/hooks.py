@@ -42,7 +42,6 @@ import fcntl
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from typing import Any
@@ -181,6 +180,8 @@ def _run_script(
     state_dir: str, path: str, hook: JsonObj, args: list[str], xml: str
 ) -> str | None:
     """virRunScript: None if it exited 0, else libvirt's error text."""
+    import subprocess  # only here: every simulated virsh call imports this module
+
     argv = [*hook["argv"], *args]
     env = {"LC_ALL": "C", "PATH": HOOK_PATH_ENV, **(hook.get("env") or {})}
     timeout = float(hook.get("timeout") or HOOK_TIMEOUT)

@@ -18,7 +18,6 @@ import fcntl
 import json
 import os
 from pathlib import Path
-import tempfile
 import time
 from typing import Any
 
@@ -68,7 +67,9 @@ def load(state_dir: str) -> JsonObj:
 
 
 def save(state_dir: str, data: JsonObj) -> None:
-    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".state-", suffix=".tmp")
+    # mkstemp's name and flags, without tempfile's import cost at every call
+    tmp = os.path.join(state_dir, f".state-{os.getpid()}-{os.urandom(6).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=1, sort_keys=True)
     os.chmod(tmp, 0o666)  # noqa: S103 - the agent may run as another user

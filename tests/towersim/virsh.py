@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 import contextlib
-import gzip
 import json
 import os
 from pathlib import Path
@@ -1115,6 +1114,8 @@ def screen_image(name: str, seed: float, screen: JsonObj) -> bytes:
     frame = screen.get("frame")
     if frame is not None:
         data = Path(frame).read_bytes()
+        import gzip  # only for a recorded frame: not at every call
+
         return gzip.decompress(data) if str(frame).endswith(".gz") else data
     width = int(screen.get("width", 160))
     height = int(screen.get("height", 100))
