@@ -38,7 +38,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from custom_components.gpu_handoff.tower.gpu_handoff import cmd_ping
-from tests.realvm.qemu_libvirtd import EventLog, QemuLibvirtd, define_guest
+from tests.realvm import record
+from tests.realvm.qemu_libvirtd import (
+    EventLog,
+    QemuLibvirtd,
+    agent_shutdown_answers,
+    define_guest,
+)
 from tests.realvm.record import (
     EVENT_DOMAIN_RE,
     SHUTDOWN_TIMEOUT,
@@ -77,7 +83,9 @@ NOT_RUNNING = "error: Requested operation is not valid: domain is not running\n"
 #   still "running", the agent gone); the domain is stopped (qemuProcessStop)
 #   a moment later;
 # - the ping that waited for the agent job gets it right then, and fails on
-#   whichever of the two came first (qemuDomainAgentAvailable).
+#   whichever of the two came first (qemuDomainAgentAvailable);
+# - the agent shutdown itself fails with "End of file from agent socket" when
+#   QEMU's exit closes the agent's socket first (agent_shutdown_answers).
 RACY_CASES: dict[str, tuple[tuple[int, str, str], ...]] = {
     "domstate right after the agent shutdown returned": tuple(
         (0, f"{state}\n\n", "")
@@ -86,6 +94,9 @@ RACY_CASES: dict[str, tuple[tuple[int, str, str], ...]] = {
             "in shutdown (unknown)",
             "shut off (shutdown)",
         )
+    ),
+    "shutdown --mode agent of a guest that takes its time": agent_shutdown_answers(
+        SLOW
     ),
     "guest-ping while the agent shutdown waits": (
         (1, "\n", NOT_RUNNING),
@@ -327,16 +338,8 @@ def _agent_leaves_during_the_shutdown(r: _Recorder, rec: ShutdownRecording) -> N
 
 def comparable(commands: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The commands with each racy answer that is one of RACY_CASES' replaced
-    by the case's name (an unexpected answer stays as it is)."""
-    out = []
-    for entry in commands:
-        answers = RACY_CASES.get(entry["case"])
-        answer = (entry["rc"], entry["stdout"], entry["stderr"])
-        if answers is not None and answer in answers:
-            out.append({**entry, "rc": None, "stdout": "racy", "stderr": ""})
-        else:
-            out.append(entry)
-    return out
+    by a mark (an unexpected answer stays as it is)."""
+    return record.comparable(commands, RACY_CASES)
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ with what the tower simulator prints for its own create.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 import re
 import tempfile
@@ -225,7 +224,8 @@ def test_a_guest_created_from_a_reduced_live_definition(
             ),
         )
 
-        virsh_ok(daemon, "shutdown", "--mode", "agent", "--domain", LEND_NODE)
+        # (either of libvirt's answers for a guest that powers off)
+        daemon.shutdown_by_agent(LEND_NODE)
         wait_until(
             lambda: (
                 daemon.virsh("domstate", "--reason", LEND_NODE).stdout
@@ -248,26 +248,7 @@ def test_a_guest_created_from_a_reduced_live_definition(
         ]
     finally:
         events.stop()
-        with contextlib.suppress(TimeoutError):
-            if daemon.virsh("domstate", LEND_NODE).stdout.strip() == "running":
-                wait_until(
-                    lambda: (
-                        daemon.virsh(
-                            "shutdown", "--mode", "agent", LEND_NODE
-                        ).returncode
-                        == 0
-                    ),
-                    timeout=60,
-                    interval=0.5,
-                    what="the created guest to accept a shutdown",
-                )
-                wait_until(
-                    lambda: (
-                        daemon.virsh("domstate", LEND_NODE).stdout.strip() == "shut off"
-                    ),
-                    timeout=60,
-                    what="the created guest to shut off",
-                )
+        daemon.stop_guest(LEND_NODE)
         daemon.virsh("undefine", LEND_NODE)
 
     # A create reports what a start does, on QEMU as in the simulator.

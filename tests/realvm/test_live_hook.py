@@ -32,7 +32,6 @@ another domain holds (a test asserts it). Not real: that failure's message.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 import time
@@ -169,25 +168,6 @@ def run_job(
     )
 
 
-def stop_gracefully(daemon: QemuLibvirtd, name: str) -> None:
-    """Teardown: a running guest goes down through its guest agent (the
-    daemon's own teardown destroys what is left)."""
-    with contextlib.suppress(TimeoutError):
-        if daemon.virsh("domstate", name).stdout.strip() != "running":
-            return
-        wait_until(
-            lambda: daemon.virsh("shutdown", "--mode", "agent", name).returncode == 0,
-            timeout=60,
-            interval=0.5,
-            what=f"{name} to accept a shutdown",
-        )
-        wait_until(
-            lambda: daemon.virsh("domstate", name).stdout.strip() == "shut off",
-            timeout=60,
-            what=f"{name} to shut off",
-        )
-
-
 @pytest.fixture(scope="module")
 def rig(
     qemu_libvirtd: QemuLibvirtd, guest: Guest, realvm_timings: dict[str, float]
@@ -240,7 +220,7 @@ def rig(
     finally:
         d.set_hook_config(None)
         for name in (GAME, NODE):
-            stop_gracefully(d, name)
+            d.stop_guest(name)
             d.virsh("undefine", name)
 
 

@@ -19,9 +19,11 @@ from tests.realvm.record import (
     ACPI_HONOURED,
     ACPI_IGNORED,
     GPU_NODE,
+    RACY_CASES,
     RECORDED,
     TIMESTAMP_RE,
     Recording,
+    comparable,
     run_scenario,
 )
 
@@ -75,11 +77,8 @@ def test_agent_shutdown_after_the_agent_is_up_shuts_the_domain_off(
     rig: Recording,
 ) -> None:
     stop = rig.command("shutdown --mode agent after the agent is up")
-    assert (stop["rc"], stop["stdout"], stop["stderr"]) == (
-        0,
-        f"Domain '{GPU_NODE}' is being shutdown\n\n",
-        "",
-    )
+    # Success, or the race with QEMU's exit that a loaded machine may lose.
+    assert (stop["rc"], stop["stdout"], stop["stderr"]) in RACY_CASES[stop["case"]]
     after = rig.command("domstate after an agent shutdown")
     assert after["stdout"] == "shut off (shutdown)\n\n"
     assert "gh-guest: shutdown -h -P +0" in rig.serial[GPU_NODE]
@@ -170,5 +169,5 @@ def test_the_committed_recording_matches_this_run(rig: Recording) -> None:
     `python -m tests.realvm.record` when libvirt's answers change."""
     committed = json.loads(RECORDED.read_text())
     live = rig.as_json()
-    assert committed["commands"] == live["commands"]
+    assert comparable(committed["commands"]) == comparable(live["commands"])
     assert _comparable_events(committed["events"]) == _comparable_events(live["events"])

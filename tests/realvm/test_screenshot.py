@@ -24,7 +24,6 @@ guest's size.
 from __future__ import annotations
 
 import base64
-import contextlib
 from dataclasses import dataclass
 import gzip
 import json
@@ -157,19 +156,7 @@ def boot(daemon: QemuLibvirtd, guest: Guest, name: str) -> None:
 def stop(daemon: QemuLibvirtd, name: str) -> None:
     """Shut ``name`` down through its guest agent and forget it (the daemon's
     teardown destroys what does not stop)."""
-    with contextlib.suppress(TimeoutError):
-        wait_until(
-            lambda: daemon.virsh("shutdown", "--mode", "agent", name).returncode == 0,
-            timeout=60,
-            interval=0.5,
-            what=f"{name} to accept a shutdown",
-        )
-        wait_until(
-            lambda: daemon.virsh("domstate", name).stdout.strip() == "shut off",
-            timeout=60,
-            interval=0.2,
-            what=f"{name} to shut off",
-        )
+    daemon.stop_guest(name)
     daemon.virsh("undefine", name)
 
 

@@ -110,7 +110,9 @@ def test_an_agent_shutdown_blocks_until_the_guest_goes_down(
     Shutdown``) once qemuProcessShutdownOrReboot has ended QEMU."""
     stop = run.command("shutdown --mode agent of a guest that takes its time")
     assert stop["domain_state"] == "running (booted)"
-    assert _answer(stop) == (0, f"Domain '{SLOW}' is being shutdown\n\n", "")
+    # Success, or the race with QEMU's exit (RACY_CASES): either way after
+    # the guest went down.
+    assert _answer(stop) in RACY_CASES[stop["case"]]
     took = run.timings["slow_shutdown_took"]
     assert SHUTDOWN_DELAY <= took < SHUTDOWN_DELAY + RETURNED_WITHIN, run.timings
     during = run.command("domstate while the agent shutdown waits")

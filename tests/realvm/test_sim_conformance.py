@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from tests.realvm.qemu_libvirtd import agent_shutdown_answers
 from tests.realvm.record import (
     ACPI_HONOURED,
     ACPI_IGNORED,
@@ -32,6 +33,7 @@ from tests.realvm.record import (
     RECORDED,
     TIMESTAMP_RE,
     command_entry,
+    comparable as comparable_rig,
 )
 from tests.realvm.record_shutdowns import (
     AGENT_LEAD,
@@ -74,6 +76,24 @@ def _sim_virsh(tower: Any, argv: list[str]) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _sim_tower(tmp_path: Path, ignore_acpi: dict[str, bool]) -> Any:
+    """A simulated tower with a guest of each name (ignoring the ACPI power
+    button or not), whose agents and shutdowns take the simulated times the
+    recorded run is replayed with."""
+    return towersim.Tower.create(
+        tmp_path / "tower",
+        [
+            towersim.DomainSpec(
+                name=name,
+                agent_delay=AGENT_DELAY,
+                shutdown_duration=SHUTDOWN_DURATION,
+                ignore_acpi=ignores,
+            )
+            for name, ignores in ignore_acpi.items()
+        ],
+    )
+
+
 def _replay(
     tower: Any, cases: list[dict[str, Any]], advance: dict[str, float]
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -111,17 +131,7 @@ def test_guest_agent_commands_match_real_virsh(
     recording: dict[str, Any], tmp_path: Path
 ) -> None:
     """gpu-node and a missing domain: every recorded command, same order."""
-    tower = towersim.Tower.create(
-        tmp_path / "tower",
-        [
-            towersim.DomainSpec(
-                name=GPU_NODE,
-                agent_delay=AGENT_DELAY,
-                shutdown_duration=SHUTDOWN_DURATION,
-                ignore_acpi=True,
-            )
-        ],
-    )
+    tower = _sim_tower(tmp_path, {GPU_NODE: True})
     cases = [
         c
         for c in recording["commands"]
@@ -129,29 +139,13 @@ def test_guest_agent_commands_match_real_virsh(
     ]
     assert len(cases) >= 14
     for real, sim in _replay(tower, cases, ADVANCE_BEFORE):
-        assert sim == real
+        assert comparable_rig([sim]) == comparable_rig([real])
 
 
 def test_acpi_shutdowns_match_real_virsh(
     recording: dict[str, Any], tmp_path: Path
 ) -> None:
-    tower = towersim.Tower.create(
-        tmp_path / "tower",
-        [
-            towersim.DomainSpec(
-                name=ACPI_IGNORED,
-                agent_delay=AGENT_DELAY,
-                shutdown_duration=SHUTDOWN_DURATION,
-                ignore_acpi=True,
-            ),
-            towersim.DomainSpec(
-                name=ACPI_HONOURED,
-                agent_delay=AGENT_DELAY,
-                shutdown_duration=SHUTDOWN_DURATION,
-                ignore_acpi=False,
-            ),
-        ],
-    )
+    tower = _sim_tower(tmp_path, {ACPI_IGNORED: True, ACPI_HONOURED: False})
     cases = [
         c
         for c in recording["commands"]
@@ -166,7 +160,7 @@ def test_acpi_shutdowns_match_real_virsh(
     advance[first_acpi] = AGENT_DELAY + 1
     assert len(cases) >= 8
     for real, sim in _replay(tower, cases, advance):
-        assert sim == real
+        assert comparable_rig([sim]) == comparable_rig([real])
 
 
 def _bare(lines: list[str]) -> list[str]:
@@ -178,16 +172,7 @@ def test_event_lines_match_real_virsh(
 ) -> None:
     """Same lines (timestamps aside), same order, for a start, the agent coming
     up, and an agent shutdown; the timestamps have the real format."""
-    tower = towersim.Tower.create(
-        tmp_path / "tower",
-        [
-            towersim.DomainSpec(
-                name=GPU_NODE,
-                agent_delay=AGENT_DELAY,
-                shutdown_duration=SHUTDOWN_DURATION,
-            )
-        ],
-    )
+    tower = _sim_tower(tmp_path, {GPU_NODE: False})
     assert _sim_virsh(tower, ["start", GPU_NODE]).returncode == 0
     tower.advance(AGENT_DELAY + 1)
     assert _sim_virsh(tower, ["shutdown", "--mode", "agent", GPU_NODE]).returncode == 0
@@ -198,6 +183,28 @@ def test_event_lines_match_real_virsh(
     assert _bare(sim) == _bare(real)
     agent_lines = [line for line in _bare(real) if "'agent-lifecycle'" in line]
     assert len(agent_lines) == 2  # disconnected at start, connected when up
+
+
+def test_an_agent_shutdown_that_loses_the_race_with_qemus_exit(
+    tmp_path: Path,
+) -> None:
+    """The simulator's lost race (Tower.agent_sockets_close_first) answers
+    exactly what real virsh answered for it (agent_shutdown_answers: seen on a
+    real guest under two test workers), and the guest is shut off as after a
+    won one; the next shutdown wins again."""
+    tower = _sim_tower(tmp_path, {GPU_NODE: False})
+    won, lost = agent_shutdown_answers(GPU_NODE)
+    for answer in (lost, won):
+        assert _sim_virsh(tower, ["start", GPU_NODE]).returncode == 0
+        tower.advance(AGENT_DELAY + 1)
+        if answer is lost:
+            tower.agent_sockets_close_first(GPU_NODE)
+        stop = _sim_virsh(tower, ["shutdown", "--mode", "agent", GPU_NODE])
+        assert (stop.returncode, stop.stdout, stop.stderr) == answer
+        tower.advance(SHUTDOWN_DURATION + 1)
+        state = _sim_virsh(tower, ["domstate", "--reason", GPU_NODE])
+        assert state.stdout == "shut off (shutdown)\n\n"
+        assert tower.agent_sockets_still_to_close() == []
 
 
 # --- slow graceful stops and guest agents that leave first -------------------
