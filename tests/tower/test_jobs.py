@@ -7,9 +7,11 @@ Steps run in this process (``run-job``) so coverage is measured; the tests named
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 from pathlib import Path
+import secrets
 import sys
 import time
 
@@ -499,9 +501,7 @@ def test_systemd_run_failure(fake_tower: FakeTower, tmp_path: Path) -> None:
 
 
 def test_spawn_oserror(fake_tower: FakeTower, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        agent.sys, "executable", str(fake_tower.directory / "no-python")
-    )
+    monkeypatch.setattr(sys, "executable", str(fake_tower.directory / "no-python"))
     run = fake_tower.run("start", "win-1")
     assert run.reply["error"]["code"] == "spawn_failed"
 
@@ -527,7 +527,7 @@ def test_wait_devices_polls_until_free(
         )
         fake_tower.set_domain("gpu-node", state="shut off", reason="shutdown")
 
-    monkeypatch.setattr(agent.time, "sleep", fake_sleep)
+    monkeypatch.setattr(time, "sleep", fake_sleep)
     runner.run()
     assert len(sleeps) == 1
     assert job["steps"][0]["result"] == "ok"
@@ -560,18 +560,18 @@ def test_jobs_made_in_the_same_microsecond_get_units_of_their_own(
     differ by their random part, and should that repeat too, the id is made
     again: no record, and so no unit name, is ever used twice (real
     systemd refuses a name in use: tests/box/test_detached_jobs.py)."""
-    instant = agent.dt.datetime(2026, 12, 1, 21, 0, 0, 123456, agent.dt.timezone.utc)
+    instant = dt.datetime(2026, 12, 1, 21, 0, 0, 123456, dt.UTC)
 
-    class Frozen(agent.dt.datetime):
+    class Frozen(dt.datetime):
         @classmethod
-        def now(cls, tz: agent.dt.tzinfo | None = None) -> agent.dt.datetime:
+        def now(cls, tz: dt.tzinfo | None = None) -> dt.datetime:
             return instant
 
     draws = iter(["aaaaaa", "aaaaaa", "aaaaaa", "bbbbbb"])
-    monkeypatch.setattr(agent.dt, "datetime", Frozen)
-    real = agent.secrets.token_hex
+    monkeypatch.setattr(dt, "datetime", Frozen)
+    real = secrets.token_hex
     monkeypatch.setattr(
-        agent.secrets, "token_hex", lambda n: next(draws) if n == 3 else real(n)
+        secrets, "token_hex", lambda n: next(draws) if n == 3 else real(n)
     )
     cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
     first = agent.create_job(cfg, "stop", "win-1", "test")

@@ -143,7 +143,7 @@ def test_root_becomes_the_owner_before_it_touches_the_directory(
     """Which user root becomes (the becoming itself runs in processes of their
     own: tests/tower/test_trust.py)."""
     became: list[tuple[int, int]] = []
-    monkeypatch.setattr(agent.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setattr(
         agent, "drop_privileges", lambda uid, gid, env: became.append((uid, gid))
     )

@@ -210,7 +210,7 @@ def test_state_files_get_their_mode_on_the_descriptor(
         raise AssertionError(f"set by path: {args}")
 
     for name in ("chmod", "chown", "lchown"):
-        monkeypatch.setattr(agent.os, name, by_path)
+        monkeypatch.setattr(os, name, by_path)
     cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
     job = agent.create_job(cfg, "stop", "win-1", "cli")
     agent.write_json_atomic(agent.job_path(cfg, job["id"]), job, cfg.state_dir)
