@@ -76,7 +76,9 @@ def names_module(text: str, module: str) -> bool:
 
 def runs_agent(text: str) -> bool:
     return bool(
-        re.search(r"\bAGENT\b|tower import gpu_handoff|tower\.gpu_handoff\b", text)
+        re.search(
+            r"\bAGENT\b|agentbuild|tower import gpu_handoff|tower\.gpu_handoff\b", text
+        )
         or "simtower" in text
     )
 

@@ -19,21 +19,17 @@ from pytest_homeassistant_custom_component.common import MockConfigEntry
 
 from custom_components.gpu_handoff.const import DOMAIN
 from custom_components.gpu_handoff.session import AGENT_VERSION, version_key
+from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from tests.conftest import add_tower_entry
 from tests.k8semu import K8sEmulator
+from tests.support.agentbuild import agent_variant
 from tests.support.sshd import Sshd
 from tests.support.stories import setup_entry, until
-from tests.support.testdriver import AGENT
 
 
 def _agent_of_version(directory: Path, version: str) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    text = AGENT.read_text(encoding="utf-8")
-    line = f'VERSION = "{AGENT_VERSION}"\n'
-    assert text.count(line) == 1
-    copy = directory / "gpu_handoff.py"
-    copy.write_text(text.replace(line, f'VERSION = "{version}"\n'), encoding="utf-8")
-    return copy
+    assert agent.VERSION == AGENT_VERSION
+    return agent_variant(directory, version=version)
 
 
 @pytest.fixture

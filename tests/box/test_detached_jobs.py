@@ -23,12 +23,14 @@ from tests.box.conftest import (
     install_agent,
     user_systemctl,
 )
-from tests.support.box import Box
+from tests.support.agentbuild import AGENT, REPO, agent_variant_bytes
+from tests.support.box import REPOSITORY, Box
 from tests.support.waiting import wait_until
 from tests.towersim import Tower
 from tests.towersim.tower import realistic_domains
 
-AGENT_IN_REPO = "custom_components/gpu_handoff/tower/gpu_handoff.py"
+# The agent's program as the box sees it (the repository is at /src there).
+AGENT_IN_BOX = f"{REPOSITORY}/{AGENT.relative_to(REPO).as_posix()}"
 UNIT = re.compile(r"^gpu-handoff-job-(?P<id>[0-9]{8}-[0-9]{6}-[0-9]{6}-[0-9a-f]{6})$")
 
 
@@ -153,7 +155,7 @@ def test_a_job_after_an_agent_update_gets_a_new_unit(box_agent: BoxAgent) -> Non
     it): the running job's unit goes on, the next job gets a unit of its own."""
     box_agent.tower.set_shutdown_duration("gpu-node", 3)
     first = box_agent.ssh("handoff gaming-1")
-    box_agent.box.run(["python3", "/src/" + AGENT_IN_REPO, "update"], check=True)
+    box_agent.box.run(["python3", AGENT_IN_BOX, "update"], check=True)
     second = box_agent.ssh("stop gaming-2")
     assert box_agent.wait_job(first["job"]["id"])["state"] == "succeeded"
     assert box_agent.wait_job(second["job"]["id"])["state"] == "succeeded"
@@ -201,9 +203,10 @@ def test_the_seeds_fixed_unit_name_fails_for_real(box_agent: BoxAgent) -> None:
     names (the job's id in the unit's) start both."""
     box = box_agent.box
     program = box.root / PROGRAM.lstrip("/")
-    text = program.read_text(encoding="utf-8")
-    unique = 'unit = f"gpu-handoff-job-{job_id}"'
-    assert unique in text
+    installed = program.read_bytes()
+    seeds = agent_variant_bytes(
+        replace=[('unit = f"gpu-handoff-job-{job_id}"', 'unit = "gpu-handoff-job"')]
+    )
     config = box.root / CONFIG.lstrip("/")
     data = json.loads(config.read_text(encoding="utf-8"))
     data["detach"] = "systemd"  # as configured; "auto" would fall back
@@ -211,9 +214,7 @@ def test_the_seeds_fixed_unit_name_fails_for_real(box_agent: BoxAgent) -> None:
     box_agent.tower.set_shutdown_duration("gpu-node", 5)
     box_agent.tower.set_agent_delay("gaming-1", 0.5)
 
-    program.write_text(
-        text.replace(unique, 'unit = "gpu-handoff-job"'), encoding="utf-8"
-    )
+    program.write_bytes(seeds)
     first = box_agent.ssh("handoff gaming-1")
     second = box_agent.ssh("stop gaming-2")
     assert box_agent.job(first["job"]["id"])["state"] in ("queued", "running")
@@ -226,7 +227,7 @@ def test_the_seeds_fixed_unit_name_fails_for_real(box_agent: BoxAgent) -> None:
     )
     box_agent.wait_job(first["job"]["id"])
 
-    program.write_text(text, encoding="utf-8")
+    program.write_bytes(installed)
     box_agent.tower.set_shutdown_duration("gaming-1", 3)
     first = box_agent.ssh("stop gaming-1")
     second = box_agent.ssh("stop gaming-2")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-import shutil
 import sys
 import time
 from typing import Any
@@ -46,8 +45,8 @@ from tests.chaos.harness import (
 )
 from tests.k8semu import K8sEmulator
 from tests.k8semu.auth import PRODUCT_RULES, rule
+from tests.support.agentbuild import agent_variant
 from tests.support.simtower import install_hook
-from tests.support.testdriver import AGENT
 from tests.towersim import Tower
 
 # (seed, cycles, lend): 30 cycles in all, about two minutes; two with the
@@ -296,14 +295,8 @@ async def test_a_product_that_blocks_the_loop_is_caught_on_a_busy_machine(
 
 def _agent_without_wait(directory: Path) -> Path:
     """A copy of the agent whose stop does not wait for the guest agent."""
-    directory.mkdir(parents=True, exist_ok=True)
-    copy = directory / AGENT.name
-    shutil.copy(AGENT, copy)
-    text = copy.read_text(encoding="utf-8")
     waits = "            if self.agent_ready(domain):\n"
-    assert text.count(waits) == 1
-    copy.write_text(text.replace(waits, "            if True:\n"), encoding="utf-8")
-    return copy
+    return agent_variant(directory, replace=[(waits, "            if True:\n")])
 
 
 async def test_an_agent_that_stops_before_the_guest_agent_answers_is_caught(
@@ -473,13 +466,7 @@ async def test_the_new_faults_leave_a_sound_product_sound(
 
 def _broken_agent(directory: Path, old: str, new: str) -> Path:
     """A copy of the agent with one line of it replaced."""
-    directory.mkdir(parents=True, exist_ok=True)
-    copy = directory / AGENT.name
-    shutil.copy(AGENT, copy)
-    text = copy.read_text(encoding="utf-8")
-    assert text.count(old) == 1
-    copy.write_text(text.replace(old, new), encoding="utf-8")
-    return copy
+    return agent_variant(directory, replace=[(old, new)])
 
 
 def _slow(target: str, seconds: float, moment: str = "before") -> Fault:

@@ -11,11 +11,11 @@ import pytest
 
 from tests.realvm.build_guest import BuildError, Guest, build_guest, cache_dir
 from tests.realvm.qemu_libvirtd import (
-    AGENT,
     LibvirtdError,
     QemuLibvirtd,
     missing_tools,
 )
+from tests.support.agentbuild import AGENT
 
 
 def system_missing(reason: str) -> None:

@@ -123,13 +123,6 @@ while [ $mode != quit ]; do
 done
 """
 
-AGENT = (
-    Path(__file__).resolve().parents[2]
-    / "custom_components"
-    / "gpu_handoff"
-    / "tower"
-    / "gpu_handoff.py"
-)
 CARDS_FILTER = Path(__file__).resolve().with_name("cards.py")
 # Where the agent's install puts its hook (its HOOK_PATH), below /etc/libvirt.
 HOOK_PATH = ("hooks", "qemu.d", "gpu-handoff")

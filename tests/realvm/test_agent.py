@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.realvm.qemu_libvirtd import AGENT, EventLog, HookCall, define_guest
+from tests.realvm.qemu_libvirtd import EventLog, HookCall, define_guest
 from tests.realvm.towers import Tower, iso_epoch, make_tower, wait_job
+from tests.support.agentbuild import AGENT
 from tests.support.waiting import wait_until
 
 if TYPE_CHECKING:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests.realvm.qemu_libvirtd import domain_xml
+from tests.support.agentbuild import AGENT
 from tests.support.png import decode, ppm_pixels
 from tests.support.waiting import wait_until
 from tests.towersim import DomainSpec, Tower
@@ -49,13 +50,6 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.system
 
-AGENT = (
-    Path(__file__).resolve().parents[2]
-    / "custom_components"
-    / "gpu_handoff"
-    / "tower"
-    / "gpu_handoff.py"
-)
 RECORDED_FRAME = Path(__file__).parent / "recorded" / "screen.ppm.gz"
 SCREEN_NODE = "screen-node"
 OFF_NODE = "screen-off"

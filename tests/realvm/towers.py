@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.realvm.qemu_libvirtd import AGENT, CARDS_FILTER
+from tests.realvm.qemu_libvirtd import CARDS_FILTER
+from tests.support.agentbuild import AGENT
 from tests.support.waiting import wait_until
 
 if TYPE_CHECKING:

@@ -10,10 +10,8 @@ import json
 from pathlib import Path
 import sys
 
-AGENT = (
-    Path(__file__).resolve().parent.parent.parent
-    / "custom_components/gpu_handoff/tower/gpu_handoff.py"
-)
+# The agent's program; many tests import it from here.
+from tests.support.agentbuild import AGENT
 
 NODE_XML = """<node>
 {domains}

@@ -25,14 +25,13 @@ from typing import Any
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from tests.support.account import give, python_as_user, shared_dir, split_account
+from tests.support.agentbuild import AGENT
 from tests.support.sshd import Sshd, ssh_environment, sshd_available
 from tests.support.testdriver import agent_command
 from tests.tower import nodes
 from tests.tower.conftest import REQUIRE_SYSTEM, FakeTower
 
-AGENT = Path(agent.__file__)
 WIN1_XML = nodes.domain_xml(
     "win-1", nodes.WIN1_DEVICES, running=True, test_driver_file=False
 )

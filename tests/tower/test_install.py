@@ -30,11 +30,11 @@ import pytest
 from custom_components.gpu_handoff import protocol
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from tests.support.account import as_user, give, shared_dir, split_account
+from tests.support.agentbuild import AGENT, agent_bytes, agent_variant_bytes
 from tests.support.fresh_tower import private_mounts_argv
 from tests.tower import nodes
 from tests.tower.conftest import REQUIRE_SYSTEM, Run, require_tool, run_agent
 
-AGENT = Path(agent.__file__)
 # A libvirt the status check cannot reach: install does not wait for it.
 NO_LIBVIRT = "test+unix:///default?socket=/nonexistent/libvirt-sock"
 
@@ -100,10 +100,7 @@ def tree(top: Path) -> dict[str, tuple[int, int, int, bytes | None]]:
 
 def old_agent() -> bytes:
     """This agent as release 0.2.0 would have installed it."""
-    current = f'VERSION = "{agent.VERSION}"'.encode()
-    source = AGENT.read_bytes()
-    assert source.count(current) == 1
-    return source.replace(current, b'VERSION = "0.2.0"')
+    return agent_variant_bytes(version="0.2.0")
 
 
 def public_key(
@@ -239,7 +236,7 @@ def test_install_into_root(tmp_path: Path) -> None:
     rc, reply, stderr = install(root, uri=f"test://{node}")
     assert rc == 0, reply
     program = root / "usr/local/bin/gpu-handoff"
-    assert program.read_bytes() == Path(agent.__file__).read_bytes()
+    assert program.read_bytes() == agent_bytes()
     assert os.access(program, os.X_OK)
     config = json.loads(
         (root / "etc/gpu-handoff/config.json").read_text(encoding="utf-8")
@@ -466,7 +463,7 @@ def test_a_failed_install_leaves_the_root_as_it_was(tmp_path: Path) -> None:
 def test_a_failed_write_leaves_no_partial_file(tmp_path: Path) -> None:
     """The program cannot be written in full (as on a full disk): the half
     written copy is removed, and the directories made for it."""
-    size = AGENT.stat().st_size
+    size = len(agent_bytes())
     with file_size_limit(size // 2):
         run = install_run(tmp_path / "root")
     assert run.reply["error"]["reason"] == "EFBIG"

@@ -15,19 +15,18 @@ import os
 from pathlib import Path
 import pwd
 import re
-import shutil
 import subprocess
 from typing import Any
 
 import pytest
 
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from tests.support.agentbuild import AGENT, agent_bytes
 from tests.tower.conftest import require_tool, run_agent
 
 REPO = Path(__file__).resolve().parents[2]
 NIXOS = REPO / "nixos"
 NIX_FILES = ("config.nix", "module.nix", "package.nix")
-AGENT_FILE = Path(agent.__file__).resolve()
 
 # The module's option names, and the agent_config keywords they map to.
 OPTION_TO_KEYWORD = {
@@ -316,7 +315,7 @@ def fake_package(tmp_path: Path) -> Path:
     """A package directory whose bin/gpu-handoff is this agent."""
     package = tmp_path / "package"
     (package / "bin").mkdir(parents=True)
-    shutil.copyfile(AGENT_FILE, package / "bin/gpu-handoff")
+    (package / "bin/gpu-handoff").write_bytes(agent_bytes())
     (package / "bin/gpu-handoff").chmod(0o755)
     return package
 
@@ -484,7 +483,7 @@ def test_package(tmp_path: Path) -> None:
         repo=str(REPO),
     )
     assert out["version"] == agent.VERSION
-    assert Path(out["src"]) == AGENT_FILE
+    assert Path(out["src"]) == AGENT
     assert out["buildInputs"] == ["/nix/store/stub-python3"]
     assert out["meta"]["mainProgram"] == "gpu-handoff"
     assert "postFixup" not in out
@@ -496,10 +495,10 @@ def test_package(tmp_path: Path) -> None:
         timeout=30,
     )
     installed = prefix / "bin/gpu-handoff"
-    assert installed.read_bytes() == AGENT_FILE.read_bytes()
+    assert installed.read_bytes() == agent_bytes()
     assert os.access(installed, os.X_OK)
     # patchShebangs rewrites this line into python3's store path.
-    assert installed.read_text(encoding="utf-8").startswith("#!/usr/bin/env python3\n")
+    assert installed.read_bytes().startswith(b"#!/usr/bin/env python3\n")
 
 
 # --- install on NixOS ----------------------------------------------------------------

@@ -17,13 +17,12 @@ import subprocess
 import sys
 import time
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from tests.support.agentbuild import AGENT
 from tests.support.simtower import write_agent_config
 from tests.tower import nodes
 from tests.tower.conftest import FakeTower, require_tool, run_agent, write_config
 from tests.towersim import DomainSpec, realistic_tower
 
-AGENT = Path(agent.__file__)
 # The commands that name a domain, and where virsh would otherwise read it.
 DOMAIN_COMMANDS = {
     "dumpxml",

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from tests.support.agentbuild import AGENT
 from tests.tower.conftest import FakeTower
 
-AGENT = Path(agent.__file__)
 RID = "ha-0123456789abcdef"
 
 

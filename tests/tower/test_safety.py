@@ -13,10 +13,9 @@ import subprocess
 import pytest
 
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from tests.support.agentbuild import AGENT, SOURCE
 from tests.support.oldpython import oldest_python
 from tests.tower.conftest import FakeTower, run_agent, write_config
-
-SOURCE = Path(agent.__file__)
 
 
 def test_no_destroy_anywhere_in_the_agent() -> None:
@@ -101,7 +100,7 @@ def test_python39(tmp_path: Path) -> None:
 
     def run(*argv: str) -> dict[str, object]:
         proc = subprocess.run(
-            [python, str(SOURCE), *argv],
+            [python, str(AGENT), *argv],
             capture_output=True,
             text=True,
             env=env,

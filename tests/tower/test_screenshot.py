@@ -30,6 +30,7 @@ import pytest
 
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from tests.realvm.test_screenshot import RECORDED_FRAME
+from tests.support.agentbuild import AGENT
 from tests.support.oldpython import oldest_python
 from tests.support.png import chunks, decode, ppm_pixels
 from tests.tower.conftest import Run, run_agent, write_config
@@ -361,7 +362,7 @@ def test_python39_converts_the_real_frame(shots: ShotTower) -> None:
     proc = subprocess.run(
         [
             python,
-            agent.__file__,
+            str(AGENT),
             "--config",
             str(shots.config),
             "screenshot",

@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from tests.support.agentbuild import AGENT
 from tests.support.simtower import write_agent_config
 from tests.support.waiting import wait_until
 from tests.tower.conftest import FakeTower
 from tests.towersim import Tower, realistic_tower
 
-AGENT = Path(agent.__file__)
 RID = "ha-session-0001"
 Message = dict[str, Any]
 

@@ -25,11 +25,11 @@ import pytest
 
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from tests.support.account import user_env
+from tests.support.agentbuild import AGENT, SOURCE
 from tests.support.waiting import wait_until
 from tests.tower import nodes
 from tests.tower.conftest import FakeTower
 from tests.tower.split import (
-    AGENT,
     SplitTower,
     alive,
     children,
@@ -282,7 +282,7 @@ def test_a_rewritten_record_never_redirects_roots_runner(split: SplitTower) -> N
         "    step['domain'] = 'other-vm'\n"
         "agent.write_json_atomic(agent.job_path(cfg, job['id']), job, cfg.state_dir)\n"
         "print(job['id'])\n",
-        str(AGENT),
+        str(SOURCE),
         str(split.config),
     )
     job_id = made.stdout.strip()
@@ -591,7 +591,7 @@ def test_a_closed_client_gets_no_traceback(split: SplitTower, verb: str) -> None
         "sys.path.insert(0, os.path.dirname(sys.argv[1]))\n"
         "import gpu_handoff as agent\n"
         "agent.create_job(agent.load_config(sys.argv[2], dict(os.environ)), 'stop', 'win-1', 'cli')\n",
-        str(AGENT),
+        str(SOURCE),
         str(split.config),
     )
     assert proc.wait(timeout=30) == 0

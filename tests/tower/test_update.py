@@ -9,9 +9,9 @@ import stat
 import pytest
 
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from tests.support.agentbuild import agent_bytes, agent_variant_bytes
 from tests.tower.conftest import run_agent
 from tests.tower.test_install import (
-    AGENT,
     agent_argv,
     file_size_limit,
     install_run,
@@ -43,7 +43,7 @@ def test_update_replaces_a_previous_agent(tmp_path: Path) -> None:
     assert run.reply["updated"] == str(program)
     assert run.reply["previous"] == "0.2.0"
     assert run.reply["version"] == agent.VERSION
-    assert program.read_bytes() == AGENT.read_bytes()
+    assert program.read_bytes() == agent_bytes()
     assert stat.S_IMODE(program.stat().st_mode) == 0o755
     # The configuration, the hook, the state directory: byte for byte; and
     # nothing new beside the program (no temporary file).
@@ -58,11 +58,15 @@ def test_update_under_another_prefix(tmp_path: Path) -> None:
     root = tmp_path / "root"
     assert install_run(root, "--prefix", "/opt/gh").rc == 0
     program = root / "opt/gh/bin/gpu-handoff"
-    program.write_bytes(old_agent().replace(b'VERSION = "0.2.0"', b"VERSION = None"))
+    program.write_bytes(
+        agent_variant_bytes(
+            replace=[(f'VERSION = "{agent.VERSION}"\n', "VERSION = None\n")]
+        )
+    )
     run = run_agent(["update", f"--root={root}", "--prefix=/opt/gh"])
     assert run.rc == 0, run.reply
     assert run.reply["previous"] is None
-    assert program.read_bytes() == AGENT.read_bytes()
+    assert program.read_bytes() == agent_bytes()
     assert "an unknown version" in run.stderr
 
 
@@ -145,7 +149,7 @@ def test_a_failed_update_leaves_the_old_program(tmp_path: Path) -> None:
     root = tmp_path / "root"
     program = installed(root, old_agent())
     before = tree(root)
-    with file_size_limit(AGENT.stat().st_size // 2):
+    with file_size_limit(len(agent_bytes()) // 2):
         run = run_agent(["update", "--root", str(root)])
     assert run.reply["error"]["code"] == "install_failed"
     assert run.reply["error"]["reason"] == "EFBIG"
@@ -170,4 +174,4 @@ def test_the_marker_is_the_agents_first_line() -> None:
     """update knows the agent by its docstring's first line."""
     assert agent.__doc__ is not None
     assert agent.AGENT_MARKER.decode() == agent.__doc__.splitlines()[0]
-    assert agent.AGENT_MARKER in AGENT.read_bytes()[: agent.AGENT_HEAD]
+    assert agent.AGENT_MARKER in agent_bytes()[: agent.AGENT_HEAD]

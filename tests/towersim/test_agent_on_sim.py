@@ -18,15 +18,12 @@ from typing import Any
 
 import pytest
 
+from tests.support.agentbuild import AGENT
 from tests.support.oldpython import oldest_python
 from tests.support.simtower import write_agent_config
 from tests.towersim import Tower, realistic_tower
 from tests.towersim.helpers import sim
 
-AGENT = (
-    Path(__file__).resolve().parent.parent.parent
-    / "custom_components/gpu_handoff/tower/gpu_handoff.py"
-)
 # An ssh forced command's environment: nothing of ours leaks in.
 AGENT_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
 
