@@ -33,6 +33,7 @@ from pytest_homeassistant_custom_component.components.diagnostics import (
 )
 from pytest_homeassistant_custom_component.typing import ClientSessionGenerator
 
+import custom_components.gpu_handoff
 from custom_components.gpu_handoff.const import (
     CONF_ADMIN_KEY,
     CONF_ADMIN_PASSPHRASE,
@@ -60,13 +61,15 @@ from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from custom_components.gpu_handoff.tower_client import generate_key_pair, public_key_of
 from tests.conftest import kubeconfig_text
 from tests.k8semu import GPU_NODE, K8sEmulator
+from tests.support.agentbuild import agent_bytes, agent_variant
 from tests.support.box_tower import LIBVIRTD, BoxFreshTower, require_box_tower
 from tests.support.stories import until
 
 Result = dict[str, Any]
-AGENT_TEXT = Path(agent.__file__).read_text(encoding="utf-8")
 STRINGS = json.loads(
-    (Path(agent.__file__).parents[1] / "strings.json").read_text(encoding="utf-8")
+    (Path(custom_components.gpu_handoff.__file__).parent / "strings.json").read_text(
+        encoding="utf-8"
+    )
 )
 # The account the agent runs as: the install creates it.
 AGENT_USER = "gpu-handoff"
@@ -121,8 +124,7 @@ def tower(
 
 def _put_agent(directory: Path) -> Path:
     """This release's agent in ``directory``, which every user may read."""
-    program = directory / "gpu_handoff.py"
-    program.write_text(AGENT_TEXT, encoding="utf-8")
+    program = agent_variant(directory)
     directory.chmod(0o755)
     return program
 
@@ -275,7 +277,7 @@ async def test_guided_install_from_nothing_to_a_working_integration(
     # What the tower has now: the account, the agent, its configuration (the
     # same the agent writes for these options), the key line for HA's key.
     assert fresh.run(["id", "-u", AGENT_USER]).returncode == 0
-    assert fresh.read("/usr/local/bin/gpu-handoff") == AGENT_TEXT
+    assert fresh.read_bytes("/usr/local/bin/gpu-handoff") == agent_bytes()
     config = json.loads(fresh.read("/etc/gpu-handoff/config.json") or "")
     assert config == agent.agent_config(
         gpu_node="gpu-node", gaming=["win-1", "win-2"], libvirt_uri=fresh.uri
@@ -638,14 +640,16 @@ async def _installed_entry(
 
 
 def _edit_installed_agent(tower: BoxFreshTower, line: str, becomes: str) -> None:
-    """The installed agent's line ``line`` (a whole line) becomes ``becomes``."""
-    done = tower.run(
-        ["sed", "-i", f"s/^{line}$/{becomes}/", "/usr/local/bin/gpu-handoff"]
-    )
-    assert done.returncode == 0, done.stderr
-    program = (tower.read("/usr/local/bin/gpu-handoff") or "").splitlines()
-    assert becomes in program
-    assert line not in program
+    """The installed agent's line ``line`` (a whole line) becomes ``becomes``:
+    the installed program is overwritten in place (its owner and mode kept)
+    by this agent with that line changed."""
+    with tempfile.TemporaryDirectory(dir=tower.shared) as upload:
+        edited = agent_variant(
+            Path(upload), replace=[(f"\n{line}\n", f"\n{becomes}\n")]
+        )
+        done = tower.run(["cp", "--", str(edited), "/usr/local/bin/gpu-handoff"])
+        assert done.returncode == 0, done.stderr
+        assert tower.read_bytes("/usr/local/bin/gpu-handoff") == edited.read_bytes()
 
 
 async def _age_the_agent(
@@ -718,7 +722,7 @@ async def test_an_older_agent_is_updated_from_its_repair(
     )
     assert result["type"] == "create_entry", result
     await until(lambda: entry.state is ConfigEntryState.LOADED)
-    assert fresh.read("/usr/local/bin/gpu-handoff") == AGENT_TEXT
+    assert fresh.read_bytes("/usr/local/bin/gpu-handoff") == agent_bytes()
     assert fresh.read("/etc/gpu-handoff/config.json") == config
     assert fresh.read(f"/home/{AGENT_USER}/.ssh/authorized_keys") == keys
     await until(lambda: ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is None)
@@ -1037,7 +1041,7 @@ async def test_an_agent_of_an_older_protocol_is_updated_from_its_repair(
     await submit({"next_step_id": "update_login"})
     result = await submit(_key_login(fresh, "gh-admin"))
     assert result["type"] == "create_entry", result
-    assert fresh.read("/usr/local/bin/gpu-handoff") == AGENT_TEXT
+    assert fresh.read_bytes("/usr/local/bin/gpu-handoff") == agent_bytes()
     await until(lambda: entry.state is ConfigEntryState.LOADED)
     await until(lambda: ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is None)
 

@@ -30,6 +30,7 @@ import tempfile
 import time
 from typing import Any
 
+import custom_components.gpu_handoff
 from custom_components.gpu_handoff.const import (
     CONF_ADMIN_PASSWORD,
     CONF_ADMIN_USERNAME,
@@ -42,6 +43,7 @@ from custom_components.gpu_handoff.const import (
     DOMAIN,
 )
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from tests.support.agentbuild import agent_bytes
 from tests.support.box import BoxError
 from tests.support.box_tower import (
     LIBVIRTD,
@@ -323,7 +325,9 @@ async def guided_install(
 # Where the frontend opens the "Add integration" dialog for one integration
 # (it asks "Do you want to set up GPU Handoff?" first).
 ADD_PATH = f"/config/integrations/dashboard/add?domain={DOMAIN}"
-TRANSLATIONS = Path(agent.__file__).parents[1] / "translations" / "en.json"
+TRANSLATIONS = (
+    Path(custom_components.gpu_handoff.__file__).parent / "translations" / "en.json"
+)
 
 
 async def confirm_screenshot(
@@ -397,11 +401,11 @@ def finding_issues(entry_id: str, findings: list[str]) -> set[str]:
     return issues
 
 
-def _look(fresh: DemoFreshTower) -> tuple[str | None, bool]:
-    """The installed agent's text (None: none) and whether the account exists."""
+def _look(fresh: DemoFreshTower) -> tuple[bytes | None, bool]:
+    """The installed agent's bytes (None: none) and whether the account exists."""
     tower = fresh.tower
     try:
-        program = tower.read(PROGRAM)
+        program = tower.read_bytes(PROGRAM)
         account = tower.run(["id", "-u", AGENT_USER])
     except TOWER_ERRORS as err:
         raise DemoError(f"{NAME}: cannot look at the tower: {err}") from err
@@ -420,7 +424,7 @@ def check_installed(fresh: DemoFreshTower) -> None:
     """The tower now has the agent this release ships and the account;
     DemoError otherwise."""
     program, account = _look(fresh)
-    if program != Path(agent.__file__).read_text(encoding="utf-8"):
+    if program != agent_bytes():
         raise DemoError(f"{NAME}: {PROGRAM} is not the agent this release ships")
     if not account:
         raise DemoError(f"{NAME}: no account {AGENT_USER} on the tower")

@@ -64,6 +64,7 @@ directory at the same path inside and outside.
 
 from __future__ import annotations
 
+import base64
 import os
 from pathlib import Path
 import shutil
@@ -257,7 +258,18 @@ class BoxFreshTower:
     def read(self, path: str) -> str | None:
         """The text of ``path`` inside the tower (read as root), or None when
         there is no such file."""
-        done = self.run(["cat", "--", path])
+        return self._output(["cat", "--", path], path)
+
+    def read_bytes(self, path: str) -> bytes | None:
+        """The bytes of ``path`` inside the tower (read as root), or None when
+        there is no such file."""
+        encoded = self._output(["base64", "--wrap=0", "--", path], path)
+        return None if encoded is None else base64.b64decode(encoded)
+
+    def _output(self, argv: list[str], path: str) -> str | None:
+        """What ``argv``, reading ``path`` as root, prints; None when there is
+        no such file."""
+        done = self.run(argv)
         if done.returncode == 0:
             return done.stdout
         if "No such file or directory" in done.stderr:
