@@ -1837,6 +1837,14 @@ def find_request(cfg: Config, request_id: str) -> Optional[str]:
     return None
 
 
+def program_path() -> str:
+    """This program's file: the built agent (a zip archive of these sources,
+    see build.py) this module was loaded from, or this source file when run
+    as it is (a checkout, the tests)."""
+    archive = getattr(globals().get("__loader__"), "archive", None)
+    return os.path.realpath(archive if isinstance(archive, str) else __file__)
+
+
 def program_argv(cfg: Config, job_id: str) -> List[str]:
     """A runner's command line: this program, under this interpreter, without
     site-packages if this process was started without (-S: the agent is the
@@ -1844,7 +1852,7 @@ def program_argv(cfg: Config, job_id: str) -> List[str]:
     return [
         sys.executable,
         *(["-S"] if sys.flags.no_site else []),
-        os.path.realpath(__file__),
+        program_path(),
         "--config",
         os.path.abspath(cfg.path),
         "run-job",
@@ -3973,7 +3981,7 @@ def nix_number(value: float) -> str:
 
 def nixos_module_path() -> Optional[str]:
     """nixos/module.nix of the checkout this program runs from, if it is one."""
-    here = os.path.dirname(os.path.realpath(__file__))
+    here = os.path.dirname(program_path())
     top = os.path.dirname(os.path.dirname(os.path.dirname(here)))
     module = os.path.join(top, NIXOS_MODULE_IN_CHECKOUT)
     return module if os.path.isfile(module) else None
@@ -4605,7 +4613,7 @@ def tmpfiles_entry(state_dir: str, account: pwd.struct_passwd) -> bytes:
 
 def own_program() -> bytes:
     """This program's bytes: what install and update put on the tower."""
-    with open(os.path.realpath(__file__), "rb") as handle:
+    with open(program_path(), "rb") as handle:
         return handle.read()
 
 

@@ -1,0 +1,262 @@
+"""The built agent: one executable file made from the agent's sources
+(custom_components/gpu_handoff/tower/build.py).
+
+The build must give the same bytes every time and on every Python the agent
+claims; its prefix must say the version and the archive's hash without
+running it, in the lines an ``update`` reads; and the file must do what the
+source does, on Python 3.9 and on this one: answer, run a job through a
+runner it spawns (itself, not the source), and install and update itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+import shutil
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from custom_components.gpu_handoff.tower import build, gpu_handoff as agent
+from tests.support.oldpython import oldest_python
+from tests.support.testdriver import write_tower
+
+BUILD = Path(build.__file__)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("built") / "gpu-handoff"
+    build.write(str(path))
+    return path
+
+
+@pytest.fixture(params=["newest", "oldest"])
+def python(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
+    """This Python, and the oldest the agent claims (3.9)."""
+    if request.param == "newest":
+        return sys.executable, {}
+    return oldest_python()
+
+
+def _run(
+    python: tuple[str, dict[str, str]], *argv: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    interpreter, env = python
+    return subprocess.run(
+        [interpreter, "-I", "-S", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=cwd,
+        env={"PATH": os.environ.get("PATH", ""), **env},
+    )
+
+
+def _reply(done: subprocess.CompletedProcess[str]) -> dict[str, object]:
+    assert done.returncode == 0, done.stderr
+    reply: dict[str, object] = json.loads(done.stdout)
+    return reply
+
+
+def test_the_same_sources_build_the_same_bytes(built: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again"
+    build.write(str(again))
+    assert again.read_bytes() == built.read_bytes() == build.archive_bytes()
+    assert stat.S_IMODE(built.stat().st_mode) == 0o755
+    assert list(tmp_path.iterdir()) == [again]  # nothing staged is left
+
+
+def test_the_oldest_python_builds_the_same_bytes(built: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gpu-handoff"
+    done = _run(oldest_python(), str(BUILD), str(out))
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == built.read_bytes()
+
+
+def test_the_prefix_says_version_and_hash_without_running(built: Path) -> None:
+    data = built.read_bytes()
+    version, digest = build.read_header(data)
+    assert version == agent.VERSION
+    head = data.split(b"\n", 4)
+    assert head[:4] == [
+        b"#!/usr/bin/env python3",
+        agent.AGENT_MARKER.join([b"# ", b""]),
+        f'VERSION = "{agent.VERSION}"'.encode(),
+        f"# sha256 of the archive below: {digest}".encode(),
+    ]
+    assert hashlib.sha256(head[4]).hexdigest() == digest
+    # What an update of either release looks for in an installed file.
+    assert agent.AGENT_MARKER in data[: agent.AGENT_HEAD]
+    other = build.archive_bytes(version="9.1.0")
+    found = agent.VERSION_LINE_RE.search(other)
+    assert found is not None
+    assert found.group(1) == b"9.1.0"
+    # The command prints the same.
+    done = _run((sys.executable, {}), str(BUILD), "--header", str(built))
+    assert done.stdout == f"{version} sha256={digest}\n"
+
+
+def test_a_changed_or_damaged_archive_is_told_apart(
+    built: Path, tmp_path: Path
+) -> None:
+    data = built.read_bytes()
+    _, digest = build.read_header(data)
+    damaged = bytearray(data)
+    damaged[-100] ^= 0x01
+    with pytest.raises(build.BuildError, match="does not match"):
+        build.read_header(bytes(damaged))
+    with pytest.raises(build.BuildError, match="not a built"):
+        build.read_header((BUILD.parent / "gpu_handoff.py").read_bytes())
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for name in build.MODULES:
+        shutil.copy(BUILD.parent / name, sources / name)
+    changed = (sources / "gpu_handoff.py").read_bytes() + b"# one more line\n"
+    (sources / "gpu_handoff.py").write_bytes(changed)
+    rebuilt = build.archive_bytes(str(sources))
+    assert build.read_header(rebuilt)[1] != digest
+    (sources / "gpu_handoff.py").unlink()
+    with pytest.raises(build.BuildError, match="cannot read"):
+        build.archive_bytes(str(sources))
+    with pytest.raises(build.BuildError, match="not a version"):
+        build.archive_bytes(version="1.0; rm")
+
+
+def test_the_built_agent_answers_as_the_source_does(
+    built: Path, python: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
+    config = write_tower(tmp_path / "tower")
+    for verb in (["version"], ["--config", str(config), "status"]):
+        from_file = _reply(_run(python, str(built), *verb))
+        from_source = _reply(_run(python, str(BUILD.parent / "gpu_handoff.py"), *verb))
+        from_file.pop("time", None)
+        from_source.pop("time", None)
+        assert from_file == from_source
+        assert from_file["ok"] is True
+
+
+def test_the_built_agent_spawns_itself_as_a_jobs_runner(
+    built: Path, python: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
+    """A job's runner is the built file again (program_path), not a path
+    inside the archive: the job runs to its end."""
+    config = write_tower(tmp_path / "tower")
+    submitted = _reply(
+        _run(python, str(built), "--config", str(config), "stop", "gaming-1")
+    )
+    job = submitted["job"]
+    assert isinstance(job, dict)
+    job_id = str(job["id"])
+    deadline = time.monotonic() + 30  # a job of a domain that is off: a moment
+    while time.monotonic() < deadline:
+        answer = _reply(
+            _run(python, str(built), "--config", str(config), "job", job_id)
+        )
+        job = answer["job"]
+        assert isinstance(job, dict)
+        if job["state"] in ("succeeded", "failed"):
+            break
+        time.sleep(0.05)
+    assert job["state"] == "succeeded", job
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import gpu_handoff; "
+        "print(gpu_handoff.program_path()); "
+        "sys.stdout.flush(); "
+        "sys.stdout.buffer.write(gpu_handoff.own_program())"
+    )
+    done = subprocess.run(
+        [python[0], "-I", "-S", "-c", probe, str(built)],
+        capture_output=True,
+        timeout=60,
+        check=True,
+        env={"PATH": os.environ.get("PATH", ""), **python[1]},
+    )
+    path, _, program = done.stdout.partition(b"\n")
+    assert path.decode() == os.path.realpath(built)
+    assert program == built.read_bytes()
+
+
+def test_the_built_agent_installs_and_updates_itself(
+    built: Path, tmp_path: Path
+) -> None:
+    """install from the file puts the file on the tower; update from a newer
+    build replaces it, reading the installed version from its prefix."""
+    root = tmp_path / "root"
+    me = subprocess.run(["id", "-un"], capture_output=True, text=True, check=True)
+    installed = _reply(
+        _run(
+            (sys.executable, {}),
+            str(built),
+            "install",
+            "--root",
+            str(root),
+            "--user",
+            me.stdout.strip(),
+            "--gpu-node",
+            "gpu-node",
+            "--gaming",
+            "win-1",
+            "--uri",
+            "test:///default",
+        )
+    )
+    assert installed["ok"] is True
+    program = root / "usr/local/bin/gpu-handoff"
+    assert program.read_bytes() == built.read_bytes()
+    newer = tmp_path / "newer"
+    build.write(str(newer), build.archive_bytes(version="0.9.0"))
+    updated = _reply(
+        _run((sys.executable, {}), str(newer), "update", "--root", str(root))
+    )
+    assert (updated["previous"], updated["version"]) == (agent.VERSION, agent.VERSION)
+    assert program.read_bytes() == newer.read_bytes()
+    again = _reply(
+        _run((sys.executable, {}), str(built), "update", "--root", str(root))
+    )
+    assert again["previous"] == "0.9.0"
+    assert program.read_bytes() == built.read_bytes()
+
+
+def test_the_build_command(
+    built: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    version, digest = build.read_header(built.read_bytes())
+    out = tmp_path / "gpu-handoff"
+    assert build.main([str(out)]) == 0
+    assert out.read_bytes() == built.read_bytes()
+    assert capsys.readouterr().out == (
+        f"wrote {out}: gpu-handoff {version} sha256={digest}\n"
+    )
+    assert build.main(["--header", str(out)]) == 0
+    assert capsys.readouterr().out == f"{version} sha256={digest}\n"
+    # A file that is not a built agent, one that is not there, a bad call:
+    # said on stderr, nothing written.
+    assert build.main(["--header", str(BUILD)]) == 1
+    assert capsys.readouterr().err == "build: not a built GPU Handoff agent\n"
+    assert build.main(["--header", str(tmp_path / "none")]) == 1
+    assert "No such file" in capsys.readouterr().err
+    # A place the file cannot replace: nothing staged is left beside it.
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    assert build.main([str(blocked)]) == 1
+    assert "Is a directory" in capsys.readouterr().err
+    blocked.rmdir()
+    assert build.main([]) == 2
+    assert build.main(["--bogus"]) == 2
+    assert capsys.readouterr().err.startswith("usage: build.py OUT")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-handoff"]
+
+
+def test_sources_without_a_version_do_not_build(tmp_path: Path) -> None:
+    (tmp_path / "gpu_handoff.py").write_text('"""No version here."""\n')
+    with pytest.raises(build.BuildError, match="no VERSION line"):
+        build.archive_bytes(str(tmp_path))
+    with pytest.raises(build.BuildError, match="one line"):
+        build.archive_bytes(version="1.0", interpreter="python3\nrm -rf /")
