@@ -126,11 +126,11 @@ def test_the_install_command_is_one_word_per_option() -> None:
     """Each option reaches the agent as one word, the key line included."""
     plan = _plan(gaming=["win-1", "win-2"], restart_libvirt=True, replace_config=True)
     check_plan(plan, SURVEY)
-    argv = plan.argv("/tmp/gpu-handoff-install-00/gpu_handoff.py")
+    argv = plan.argv("/tmp/gpu-handoff-install-00/gpu-handoff")
     assert shlex.split(shlex.join(argv)) == argv
     assert argv[:3] == [
         "python3",
-        "/tmp/gpu-handoff-install-00/gpu_handoff.py",
+        "/tmp/gpu-handoff-install-00/gpu-handoff",
         "install",
     ]
     assert argv.count("--gaming") == 2

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator
 import contextlib
 from dataclasses import dataclass, field
 import json
-from pathlib import Path
 import re
 import secrets
 import shlex
@@ -31,10 +30,9 @@ from typing import Any, Final, Literal
 
 import asyncssh
 
-from .tower import gpu_handoff as agent
+from .tower import build, gpu_handoff as agent
 from .tower_client import CONNECT_TIMEOUT, TowerAuthError, load_private_key
 
-AGENT_FILE: Final = Path(agent.__file__)
 # The oldest Python the agent runs on (it is written for 3.9).
 MIN_PYTHON: Final = (3, 9)
 # A survey is a few short commands; an install also checks the tower's status.
@@ -332,12 +330,13 @@ class AdminSession:
 
     @contextlib.asynccontextmanager
     async def _uploaded_agent(self) -> AsyncIterator[str]:
-        """The agent this integration ships, in a fresh directory only the
-        administrator can enter; removed afterwards whatever happens."""
+        """The agent this integration ships, built into its one file (as the
+        tower runs it), in a fresh directory only the administrator can enter;
+        removed afterwards whatever happens."""
         directory = UPLOAD_DIR_PREFIX + secrets.token_hex(8)
-        program = f"{directory}/gpu_handoff.py"
+        program = f"{directory}/gpu-handoff"
         code = await asyncio.get_running_loop().run_in_executor(
-            None, AGENT_FILE.read_bytes
+            None, build.archive_bytes
         )
         try:
             sftp = await self._conn.start_sftp_client()

@@ -13,24 +13,46 @@ so that none of them assumes how the program is made:
   the source with a few of its lines changed (a broken agent, an older
   version).
 
-Today the program is the agent's source file itself, so ``AGENT`` and
-``SOURCE`` name the same file and a variant is the edited source.
+The program is built from the source (custom_components/gpu_handoff/tower/
+build.py) once per source, into ``.build/`` of the repository (content-
+addressed; a test worker that finds it built uses it): every test that runs
+the agent runs the built file, as a tower does, so a module the build leaves
+out fails them. ``old_agent_bytes()`` is the agent as a 0.3 release installed
+it (its one source file), for the tests of what an update replaces.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 import re
 import shutil
+import tempfile
+
+from custom_components.gpu_handoff.tower import build
 
 # The repository's top directory.
 REPO = Path(__file__).resolve().parents[2]
 # The agent's source.
 SOURCE = REPO / "custom_components" / "gpu_handoff" / "tower" / "gpu_handoff.py"
-# The program the tests run: today the source file itself.
-AGENT = SOURCE
+# Built programs, by their bytes' hash (the box tests see the repository at
+# /src, so the program is found there too).
+BUILT = REPO / ".build"
 # The source's version line (its VERSION constant).
 _VERSION_LINE = re.compile(r'^VERSION = "[^"\n]*"\n', re.MULTILINE)
+
+
+def built_program(data: bytes) -> Path:
+    """The built program ``data`` as a file under BUILT (written once)."""
+    path = BUILT / f"gpu-handoff-{hashlib.sha256(data).hexdigest()[:16]}"
+    if not path.exists() or path.read_bytes() != data:
+        BUILT.mkdir(mode=0o755, exist_ok=True)
+        build.write(str(path), data)
+    return path
+
+
+# The program the tests run: the agent built from the source.
+AGENT = built_program(build.archive_bytes(str(SOURCE.parent)))
 
 
 def agent_bytes() -> bytes:
@@ -39,12 +61,7 @@ def agent_bytes() -> bytes:
     return AGENT.read_bytes()
 
 
-def agent_variant_bytes(
-    *, replace: list[tuple[str, str]] | None = None, version: str | None = None
-) -> bytes:
-    """The program made from the source with each ``(old, new)`` of
-    ``replace`` applied (each ``old`` found exactly once) and, with
-    ``version``, its VERSION changed to that."""
+def _edited_source(replace: list[tuple[str, str]] | None, version: str | None) -> str:
     text = SOURCE.read_text(encoding="utf-8")
     for old, new in replace or []:
         found = text.count(old)
@@ -54,7 +71,30 @@ def agent_variant_bytes(
         lines = _VERSION_LINE.findall(text)
         assert len(lines) == 1, f"the agent's source has VERSION lines {lines}"
         text = _VERSION_LINE.sub(lambda _: f'VERSION = "{version}"\n', text)
-    return text.encode("utf-8")
+    return text
+
+
+def agent_variant_bytes(
+    *, replace: list[tuple[str, str]] | None = None, version: str | None = None
+) -> bytes:
+    """The program built from the source with each ``(old, new)`` of
+    ``replace`` applied (each ``old`` found exactly once) and, with
+    ``version``, its VERSION changed to that (the prefix's too)."""
+    text = _edited_source(replace, version)
+    with tempfile.TemporaryDirectory() as directory:
+        for name in build.MODULES:
+            shutil.copyfile(SOURCE.parent / name, Path(directory, name))
+        Path(directory, SOURCE.name).write_text(text, encoding="utf-8")
+        return build.archive_bytes(directory)
+
+
+def old_agent_bytes(
+    *, replace: list[tuple[str, str]] | None = None, version: str | None = None
+) -> bytes:
+    """The agent as a 0.3 release installed it, its source as one file (with
+    ``replace`` and ``version`` as for agent_variant_bytes): what a tower
+    updated from such a release has."""
+    return _edited_source(replace, version).encode("utf-8")
 
 
 def agent_variant(
@@ -66,7 +106,7 @@ def agent_variant(
     """Write the program of ``agent_variant_bytes(replace=, version=)`` into
     ``directory`` (made if missing), runnable as the agent is; its path."""
     directory.mkdir(parents=True, exist_ok=True)
-    program = directory / AGENT.name
+    program = directory / "gpu-handoff"
     program.write_bytes(agent_variant_bytes(replace=replace, version=version))
     shutil.copymode(AGENT, program)
     return program

@@ -30,7 +30,7 @@ import pytest
 from custom_components.gpu_handoff import protocol
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from tests.support.account import as_user, give, shared_dir, split_account
-from tests.support.agentbuild import AGENT, agent_bytes, agent_variant_bytes
+from tests.support.agentbuild import AGENT, agent_bytes, old_agent_bytes
 from tests.support.fresh_tower import private_mounts_argv
 from tests.tower import nodes
 from tests.tower.conftest import REQUIRE_SYSTEM, Run, require_tool, run_agent
@@ -100,7 +100,7 @@ def tree(top: Path) -> dict[str, tuple[int, int, int, bytes | None]]:
 
 def old_agent() -> bytes:
     """This agent as release 0.2.0 would have installed it."""
-    return agent_variant_bytes(version="0.2.0")
+    return old_agent_bytes(version="0.2.0")
 
 
 def public_key(

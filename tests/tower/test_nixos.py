@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
-from tests.support.agentbuild import AGENT, agent_bytes
+from tests.support.agentbuild import SOURCE, agent_bytes
+from tests.support.oldpython import oldest_python
 from tests.tower.conftest import require_tool, run_agent
 
 REPO = Path(__file__).resolve().parents[2]
@@ -469,8 +470,9 @@ def test_path_rule_check_can_fail(tmp_path: Path) -> None:
 
 
 def test_package(tmp_path: Path) -> None:
-    """package.nix, against a stand-in stdenv: the agent's file as
-    bin/gpu-handoff, the integration's version, no wrapper."""
+    """package.nix, against a stand-in stdenv: the agent built from its
+    sources (with the package's python3) as bin/gpu-handoff, the
+    integration's version, no wrapper."""
     out = nix_eval(
         '{ repo }: let d = import (/. + repo + "/nixos/package.nix") {'
         "  lib = {"
@@ -483,14 +485,34 @@ def test_package(tmp_path: Path) -> None:
         repo=str(REPO),
     )
     assert out["version"] == agent.VERSION
-    assert Path(out["src"]) == AGENT
+    assert Path(out["src"]) == SOURCE.parent
     assert out["buildInputs"] == ["/nix/store/stub-python3"]
+    assert out["nativeBuildInputs"] == ["/nix/store/stub-python3"]
     assert out["meta"]["mainProgram"] == "gpu-handoff"
     assert "postFixup" not in out
     prefix = tmp_path / "out"
+    work = tmp_path / "build"
+    work.mkdir()
+    # The build phase's python3: the oldest the agent claims, on its PATH.
+    python, env = oldest_python()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(python)
     subprocess.run(
-        ["bash", "-e", "-c", "runHook() { :; }\n" + out["installPhase"]],
-        env={**os.environ, "src": out["src"], "out": str(prefix)},
+        [
+            "bash",
+            "-e",
+            "-c",
+            "runHook() { :; }\n" + out["buildPhase"] + out["installPhase"],
+        ],
+        env={
+            **os.environ,
+            **env,
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "src": out["src"],
+            "out": str(prefix),
+        },
+        cwd=work,
         check=True,
         timeout=30,
     )

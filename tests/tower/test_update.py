@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
-from tests.support.agentbuild import agent_bytes, agent_variant_bytes
+from tests.support.agentbuild import agent_bytes, old_agent_bytes
 from tests.tower.conftest import run_agent
 from tests.tower.test_install import (
     agent_argv,
@@ -59,7 +59,7 @@ def test_update_under_another_prefix(tmp_path: Path) -> None:
     assert install_run(root, "--prefix", "/opt/gh").rc == 0
     program = root / "opt/gh/bin/gpu-handoff"
     program.write_bytes(
-        agent_variant_bytes(
+        old_agent_bytes(
             replace=[(f'VERSION = "{agent.VERSION}"\n', "VERSION = None\n")]
         )
     )

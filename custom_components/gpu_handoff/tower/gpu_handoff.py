@@ -4612,8 +4612,23 @@ def tmpfiles_entry(state_dir: str, account: pwd.struct_passwd) -> bytes:
 
 
 def own_program() -> bytes:
-    """This program's bytes: what install and update put on the tower."""
-    with open(program_path(), "rb") as handle:
+    """This program's bytes: what install and update put on the tower. Run
+    from its sources (a checkout), the agent first builds the one file a
+    tower runs from them (build.py beside this file); a lone source file, as
+    a 0.3 release installed it, is its own program."""
+    path = program_path()
+    builder = os.path.join(os.path.dirname(path), "build.py")
+    if path.endswith(".py") and os.path.isfile(builder):
+        import importlib.util  # noqa: PLC0415 - only a checkout builds itself
+
+        spec = importlib.util.spec_from_file_location("gpu_handoff_build", builder)
+        if spec is None or spec.loader is None:
+            raise AgentError(ERR_INTERNAL, f"cannot load {builder}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        built: bytes = module.archive_bytes(os.path.dirname(path))
+        return built
+    with open(path, "rb") as handle:
         return handle.read()
 
 
