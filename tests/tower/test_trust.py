@@ -501,7 +501,17 @@ def agent_of(split: SplitTower, verb: str) -> int:
 
 
 def event_child(pid: int) -> int:
-    (child,) = [c for c in children(pid) if "event" in cmdline(c)]
+    """The one ``virsh event`` child of ``pid``. Looked for again for a
+    moment: the stand-in virsh is a script that execs Python, and a process
+    between two execs has no command line yet (the kernel sets it up after
+    it replaced the old image), so one read can find no child."""
+
+    def found() -> int | None:
+        events = [c for c in children(pid) if "event" in cmdline(c)]
+        assert len(events) <= 1, events
+        return events[0] if events else None
+
+    child: int = wait_until(found, timeout=10, interval=0.02, what="virsh event")
     return child
 
 
