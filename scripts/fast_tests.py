@@ -33,7 +33,9 @@ import time
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "custom_components/gpu_handoff"
-AGENT = f"{PACKAGE}/tower/gpu_handoff.py"
+# The agent's source and its build: a change to either changes the program
+# every test that runs the agent runs.
+AGENT = (f"{PACKAGE}/tower/gpu_handoff.py", f"{PACKAGE}/tower/build.py")
 # Tests that read the integration's data files, by file name.
 DATA_READERS = {
     "strings.json": ("tests/test_manifest.py", "tests/test_hassfest.py"),
@@ -77,7 +79,8 @@ def names_module(text: str, module: str) -> bool:
 def runs_agent(text: str) -> bool:
     return bool(
         re.search(
-            r"\bAGENT\b|agentbuild|tower import gpu_handoff|tower\.gpu_handoff\b", text
+            r"\bAGENT\b|agentbuild|tower import (build, )?gpu_handoff|tower\.gpu_handoff\b",
+            text,
         )
         or "simtower" in text
     )
@@ -102,7 +105,7 @@ def select(changed: list[str]) -> tuple[list[str], list[str]]:
                     )
                 else:
                     chosen.update(t for t in tests if t.startswith(folder))
-        elif path == AGENT or path.startswith("nixos/"):
+        elif path in AGENT or path.startswith("nixos/"):
             chosen.update(t for t in tests if runs_agent(sources[t]))
         elif path.startswith(PACKAGE + "/") and path.endswith(".py"):
             module = path[len(PACKAGE) + 1 : -3].removesuffix("/__init__")
