@@ -29,9 +29,12 @@ stdenvNoCC.mkDerivation {
     runHook postBuild
   '';
 
+  # Beside it, its module compiled for that python3 (bin/__pycache__): a
+  # start then skips compiling the agent (tower/build.py, cache_path).
   installPhase = ''
     runHook preInstall
     install -D -m 0755 gpu-handoff "$out/bin/gpu-handoff"
+    python3 "$src/build.py" --cache "$out/bin/gpu-handoff"
     runHook postInstall
   '';
 

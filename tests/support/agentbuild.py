@@ -43,11 +43,16 @@ _VERSION_LINE = re.compile(r'^VERSION = "[^"\n]*"\n', re.MULTILINE)
 
 
 def built_program(data: bytes) -> Path:
-    """The built program ``data`` as a file under BUILT (written once)."""
+    """The built program ``data`` as a file under BUILT (written once), and
+    beside it its module compiled for this Python, as ``install`` leaves
+    it on a tower (a Python of another version, the oldest the tests run,
+    finds none and compiles it)."""
     path = BUILT / f"gpu-handoff-{hashlib.sha256(data).hexdigest()[:16]}"
     if not path.exists() or path.read_bytes() != data:
         BUILT.mkdir(mode=0o755, exist_ok=True)
         build.write(str(path), data)
+    if not Path(build.cache_path(str(path))).exists():
+        build.write_cache(str(path))
     return path
 
 

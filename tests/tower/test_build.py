@@ -10,6 +10,7 @@ runner it spawns (itself, not the source), and install and update itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ import time
 import pytest
 
 from custom_components.gpu_handoff.tower import build, gpu_handoff as agent
+from tests.support.agentbuild import agent_variant
 from tests.support.oldpython import oldest_python
 from tests.support.testdriver import write_tower
 
@@ -255,6 +257,7 @@ def test_the_build_command(
 
 
 def test_sources_without_a_version_do_not_build(tmp_path: Path) -> None:
+    shutil.copy(BUILD, tmp_path / "build.py")
     (tmp_path / "gpu_handoff.py").write_text('"""No version here."""\n')
     with pytest.raises(build.BuildError, match="no VERSION line"):
         build.archive_bytes(str(tmp_path))
@@ -262,13 +265,9 @@ def test_sources_without_a_version_do_not_build(tmp_path: Path) -> None:
         build.archive_bytes(version="1.0", interpreter="python3\nrm -rf /")
 
 
-def test_a_start_compiles_the_agent_once(
-    built: Path, python: tuple[str, dict[str, str]]
-) -> None:
-    """The archive's entry compiles the agent's module itself: an import
-    through zipimport would compile it twice (find_spec's get_filename
-    compiles it to learn its name), 60 ms more of every start on a tower.
-    Counted with the interpreter's own ``compile`` audit events."""
+def compiled_at_start(python: tuple[str, dict[str, str]], program: Path) -> list[str]:
+    """The sources a start of ``program`` (``version``) compiled, counted
+    with the interpreter's own ``compile`` audit events; it must answer."""
     probe = (
         "import runpy, sys\n"
         "seen = []\n"
@@ -281,9 +280,118 @@ def test_a_start_compiles_the_agent_once(
         "    pass\n"
         "sys.stderr.write(repr(seen))\n"
     )
-    done = _run(python, "-c", probe, str(built))
-    compiled = [name for name in eval(done.stderr) if name.endswith(".py")]  # noqa: S307
+    done = _run(python, "-c", probe, str(program))
+    assert json.loads(done.stdout)["version"] == agent.VERSION, done.stderr
+    return [name for name in eval(done.stderr) if name.endswith(".py")]  # noqa: S307
+
+
+def test_a_start_compiles_the_agent_once(
+    built: Path, python: tuple[str, dict[str, str]]
+) -> None:
+    """The archive's entry compiles the agent's module itself: an import
+    through zipimport would compile it twice (find_spec's get_filename
+    compiles it to learn its name), 60 ms more of every start on a tower."""
+    compiled = compiled_at_start(python, built)
     # (runpy's own lookup compiles the few lines of __main__.py twice)
     assert set(compiled) == {f"{built}/__main__.py", f"{built}/gpu_handoff.py"}
     assert compiled.count(f"{built}/gpu_handoff.py") == 1, compiled
-    assert json.loads(done.stdout)["version"] == agent.VERSION
+
+
+def _with_cache(directory: Path) -> Path:
+    directory.mkdir(parents=True)
+    program = directory / "gpu-handoff"
+    build.write(str(program))
+    cache = Path(build.write_cache(str(program)))
+    assert cache == directory / "__pycache__" / (
+        f"gpu-handoff.{sys.implementation.cache_tag}.pyc"
+    )
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o644
+    assert stat.S_IMODE(cache.parent.stat().st_mode) == 0o755
+    return program
+
+
+def test_a_start_with_its_compiled_module_compiles_nothing(
+    tmp_path: Path, python: tuple[str, dict[str, str]]
+) -> None:
+    """``install`` and ``update`` leave the module compiled for the tower's
+    Python beside the program (build.write_cache): a start then compiles
+    none of the agent. Another Python (3.9 here) finds none of its own and
+    compiles it, as without."""
+    program = _with_cache(tmp_path / "bin")
+    compiled = compiled_at_start(python, program)
+    if python[0] == sys.executable:
+        assert set(compiled) == {f"{program}/__main__.py"}, compiled
+    else:
+        assert compiled.count(f"{program}/gpu_handoff.py") == 1, compiled
+
+
+def _other_source(program: Path) -> None:
+    other = agent_variant(program.parent / "other", version="9.9.9")
+    cache = Path(build.write_cache(str(other)))
+    shutil.copy(cache, build.cache_path(str(program)))
+
+
+def _chmod_file(program: Path) -> None:
+    Path(build.cache_path(str(program))).chmod(0o664)
+
+
+def _chmod_directory(program: Path) -> None:
+    Path(build.cache_path(str(program))).parent.chmod(0o775)
+
+
+def _chown(program: Path) -> None:
+    os.chown(build.cache_path(str(program)), 65534, 65534)
+
+
+def _damage(program: Path) -> None:
+    cache = Path(build.cache_path(str(program)))
+    cache.write_bytes(cache.read_bytes()[:16] + b"\xff not marshal")
+
+
+def _magic(program: Path) -> None:
+    cache = Path(build.cache_path(str(program)))
+    data = bytearray(cache.read_bytes())
+    data[0] ^= 0x01
+    cache.write_bytes(bytes(data))
+
+
+def _fifo(program: Path) -> None:
+    cache = Path(build.cache_path(str(program)))
+    cache.unlink()
+    os.mkfifo(cache, 0o644)
+
+
+def _symlink(program: Path) -> None:
+    cache = Path(build.cache_path(str(program)))
+    elsewhere = program.parent / "elsewhere.pyc"
+    cache.rename(elsewhere)
+    cache.symlink_to(elsewhere)
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        _other_source,
+        _chmod_file,
+        _chmod_directory,
+        _chown,
+        _damage,
+        _magic,
+        _fifo,
+        _symlink,
+    ],
+    ids=lambda spoil: spoil.__name__.strip("_"),
+)
+def test_a_compiled_module_is_used_only_if_it_is_the_programs_own(
+    tmp_path: Path, spoil: Callable[[Path], None]
+) -> None:
+    """The compiled module runs as the program does (as root, in libvirt's
+    hook): it is used only if it was compiled from this program's very
+    source (its hash, PEP 552) for this Python (the magic number), is a
+    regular file, and only the program's owner can have written it (its
+    and its directory's owner, no group or other write). Otherwise the
+    start compiles the source, as without one; a fifo does not hang it."""
+    program = _with_cache(tmp_path / "bin")
+    spoil(program)
+    compiled = compiled_at_start((sys.executable, {}), program)
+    assert compiled.count(f"{program}/gpu_handoff.py") == 1, compiled

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 import contextlib
 from dataclasses import dataclass
 import grp
+import importlib.util
+import io
 import json
 import os
 from pathlib import Path
@@ -24,16 +26,18 @@ import stat
 import subprocess
 import sys
 from typing import Any
+import zipfile
 
 import pytest
 
 from custom_components.gpu_handoff import protocol
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower import build, gpu_handoff as agent
 from tests.support.account import as_user, give, shared_dir, split_account
 from tests.support.agentbuild import AGENT, agent_bytes, old_agent_bytes
 from tests.support.fresh_tower import private_mounts_argv
 from tests.tower import nodes
 from tests.tower.conftest import REQUIRE_SYSTEM, Run, require_tool, run_agent
+from tests.tower.test_build import compiled_at_start
 
 # A libvirt the status check cannot reach: install does not wait for it.
 NO_LIBVIRT = "test+unix:///default?socket=/nonexistent/libvirt-sock"
@@ -304,6 +308,36 @@ def test_installed_program_runs(tmp_path: Path) -> None:
         check=False,
     )
     assert json.loads(out.stdout)["ok"] is True
+
+
+def compiled_from(cache: Path, program: bytes) -> bool:
+    """Whether ``cache`` is the module of the built ``program`` compiled for
+    this Python (the hash of that module's source, PEP 552)."""
+    with zipfile.ZipFile(io.BytesIO(program)) as zipped:
+        source = zipped.read("gpu_handoff.py")
+    data = cache.read_bytes()
+    return data[:4] == importlib.util.MAGIC_NUMBER and data[8:16] == (
+        importlib.util.source_hash(source)
+    )
+
+
+def test_install_leaves_the_program_compiled_for_this_python(
+    tmp_path: Path,
+) -> None:
+    """Beside the program, its module compiled for the Python that ran the
+    install (the tower's): each start of the agent (every command Home
+    Assistant sends, every hook call) then skips its 60 ms compile."""
+    root = tmp_path / "root"
+    rc, reply, _ = install(root, uri=f"test+unix:///default?socket={tmp_path}/none")
+    assert rc == 0, reply
+    program = root / "usr/local/bin/gpu-handoff"
+    cache = Path(build.cache_path(str(program)))
+    assert str(cache) in reply["installed"]  # type: ignore[operator]
+    assert compiled_from(cache, agent_bytes())
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o644
+    assert stat.S_IMODE(cache.parent.stat().st_mode) == 0o755
+    compiled = compiled_at_start((sys.executable, {}), program)
+    assert compiled == [f"{program}/__main__.py"] * 2, compiled
 
 
 def test_install_argument_errors(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from tests.support.agentbuild import SOURCE, agent_bytes
 from tests.support.oldpython import oldest_python
 from tests.tower.conftest import require_tool, run_agent
+from tests.tower.test_build import compiled_at_start
 
 REPO = Path(__file__).resolve().parents[2]
 NIXOS = REPO / "nixos"
@@ -521,6 +522,12 @@ def test_package(tmp_path: Path) -> None:
     assert os.access(installed, os.X_OK)
     # patchShebangs rewrites this line into python3's store path.
     assert installed.read_bytes().startswith(b"#!/usr/bin/env python3\n")
+    # Beside it, its module compiled for that python3: a start compiles none
+    # of the agent.
+    caches = sorted(p.name for p in (prefix / "bin/__pycache__").iterdir())
+    assert caches == ["gpu-handoff.cpython-39.pyc"]
+    compiled = compiled_at_start((python, env), installed)
+    assert f"{installed}/gpu_handoff.py" not in compiled, compiled
 
 
 # --- install on NixOS ----------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_every_path_against_recording_virsh(fake_tower: FakeTower) -> None:
 
 def test_protocol_constants() -> None:
     assert agent.PROTOCOL == 2
-    assert agent.VERSION == "0.3.5"
+    assert agent.VERSION == "0.3.6"
     codes = {v for k, v in vars(agent).items() if k.startswith("ERR_")}
     assert codes == agent.ERROR_CODES
     assert all(re.fullmatch(r"[a-z]+(_[a-z]+)*", code) for code in codes)

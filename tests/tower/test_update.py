@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 import stat
+import sys
 
 import pytest
 
@@ -13,6 +14,7 @@ from tests.support.agentbuild import agent_bytes, old_agent_bytes
 from tests.tower.conftest import run_agent
 from tests.tower.test_install import (
     agent_argv,
+    compiled_from,
     file_size_limit,
     install_run,
     old_agent,
@@ -22,6 +24,8 @@ from tests.tower.test_install import (
 from tests.tower.test_nixos import nixos_root
 
 PROGRAM = "usr/local/bin/gpu-handoff"
+# The program compiled for this Python, beside it (build.cache_path).
+CACHE = f"usr/local/bin/__pycache__/gpu-handoff.{sys.implementation.cache_tag}.pyc"
 
 
 def installed(root: Path, program: bytes | None = None) -> Path:
@@ -37,6 +41,8 @@ def test_update_replaces_a_previous_agent(tmp_path: Path) -> None:
     root = tmp_path / "root"
     program = installed(root, old_agent())
     (root / "var/lib/gpu-handoff/claims.json").write_text("{}\n", encoding="utf-8")
+    (root / CACHE).unlink()  # (a 0.3 install compiled nothing)
+    (root / CACHE).parent.rmdir()
     kept = {k: v for k, v in tree(root).items() if k != PROGRAM}
     run = run_agent(["update", "--root", str(root)])
     assert run.rc == 0, run.reply
@@ -45,11 +51,44 @@ def test_update_replaces_a_previous_agent(tmp_path: Path) -> None:
     assert run.reply["version"] == agent.VERSION
     assert program.read_bytes() == agent_bytes()
     assert stat.S_IMODE(program.stat().st_mode) == 0o755
+    # The program compiled for this Python beside it, as install leaves it.
+    assert compiled_from(root / CACHE, agent_bytes())
+    assert stat.S_IMODE((root / CACHE).stat().st_mode) == 0o644
+    assert stat.S_IMODE((root / CACHE).parent.stat().st_mode) == 0o755
     # The configuration, the hook, the state directory: byte for byte; and
-    # nothing new beside the program (no temporary file).
-    assert {k: v for k, v in tree(root).items() if k != PROGRAM} == kept
+    # nothing else new beside the program (no temporary file).
+    after = tree(root)
+    assert {k for k in after if k.startswith("usr/local/bin/")} == {
+        PROGRAM,
+        str(Path(CACHE).parent),
+        CACHE,
+    }
+    bin_dir = "usr/local/bin/"
+    assert {k: v for k, v in after.items() if not k.startswith(bin_dir)} == {
+        k: v for k, v in kept.items() if not k.startswith(bin_dir)
+    }
     assert "from 0.2.0 to" in run.stderr
     assert run.reply["notes"] == [run.stderr.strip()]
+
+
+def test_an_update_that_cannot_write_the_compiled_program_still_updates(
+    tmp_path: Path,
+) -> None:
+    """The compiled program only saves its compile at each start: an update
+    that cannot write it (here a file where its directory goes) replaces
+    the program all the same, and says so."""
+    root = tmp_path / "root"
+    program = installed(root, old_agent())
+    (root / CACHE).unlink()
+    (root / CACHE).parent.rmdir()
+    (root / CACHE).parent.write_bytes(b"in the way\n")
+    run = run_agent(["update", "--root", str(root)])
+    assert run.rc == 0, run.reply
+    assert program.read_bytes() == agent_bytes()
+    assert (root / CACHE).parent.read_bytes() == b"in the way\n"
+    assert len(run.reply["notes"]) == 2
+    assert "the program compiles itself at each start" in run.reply["notes"][1]
+    assert run.stderr.splitlines() == run.reply["notes"]
 
 
 def test_update_under_another_prefix(tmp_path: Path) -> None:

@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 import xml.etree.ElementTree as ET
 import zlib
@@ -51,7 +52,7 @@ import zlib
 # --- protocol: the Home Assistant side imports these ---------------------------
 
 PROTOCOL = 2
-VERSION = "0.3.5"
+VERSION = "0.3.6"
 
 ERR_BAD_REQUEST = "bad_request"
 ERR_NOT_ALLOWED = "not_allowed"
@@ -4617,19 +4618,44 @@ def own_program() -> bytes:
     tower runs from them (build.py beside this file); a lone source file, as
     a 0.3 release installed it, is its own program."""
     path = program_path()
-    builder = os.path.join(os.path.dirname(path), "build.py")
-    if path.endswith(".py") and os.path.isfile(builder):
-        import importlib.util  # noqa: PLC0415 - only a checkout builds itself
-
-        spec = importlib.util.spec_from_file_location("gpu_handoff_build", builder)
-        if spec is None or spec.loader is None:
-            raise AgentError(ERR_INTERNAL, f"cannot load {builder}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        built: bytes = module.archive_bytes(os.path.dirname(path))
+    if path.endswith(".py") and os.path.isfile(_checkout_builder(path)):
+        built: bytes = build_tool().archive_bytes(os.path.dirname(path))
         return built
     with open(path, "rb") as handle:
         return handle.read()
+
+
+def _checkout_builder(path: str) -> str:
+    return os.path.join(os.path.dirname(path), "build.py")
+
+
+def build_tool() -> Any:
+    """The agent's build (build.py): from this program's archive, or beside
+    this source file in a checkout."""
+    archive = getattr(globals().get("__loader__"), "archive", None)
+    if isinstance(archive, str):
+        source: bytes = globals()["__loader__"].get_data("build.py")
+        path = f"{archive}/build.py"
+    else:
+        path = _checkout_builder(program_path())
+        with open(path, "rb") as handle:
+            source = handle.read()
+    module = types.ModuleType("gpu_handoff_build")
+    module.__file__ = path
+    exec(compile(source, path, "exec", dont_inherit=True), module.__dict__)  # noqa: S102
+    return module
+
+
+def compiled_program(program: str, data: bytes) -> Optional[Tuple[str, bytes]]:
+    """Where the program ``data``, run as ``program``, finds its module
+    compiled for this Python (it compiles it at each start without), and
+    the compiled module; None if this Python keeps none (or ``data`` is a
+    0.3 agent's single source file)."""
+    tool = build_tool()
+    try:
+        return tool.cache_path(program), tool.compiled(data, program)
+    except tool.BuildError:
+        return None
 
 
 def _trimmed(text: str) -> str:
@@ -4813,11 +4839,18 @@ def _install_steps(
         account = create_user(opts["user"], env, undo)
     if opts["join_libvirt_group"]:
         done["libvirt_group"] = join_libvirt_group(account, env, undo)
-    install_file(files["program"], own_program(), PROGRAM_MODE, undo)
+    program = own_program()
+    install_file(files["program"], program, PROGRAM_MODE, undo)
+    installed = [files["program"]]
+    cache = compiled_program(files["program_name"], program)
+    if cache is not None:
+        cached = _rooted(files["root"], cache[0])
+        install_file(cached, cache[1], CONFIG_MODE, undo)
+        installed.append(cached)
     config_text = json.dumps(data, indent=2) + "\n"
     install_file(files["config"], config_text.encode(), CONFIG_MODE, undo)
     install_state_dir(files["state"], account, undo)
-    installed = [files[k] for k in ("program", "config", "state")]
+    installed += [files[k] for k in ("config", "state")]
     if os.path.isdir(_rooted(files["root"], "/usr/lib/tmpfiles.d")):
         entry = tmpfiles_entry(opts["state_dir"], account)
         install_file(files["tmpfiles"], entry, CONFIG_MODE, undo)
@@ -5038,10 +5071,11 @@ def verb_update(args: List[str], err: IO[str]) -> JsonObj:
     found = VERSION_LINE_RE.search(installed_agent(path))
     previous = found.group(1).decode() if found else None
     directory, name = os.path.split(path)
+    program = own_program()
     try:
         dfd = os.open(directory, _DIR_FLAGS)
         try:
-            replace_file_at(dfd, name, own_program(), PROGRAM_MODE)
+            replace_file_at(dfd, name, program, PROGRAM_MODE)
         finally:
             os.close(dfd)
     except OSError as error:
@@ -5050,13 +5084,45 @@ def verb_update(args: List[str], err: IO[str]) -> JsonObj:
             f"update: {error}; {path} is as it was",
             reason=errno_name(error),
         ) from None
-    note = (
-        f"Updated {path} from {previous or 'an unknown version'} to {VERSION}; "
-        "the configuration, the hook and the state are as they were. "
-        "Sessions already open run the previous program until they reconnect."
+    notes = [
+        (
+            f"Updated {path} from {previous or 'an unknown version'} to "
+            f"{VERSION}; the configuration, the hook and the state are as they "
+            "were. Sessions already open run the previous program until they "
+            "reconnect."
+        )
+    ]
+    notes.extend(
+        _update_cache(root, os.path.join(prefix, "bin", "gpu-handoff"), program)
     )
-    err.write(note + "\n")
-    return reply_ok(updated=path, previous=previous, version=VERSION, notes=[note])
+    for note in notes:
+        err.write(note + "\n")
+    return reply_ok(updated=path, previous=previous, version=VERSION, notes=notes)
+
+
+def _update_cache(root: str, program: str, data: bytes) -> List[str]:
+    """The updated program compiled beside it for this Python: a start
+    without it compiles the program (slower, nothing else). A compiled
+    module of the previous program is never used by this one (its source's
+    hash differs)."""
+    cache = compiled_program(program, data)
+    if cache is None:
+        return []
+    path = _rooted(root, cache[0])
+    directory, name = os.path.split(path)
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, PROGRAM_MODE)
+        dfd = os.open(directory, _DIR_FLAGS)
+        try:
+            replace_file_at(dfd, name, cache[1], CONFIG_MODE)
+        finally:
+            os.close(dfd)
+    except OSError as error:
+        return [
+            f"{path} not written ({error}): the program compiles itself at each start"
+        ]
+    return []
 
 
 # --- entry point ---------------------------------------------------------------------------
