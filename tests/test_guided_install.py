@@ -63,6 +63,7 @@ from tests.conftest import kubeconfig_text
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.agentbuild import agent_bytes, agent_variant
 from tests.support.box_tower import LIBVIRTD, BoxFreshTower, require_box_tower
+from tests.support.sshhome import home_with_ssh_defaults, options_taken_from_home
 from tests.support.stories import until
 
 Result = dict[str, Any]
@@ -848,6 +849,44 @@ async def test_a_libvirt_without_vms_and_the_sessions_own_failures(
             ):
                 raise raised
         assert caught.value.key == key
+
+
+async def test_a_password_login_offers_no_key_of_home_assistants(
+    hass: HomeAssistant,
+    tower: BoxFreshTower,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Given an empty list of keys, asyncssh loads ~/.ssh/id_*: Home
+    Assistant's own keys would be offered before the password (one the
+    tower authorizes skips the password check; six or more exhaust sshd's
+    MaxAuthTries, and a right password shows as refused). With Home
+    Assistant's home holding the very key the tower authorizes for
+    gh-admin, and an ssh config, X.509 CAs and an ssh-agent besides, a
+    wrong password is refused and the right one logs in, each offering the
+    password alone."""
+    admin = tower.admins["gh-admin"]
+    home_with_ssh_defaults(tmp_path / "home", monkeypatch, admin.key_path)
+    made: list[dict[str, Any]] = []
+    connect = asyncssh.connect
+
+    async def spy(host: str, port: int, **kwargs: Any) -> Any:
+        made.append(kwargs)
+        return await connect(host, port, **kwargs)
+
+    monkeypatch.setattr(asyncssh, "connect", spy)
+    wrong = AdminLogin(username=admin.name, password="not-it")  # noqa: S106
+    with pytest.raises(InstallError) as caught:
+        async with admin_session("127.0.0.1", tower.port, tower.host_public_key, wrong):
+            pass
+    assert caught.value.key == "admin_auth_failed"
+    right = AdminLogin(username=admin.name, password=admin.password)
+    async with admin_session("127.0.0.1", tower.port, tower.host_public_key, right):
+        pass
+    assert len(made) == 2
+    for kwargs in made:
+        assert kwargs["client_keys"] is None
+        assert options_taken_from_home(kwargs) == []
 
 
 def _node_file(directory: Path, names: list[str]) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import shutil
 from typing import Any
 
+import asyncssh
 import pytest
 
 from custom_components.gpu_handoff.protocol import PROTOCOL, Push, StatusPush
@@ -33,6 +34,7 @@ from custom_components.gpu_handoff.tower_client import (
     public_key_of,
 )
 from tests.support.sshd import Sshd, generate_key, sshd_available
+from tests.support.sshhome import home_with_ssh_defaults, options_taken_from_home
 from tests.support.testdriver import agent_command, write_tower
 
 pytestmark = pytest.mark.skipif(
@@ -385,3 +387,41 @@ async def test_a_request_lookup_answers_none_or_refuses(client: TowerClient) -> 
     with pytest.raises(AgentCommandError) as err:
         await client.find_request("no")
     assert err.value.code == "bad_request"
+
+
+async def test_a_tower_connection_takes_nothing_from_home_assistants_home(
+    sshd: Sshd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asyncssh fills what a connection leaves out from the home directory:
+    it would trust host certificates of any X.509 CA in
+    ``~/.ssh/ca-bundle.crt`` or ``~/.ssh/crt/`` before comparing the pinned
+    key, follow ``~/.ssh/config``, use an ssh-agent and Kerberos. With a home
+    that has all of it (and, as its default key, the very key the tower
+    authorizes), a client connects with its own key to the pinned host
+    alone, and a client with another key is refused."""
+    home_with_ssh_defaults(tmp_path / "home", monkeypatch, sshd.client_key)
+    # The key shown to be pinned is the tower's, fetched without ~/.ssh/config.
+    shown = await fetch_host_key("127.0.0.1", sshd.port)
+    assert shown.split()[:2] == sshd.host_public_key.split()[:2]
+    made: list[dict[str, Any]] = []
+    connect = asyncssh.connect
+
+    async def spy(host: str, port: int, **kwargs: Any) -> Any:
+        made.append(kwargs)
+        return await connect(host, port, **kwargs)
+
+    monkeypatch.setattr(asyncssh, "connect", spy)
+    tower = TowerClient(credentials(sshd))
+    assert (await tower.version()).protocol == PROTOCOL  # despite ~/.ssh/config
+    await tower.close()
+    private, _public = generate_key_pair()
+    stranger = TowerClient(credentials(sshd, private_key=private))
+    with pytest.raises(TowerAuthError):
+        await stranger.connect()
+    await stranger.close()
+    assert len(made) == 2
+    for kwargs in made:
+        assert options_taken_from_home(kwargs) == []
+        pinned = asyncssh.import_public_key(sshd.host_public_key)
+        assert kwargs["server_host_key_algs"] == ["ssh-ed25519"]
+        assert kwargs["known_hosts"] == ([pinned], [], [])

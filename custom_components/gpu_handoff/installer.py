@@ -31,7 +31,12 @@ from typing import Any, Final, Literal
 import asyncssh
 
 from .tower import build, gpu_handoff as agent
-from .tower_client import CONNECT_TIMEOUT, TowerAuthError, load_private_key
+from .tower_client import (
+    CONNECT_TIMEOUT,
+    TowerAuthError,
+    load_private_key,
+    pinned_host,
+)
 
 # The oldest Python the agent runs on (it is written for 3.9).
 MIN_PYTHON: Final = (3, 9)
@@ -469,12 +474,12 @@ async def admin_session(
                 host,
                 port,
                 username=login.username,
-                # Only what the user gave: never this machine's keys or agent.
-                client_keys=keys,
+                # Only what the user gave: never this machine's keys (an
+                # empty list would have asyncssh load ~/.ssh/id_*, and an
+                # authorized one would skip the password check) or agent.
+                client_keys=keys or None,
                 password=login.password or None,
-                known_hosts=([asyncssh.import_public_key(host_key)], [], []),
-                config=None,
-                agent_path=None,
+                **pinned_host(asyncssh.import_public_key(host_key)),
             )
     except asyncssh.PermissionDenied as err:
         raise InstallError("admin_auth_failed") from err

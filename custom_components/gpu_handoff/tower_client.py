@@ -139,6 +139,28 @@ def load_private_key(
         raise TowerAuthError(f"cannot read the private key: {err}") from err
 
 
+def pinned_host(pinned: asyncssh.SSHKey) -> dict[str, Any]:
+    """What every connection to a tower gives asyncssh besides its login: the
+    pinned host key as the only one trusted, its algorithms as the only ones
+    asked for, and nothing asyncssh would otherwise take from Home
+    Assistant's home or environment when an argument is left out
+    (``~/.ssh/config``, ``~/.ssh/known_hosts``, the X.509 CAs of
+    ``~/.ssh/ca-bundle.crt`` and ``~/.ssh/crt/``, which it trusts before
+    the pinned key, an ssh-agent's keys, Kerberos credentials)."""
+    return {
+        "known_hosts": ([pinned], [], []),
+        "server_host_key_algs": [
+            algorithm.decode("ascii") for algorithm in pinned.sig_algorithms
+        ],
+        "x509_trusted_certs": None,
+        "x509_trusted_cert_paths": None,
+        "config": None,
+        "agent_path": None,
+        "gss_kex": False,
+        "gss_auth": False,
+    }
+
+
 def public_key_of(private_key: str, passphrase: str | None = None) -> str:
     """The public key line of a private key (see ``load_private_key``)."""
     key = load_private_key(private_key, passphrase)
@@ -161,7 +183,8 @@ async def fetch_host_key(host: str, port: int, timeout: float = CONNECT_TIMEOUT)
     """The tower's current host key, to show its fingerprint before pinning it."""
     try:
         async with asyncio.timeout(timeout):
-            key = await asyncssh.get_server_host_key(host, port)
+            # (config=None: not a host, port or ProxyCommand of ~/.ssh/config)
+            key = await asyncssh.get_server_host_key(host, port, config=None)
     except (OSError, TimeoutError, asyncssh.Error) as err:
         raise TowerConnectionError(f"cannot reach {host}:{port}: {err}") from err
     if key is None:  # pragma: no cover - asyncssh returns None only for a bad call
@@ -230,13 +253,11 @@ class TowerClient:
                     creds.port,
                     username=creds.username,
                     client_keys=[key],
-                    known_hosts=([pinned], [], []),
-                    config=None,
-                    agent_path=None,
                     password=None,
                     kbdint_auth=False,
                     keepalive_interval=KEEPALIVE_INTERVAL,
                     keepalive_count_max=KEEPALIVE_COUNT_MAX,
+                    **pinned_host(pinned),
                 )
         except asyncssh.HostKeyNotVerifiable as err:
             raise TowerHostKeyError(str(err)) from err
