@@ -63,7 +63,11 @@ from tests.conftest import kubeconfig_text
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.agentbuild import agent_bytes, agent_variant
 from tests.support.box_tower import LIBVIRTD, BoxFreshTower, require_box_tower
-from tests.support.sshhome import home_with_ssh_defaults, options_taken_from_home
+from tests.support.sshhome import (
+    home_with_ssh_defaults,
+    options_taken_from_home,
+    record_connections,
+)
 from tests.support.stories import until
 
 Result = dict[str, Any]
@@ -867,14 +871,7 @@ async def test_a_password_login_offers_no_key_of_home_assistants(
     password alone."""
     admin = tower.admins["gh-admin"]
     home_with_ssh_defaults(tmp_path / "home", monkeypatch, admin.key_path)
-    made: list[dict[str, Any]] = []
-    connect = asyncssh.connect
-
-    async def spy(host: str, port: int, **kwargs: Any) -> Any:
-        made.append(kwargs)
-        return await connect(host, port, **kwargs)
-
-    monkeypatch.setattr(asyncssh, "connect", spy)
+    made = record_connections(monkeypatch)
     wrong = AdminLogin(username=admin.name, password="not-it")  # noqa: S106
     with pytest.raises(InstallError) as caught:
         async with admin_session("127.0.0.1", tower.port, tower.host_public_key, wrong):

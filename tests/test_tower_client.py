@@ -34,7 +34,11 @@ from custom_components.gpu_handoff.tower_client import (
     public_key_of,
 )
 from tests.support.sshd import Sshd, generate_key, sshd_available
-from tests.support.sshhome import home_with_ssh_defaults, options_taken_from_home
+from tests.support.sshhome import (
+    home_with_ssh_defaults,
+    options_taken_from_home,
+    record_connections,
+)
 from tests.support.testdriver import agent_command, write_tower
 
 pytestmark = pytest.mark.skipif(
@@ -403,14 +407,7 @@ async def test_a_tower_connection_takes_nothing_from_home_assistants_home(
     # The key shown to be pinned is the tower's, fetched without ~/.ssh/config.
     shown = await fetch_host_key("127.0.0.1", sshd.port)
     assert shown.split()[:2] == sshd.host_public_key.split()[:2]
-    made: list[dict[str, Any]] = []
-    connect = asyncssh.connect
-
-    async def spy(host: str, port: int, **kwargs: Any) -> Any:
-        made.append(kwargs)
-        return await connect(host, port, **kwargs)
-
-    monkeypatch.setattr(asyncssh, "connect", spy)
+    made = record_connections(monkeypatch)
     tower = TowerClient(credentials(sshd))
     assert (await tower.version()).protocol == PROTOCOL  # despite ~/.ssh/config
     await tower.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 import shutil
+from typing import Any
 
 import asyncssh
 import pytest
@@ -62,3 +63,17 @@ def options_taken_from_home(kwargs: dict[str, object]) -> list[str]:
     ):
         taken.append("~/.ssh/id_ed25519")
     return taken
+
+
+def record_connections(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The arguments (all but host and port) of every ``asyncssh.connect``
+    from now on, each passed on to the real one."""
+    made: list[dict[str, Any]] = []
+    connect = asyncssh.connect
+
+    async def recording(host: str, port: int, **kwargs: Any) -> Any:
+        made.append(kwargs)
+        return await connect(host, port, **kwargs)
+
+    monkeypatch.setattr(asyncssh, "connect", recording)
+    return made
