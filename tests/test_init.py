@@ -8,6 +8,7 @@ over HTTPS.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -52,6 +53,7 @@ from custom_components.gpu_handoff.const import (
     DOMAIN,
     SUBENTRY_GAMING_VM,
 )
+from custom_components.gpu_handoff.diagnostics import async_get_config_entry_diagnostics
 from custom_components.gpu_handoff.models import domain_identifier, tower_identifier
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
 from custom_components.gpu_handoff.tower_client import fingerprint, generate_key_pair
@@ -587,6 +589,39 @@ async def test_diagnostics_snapshot(
             "port",
         )
     )
+
+
+@pytest.mark.parametrize(
+    ("uri", "shown"),
+    [
+        ("qemu:///system", "qemu:///system"),
+        (
+            "qemu+ssh://alice@tower.example:2222/system?keyfile=/root/.ssh/id",
+            "qemu+ssh://**REDACTED**/system?**REDACTED**",
+        ),
+        ("qemu+ext:///system?command=/opt/x", "qemu+ext:///system?**REDACTED**"),
+        ("qemu+tls://tower.example/system", "qemu+tls://**REDACTED**/system"),
+    ],
+)
+async def test_diagnostics_redact_the_libvirt_uri(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    uri: str,
+    shown: str,
+) -> None:
+    """The status's libvirt URI may name a user, another host and a key
+    file: diagnostics show its scheme and path only."""
+    await _setup(hass, entry)
+    coordinator = entry.runtime_data.coordinator
+    data = coordinator.data
+    coordinator.async_set_updated_data(
+        dataclasses.replace(data, tower=dataclasses.replace(data.tower, uri=uri))
+    )
+    # (Read at once, before a push of the session's could replace the data.)
+    diagnostics = await async_get_config_entry_diagnostics(hass, entry)
+    assert diagnostics["snapshot"]["tower"]["uri"] == shown
+    for secret in ("alice", "tower.example", "2222", "/root/.ssh/id", "/opt/x"):
+        assert secret not in json.dumps(diagnostics)
 
 
 # --- the tower's name and identity ---------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 from homeassistant.components.diagnostics import REDACTED, async_redact_data
 from homeassistant.const import CONF_HOST, CONF_USERNAME
@@ -31,12 +32,26 @@ async def async_get_config_entry_diagnostics(
 ) -> dict[str, Any]:
     """The entry (redacted), its gaming VMs and the last snapshot."""
     coordinator = entry.runtime_data.coordinator
+    snapshot = asdict(coordinator.data)
+    snapshot["tower"]["uri"] = redacted_uri(snapshot["tower"]["uri"])
     return {
         "entry": async_redact_data(entry.as_dict(), TO_REDACT),
         "session_connected": entry.runtime_data.session.connected,
         "last_update_success": coordinator.last_update_success,
-        "snapshot": asdict(coordinator.data),
+        "snapshot": snapshot,
     }
+
+
+def redacted_uri(uri: str) -> str:
+    """The tower's libvirt URI without what it may say of another machine or
+    of secrets: its user, host and port (``qemu+ssh://user@host/system``),
+    and its parameters (a keyfile, a command, a socket's path)."""
+    parts = urlsplit(uri)
+    if not parts.scheme:
+        return REDACTED if uri else uri
+    host = REDACTED if parts.netloc else ""
+    query = f"?{REDACTED}" if parts.query else ""
+    return f"{parts.scheme}://{host}{parts.path}{query}"
 
 
 async def async_get_device_diagnostics(
