@@ -786,11 +786,13 @@ async def test_the_account_and_uri_are_checked_before_anything_runs(
     )
     assert result["errors"] == {"base": "invalid_agent_user"}
     assert result["description_placeholders"]["user"] == "Bad User"
-    result = await hass.config_entries.flow.async_configure(
-        flow_id,
-        {CONF_USERNAME: AGENT_USER, CONF_LIBVIRT_URI: "qemu:///system; id", **login},
-    )
-    assert result["errors"] == {"base": "invalid_uri"}
+    # Not one the survey would run as root to run a program or reach
+    # elsewhere either.
+    for uri in ("qemu:///system; id", "qemu+ext:///system?command=/tmp/x"):
+        result = await hass.config_entries.flow.async_configure(
+            flow_id, {CONF_USERNAME: AGENT_USER, CONF_LIBVIRT_URI: uri, **login}
+        )
+        assert result["errors"] == {"base": "invalid_uri"}, uri
     # Never root, by name or by user id: the agent needs no privilege.
     assert fresh.run(["useradd", "--non-unique", "--uid", "0", "toor"]).returncode == 0
     for name in ("root", "toor"):

@@ -141,15 +141,21 @@ def test_the_install_command_is_one_word_per_option() -> None:
 
 
 def test_names_and_uris() -> None:
-    """useradd's portable names; libvirt URIs without shell characters."""
+    """useradd's portable names; libvirt URIs of the tower's own libvirt."""
     assert check_user_name("gpu-handoff")
     assert check_user_name("_svc1")
     assert not check_user_name("x" * 33)
     assert check_uri("qemu:///system")
-    assert check_uri("qemu+ssh://root@host/system?keyfile=/k")
+    assert check_uri("qemu:///session")
     assert check_uri("test+unix:///default?socket=/tmp/s/libvirt-sock")
     assert not check_uri("qemu:///system `id`")
     assert not check_uri("system")
+    # The survey and the install run virsh as root with it: nothing that
+    # names a host, runs a program, reads a key or reaches elsewhere.
+    assert not check_uri("qemu+ssh://root@host/system?keyfile=/k")
+    assert not check_uri("qemu+ext:///system?command=/tmp/x")
+    assert not check_uri("qemu://host/system")
+    assert not check_uri("qemu:///system?socket=/tmp/fake-sock")
 
 
 @pytest.mark.parametrize(

@@ -190,8 +190,11 @@ def check_user_name(name: str) -> bool:
 
 
 def check_uri(uri: str) -> bool:
-    """Whether ``uri`` looks like a libvirt URI (and nothing more)."""
-    return LIBVIRT_URI.fullmatch(uri) is not None
+    """Whether ``uri`` is a libvirt URI of the tower's own libvirt, which the
+    survey and the install may use as root: the agent's install takes the
+    same (its local_libvirt_uri); no host, no transport or parameter that
+    runs a program, reads a key or connects elsewhere."""
+    return LIBVIRT_URI.fullmatch(uri) is not None and agent.local_libvirt_uri(uri)
 
 
 def check_plan(plan: InstallPlan, survey: Survey) -> None:

@@ -369,6 +369,28 @@ def test_install_argument_errors(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "qemu+ext:///system?command=/tmp/x",
+        "qemu+ssh://root@elsewhere/system?keyfile=/root/.ssh/id_ed25519",
+        "qemu+tcp://elsewhere/system",
+        "qemu:///system?socket=/tmp/fake-libvirt-sock",
+        "qemu:///embed?root=/tmp/x",
+        "test:///../etc/shadow",
+    ],
+)
+def test_install_takes_only_this_machines_libvirt(tmp_path: Path, uri: str) -> None:
+    """install runs as root and runs virsh with its URI (its status): a URI
+    that names a host, or carries parameters, could run a program
+    (ext's command), read a key (ssh's keyfile) or reach another machine as
+    root. Refused before anything is written."""
+    run = install_run(tmp_path / "root", "--uri", uri)
+    assert run.reply["error"]["code"] == "bad_request", run.reply
+    assert "is not this machine's libvirt" in run.reply["error"]["message"]
+    assert not (tmp_path / "root").exists()
+
+
 def test_install_failure(tmp_path: Path) -> None:
     blocker = tmp_path / "root"
     blocker.write_text("a file, not a directory", encoding="utf-8")

@@ -3861,6 +3861,31 @@ def parse_serve_request(
 # --- install ------------------------------------------------------------------------------
 
 DEFAULT_LIBVIRT_URI = "qemu:///system"
+# What install (run as root, as the guided install's survey runs virsh) takes
+# as a libvirt URI: this machine's QEMU driver (system or session), or the
+# test driver (its default node, or a node file); a socket only with the
+# unix transport. No host (another machine, as whom), and no other
+# parameter: libvirt's ext transport runs its "command", ssh reads a
+# "keyfile", "netcat" and "proxy" run or reach elsewhere.
+LOCAL_URI_RE = re.compile(
+    r"(?P<driver>qemu|test)(?P<unix>\+unix)?://(?P<path>/[A-Za-z0-9_.+/-]*)"
+    r"(?:\?socket=(?P<socket>/[A-Za-z0-9_.+/-]+))?"
+)
+
+
+def local_libvirt_uri(uri: str) -> bool:
+    """Whether ``uri`` is this machine's libvirt, reached without running a
+    program, reading a key or connecting anywhere else (LOCAL_URI_RE)."""
+    found = LOCAL_URI_RE.fullmatch(uri)
+    if found is None or "/../" in f"{found['path']}/{found['socket'] or ''}/":
+        return False
+    if found["socket"] is not None and found["unix"] is None:
+        return False
+    if found["driver"] == "qemu":
+        return found["path"] in ("/system", "/session")
+    return True
+
+
 PLACEHOLDER_KEY = "<public key of Home Assistant>"
 # NixOS marks itself twice: every activation creates /etc/NIXOS
 # (nixos/modules/system/etc/setup-etc.pl), and its os-release says ID=nixos
@@ -4188,6 +4213,13 @@ def _install_options(args: List[str], config_option: Optional[str]) -> Dict[str,
         raise AgentError(
             ERR_BAD_REQUEST,
             "install: --user, --gpu-node and at least one --gaming are required",
+        )
+    if not local_libvirt_uri(opts["uri"]):
+        raise AgentError(
+            ERR_BAD_REQUEST,
+            f"install: --uri {opts['uri']!r} is not this machine's libvirt: "
+            "qemu:///system or qemu:///session (a URI naming a host, or with "
+            "parameters, could run programs or read keys as root)",
         )
     if opts["create_user"] and not USER_NAME_RE.match(opts["user"]):
         raise AgentError(
