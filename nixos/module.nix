@@ -1,5 +1,7 @@
 # NixOS module of the GPU Handoff tower agent: what the agent's `install`
 # does on other systems (README, Tower setup), declared instead of written.
+# Needs NixOS 23.11 or newer: users.users.<name>.linger came with it (nixpkgs
+# pull request 260248, October 2023).
 # Import it by path or from a flake input (README, Tower setup, NixOS), then:
 #
 #   services.gpu-handoff = {
@@ -51,6 +53,31 @@ let
     cp "$settingsFile" "$out"
   '';
   hook = pkgs.writeScript "gpu-handoff-qemu-hook" (pure.hookScript { inherit program; });
+
+  # One OpenSSH public key on one line: its type, its base64 blob, a comment.
+  # A newline would start a second authorized_keys line without `restrict`
+  # and the forced command; options before the type would be read as its.
+  keyOk =
+    key:
+    builtins.match (
+      "(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)|sk-ssh-ed25519@openssh\\.com"
+      + "|sk-ecdsa-sha2-nistp256@openssh\\.com) [A-Za-z0-9+/]+={0,3}( [^\r\n]*)?"
+    ) key != null;
+  badKeys = builtins.filter (key: !keyOk key) cfg.authorizedKeys;
+  # The state directory: an absolute, plain path, not under a directory
+  # other users may write to (the agent's trust rules want root's parents).
+  userWritable = [
+    "/tmp"
+    "/var/tmp"
+    "/dev/shm"
+    "/home"
+    "/run/user"
+  ];
+  under = parent: dir: builtins.substring 0 (builtins.stringLength parent + 1) dir == "${parent}/";
+  # (No component starts with a dot: no "." or "..".)
+  stateDirOk =
+    builtins.match "(/[A-Za-z0-9_+-][A-Za-z0-9_.+-]*)+" cfg.stateDir != null
+    && !(builtins.any (parent: under parent cfg.stateDir) userWritable);
 in
 {
   options.services.gpu-handoff = {
@@ -152,6 +179,24 @@ in
       {
         assertion = config.virtualisation.libvirtd.enable;
         message = "services.gpu-handoff needs virtualisation.libvirtd.enable = true.";
+      }
+      {
+        # The agent needs no privilege; Home Assistant's key must not be root's.
+        assertion = cfg.user != "root" && (config.users.users.${cfg.user}.uid or null) != 0;
+        message = "services.gpu-handoff.user must not be root (or any account of user id 0).";
+      }
+      {
+        assertion = badKeys == [ ];
+        message =
+          "services.gpu-handoff.authorizedKeys: each must be one public key on one line "
+          + "(type, key, comment), such as \"ssh-ed25519 AAAA... home-assistant\"; "
+          + "not: ${builtins.toJSON badKeys}";
+      }
+      {
+        assertion = stateDirOk;
+        message =
+          "services.gpu-handoff.stateDir must be an absolute plain path outside "
+          + "${builtins.concatStringsSep ", " userWritable}: got ${builtins.toJSON cfg.stateDir}.";
       }
     ];
 

@@ -26,6 +26,7 @@ CONFIG_FLOW = "custom_components/gpu_handoff/config_flow.py"
 CONFIG_FLOW_INSTALL = "custom_components/gpu_handoff/config_flow_install.py"
 SENSOR = "custom_components/gpu_handoff/sensor.py"
 INSTALLER = "custom_components/gpu_handoff/installer.py"
+TOWER_CLIENT = "custom_components/gpu_handoff/tower_client.py"
 GUIDED = "tests/test_guided_install.py"
 
 
@@ -484,6 +485,46 @@ MUTANTS: tuple[Mutant, ...] = (
         # The tower's answer (user id 0) refuses root too: that layer is
         # the end-to-end test's; this one is the name's own check.
         ("tests/test_installer.py::test_a_plan_holds_only_the_towers_own_names",),
+    ),
+    Mutant(
+        "x509_trusted_certs_at_default",
+        "a connection to a tower trusts no X.509 CA of Home Assistant's home "
+        "before the pinned key",
+        (
+            Patch(
+                TOWER_CLIENT,
+                '        "x509_trusted_certs": None,\n'
+                '        "x509_trusted_cert_paths": None,\n',
+                "",
+            ),
+        ),
+        (
+            (
+                "tests/test_tower_client.py::"
+                "test_a_tower_connection_takes_nothing_from_home_assistants_home"
+            ),
+        ),
+    ),
+    Mutant(
+        "password_login_loads_home_keys",
+        "a password login offers none of Home Assistant's own keys",
+        (Patch(INSTALLER, "client_keys=keys or None,", "client_keys=keys,"),),
+        (f"{GUIDED}::test_a_password_login_offers_no_key_of_home_assistants",),
+    ),
+    Mutant(
+        "remote_libvirt_uri_accepted",
+        "the survey and install, run as root, take only this machine's libvirt",
+        (
+            Patch(
+                AGENT,
+                "    found = LOCAL_URI_RE.fullmatch(uri)\n",
+                "    return True\n",
+            ),
+        ),
+        (
+            "tests/test_installer.py::test_names_and_uris",
+            "tests/tower/test_install.py::test_install_takes_only_this_machines_libvirt",
+        ),
     ),
 )
 

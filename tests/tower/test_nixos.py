@@ -292,7 +292,7 @@ MODULE_EVAL = (
 in {
   enabledBy = evaluated.condition;
   optionDefaults = removeAttrs defaults [ "package" ];
-  assertions = map (a: { inherit (a) assertion; }) c.assertions;
+  assertions = map (a: { inherit (a) assertion message; }) c.assertions;
   packages = c.environment.systemPackages;
   settings = builtins.fromJSON etc.env.settingsFile.text;
   build = etc.script;
@@ -338,7 +338,7 @@ def test_module_option_defaults() -> None:
         "detach": None,
     }
     assert out["enabledBy"] is True
-    assert out["assertions"] == [{"assertion": True}]
+    assert [a["assertion"] for a in out["assertions"]] == [True] * 4
     # Left at its default, the user is made by the module, with a shell
     # (sshd runs the forced command through it) and a group of its own.
     assert out["creates"]["user"] is True
@@ -388,6 +388,66 @@ def test_module_wiring(tmp_path: Path) -> None:
             "/var/lib/gh": {"d": {"user": "hass", "group": "users", "mode": "0700"}}
         }
     }
+
+
+GOOD = {"enable": True, "gpuNode": "n", "gaming": ["g"], "user": "hass"}
+
+
+@pytest.mark.parametrize(
+    ("given", "broken"),
+    [
+        ({"user": "root"}, "must not be root"),
+        (
+            {"authorizedKeys": ["ssh-ed25519 AAAAC3Nza ha\nssh-ed25519 AAAAother x"]},
+            "one public key on one line",
+        ),
+        (
+            {"authorizedKeys": ['command="sh" ssh-ed25519 AAAAC3Nza ha']},
+            "one public key on one line",
+        ),
+        ({"authorizedKeys": ["AAAAC3Nza ha"]}, "one public key on one line"),
+        ({"stateDir": "var/lib/gh"}, "absolute plain path"),
+        ({"stateDir": "/var/lib/../../tmp/gh"}, "absolute plain path"),
+        ({"stateDir": "/tmp/gh"}, "absolute plain path"),
+        ({"stateDir": "/home/hass/gh"}, "absolute plain path"),
+    ],
+)
+def test_module_refuses_what_would_widen_the_key(
+    given: dict[str, Any], broken: str
+) -> None:
+    """An account of root, a key that would add a second authorized_keys line
+    (without restrict and the forced command) or carry options of its own,
+    a state directory that is relative, climbs out, or lies where other
+    users write: each fails an assertion, which fails the rebuild."""
+    out = evaluate_module({**GOOD, **given})
+    failed = [a["message"] for a in out["assertions"] if not a["assertion"]]
+    assert len(failed) == 1, failed
+    assert broken in failed[0]
+
+
+def test_module_refuses_an_account_of_user_id_0() -> None:
+    out = nix_eval(
+        MODULE_EVAL.replace(
+            "users.users.${cfg.user}.group = group;",
+            "users.users.${cfg.user} = { inherit group; uid = 0; };",
+        ),
+        repo=str(REPO),
+        given=json.dumps({**GOOD, "user": "toor"}),
+        group="users",
+    )
+    failed = [a["message"] for a in out["assertions"] if not a["assertion"]]
+    assert len(failed) == 1 and "must not be root" in failed[0], failed
+
+
+def test_module_takes_every_key_type_openssh_offers() -> None:
+    keys = [
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA home-assistant",
+        "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQ== ha@host",
+        "ecdsa-sha2-nistp256 AAAAE2VjZHNh",
+        "sk-ssh-ed25519@openssh.com AAAAGnNrLXNzaC1lZDI1NTE5 yubikey",
+    ]
+    out = evaluate_module({**GOOD, "authorizedKeys": keys, "stateDir": "/srv/gh"})
+    assert all(a["assertion"] for a in out["assertions"]), out["assertions"]
 
 
 def run_build(
@@ -572,9 +632,9 @@ NIXOS_OPTIONS = [
     "win-1",
     "--gaming=win-2",
     "--uri",
-    'test+unix:///default?socket=/tmp/"${none}"\\x',
+    "test+unix:///default?socket=/tmp/s/libvirt-sock",
     "--state-dir",
-    "/var/lib/gpu handoff ${x}",
+    '/var/lib/gpu "handoff" ${x}\\y',
     "--timeout-agent",
     "240",
     "--timeout-start=12.5",
