@@ -436,7 +436,8 @@ def test_module_refuses_an_account_of_user_id_0() -> None:
         group="users",
     )
     failed = [a["message"] for a in out["assertions"] if not a["assertion"]]
-    assert len(failed) == 1 and "must not be root" in failed[0], failed
+    assert len(failed) == 1, failed
+    assert "must not be root" in failed[0]
 
 
 def test_module_takes_every_key_type_openssh_offers() -> None:
