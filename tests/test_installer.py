@@ -196,6 +196,10 @@ def test_the_installed_agents_version_is_read_from_its_reply() -> None:
             {"code": "install_failed", "reason": "EACCES", "message": "m"},
             "install_failed",
         ),
+        (
+            {"code": "install_failed", "reason": "EBUSY", "message": "m"},
+            "install_busy",
+        ),
         ({"code": "not_installed", "message": "m"}, "update_not_installed"),
         ({"code": "nixos", "message": "m"}, "update_nixos"),
         ({"code": "bad_request", "message": "m"}, "install_failed"),

@@ -447,6 +447,8 @@ def _install_error(reply: dict[str, Any]) -> InstallError:
     left = [str(path) for path in error.get("left") or []]
     if error.get("reason") == "EROFS":
         return InstallError("install_read_only", message, left)
+    if error.get("reason") == "EBUSY":
+        return InstallError("install_busy", message, left)
     if code == "not_installed":
         return InstallError("update_not_installed", message, left)
     if code == "nixos":

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 import contextlib
 from dataclasses import dataclass
+import fcntl
 import grp
 import importlib.util
 import io
@@ -741,6 +742,57 @@ def test_create_user_failures(stand_ins: StandIns) -> None:
         agent.create_user("gh-ghost", stand_ins.env, undo)
     assert undo.rollback() == ["user gh-ghost"]
     assert stand_ins.calls()[-1] == ["userdel", "--remove", "gh-ghost"]
+
+
+def test_a_useradd_that_fails_half_way_is_undone(
+    tmp_path: Path, stand_ins: StandIns, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """useradd exits 12 when it cannot make the home directory, after it
+    wrote the account: the install's rollback removes that account."""
+    stand_ins.add(
+        "useradd", rc=12, stderr="useradd: cannot create directory /home/ha-tower\n"
+    )
+    stand_ins.add("userdel")
+    monkeypatch.setattr(
+        agent, "lookup_account", made_by_useradd(stand_ins, tmp_path / "home")
+    )
+    undo = agent.Undo()
+    with pytest.raises(agent.StepError, match="exited with 12"):
+        agent.create_user("ha-tower", stand_ins.env, undo)
+    assert undo.rollback() == []
+    assert stand_ins.calls()[-1] == ["userdel", "--remove", "ha-tower"]
+
+
+@contextlib.contextmanager
+def holding_the_admin_lock(top: Path) -> Iterator[None]:
+    """As an install or update that is still running there would."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)
+
+
+def test_one_install_or_update_at_a_time(tmp_path: Path) -> None:
+    """An install Home Assistant gave up on still runs on the tower as root;
+    a retry beside it, or an update, is refused (translated as install_busy
+    by Home Assistant), and changes nothing. Once it ends, they run."""
+    root = tmp_path / "root"
+    root.mkdir()
+    with holding_the_admin_lock(root):
+        run = install_run(root)
+        assert run.reply["error"]["code"] == "install_failed", run.reply
+        assert run.reply["error"]["reason"] == "EBUSY"
+        assert "another install or update" in run.reply["error"]["message"]
+        assert not any(root.iterdir())
+    assert install_run(root).rc == 0
+    before = tree(root)
+    with holding_the_admin_lock(root):
+        run = run_agent(["update", "--root", str(root)])
+        assert run.reply["error"]["reason"] == "EBUSY", run.reply
+    assert tree(root) == before
+    assert run_agent(["update", "--root", str(root)]).rc == 0
 
 
 def libvirt_group() -> grp.struct_group:

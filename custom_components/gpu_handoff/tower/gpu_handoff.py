@@ -4758,10 +4758,17 @@ def create_user(name: str, env: Dict[str, str], undo: Undo) -> pwd.struct_passwd
     forced command through it) and "*" for a password: no password, yet not
     locked, which sshd requires of a key login where PAM is off."""
     argv = ["useradd", "--create-home", "--user-group", "--shell", "/bin/sh"]
-    run_admin([*argv, "--password", "*", name], env)
-    undo.add(
-        f"user {name}", functools.partial(run_admin, ["userdel", "--remove", name], env)
-    )
+    remove = functools.partial(run_admin, ["userdel", "--remove", name], env)
+    try:
+        run_admin([*argv, "--password", "*", name], env)
+    except StepError:
+        # useradd can fail half-way and leave the account behind (exit 12:
+        # the home directory could not be made, after the account was
+        # written): the install removes what it made.
+        if lookup_account(name) is not None:
+            undo.add(f"user {name}", remove)
+        raise
+    undo.add(f"user {name}", remove)
     account = lookup_account(name)
     if account is None:
         raise StepError("command", f"useradd succeeded, yet there is no user {name!r}")
@@ -4958,6 +4965,34 @@ def _install_notes(opts: Dict[str, Any], done: JsonObj, key_line: str) -> List[s
     return notes
 
 
+@contextlib.contextmanager
+def admin_lock(root: str, verb: str) -> Iterator[None]:
+    """One install or update at a time on a system (``root``: its top
+    directory, "/" without --root): an exclusive lock on that directory,
+    which only root can open for it there, held until the verb ends. An
+    install that Home Assistant gave up on may still run on the tower as
+    root: a retry beside it would reuse what it makes, and its rollback
+    remove it from under the retry. The second one is refused. (A --root
+    not made yet: its nearest directory that is.)"""
+    top = root or "/"
+    while not os.path.isdir(top):
+        top = os.path.dirname(top)
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise AgentError(
+                ERR_INSTALL_FAILED,
+                f"{verb}: another install or update of GPU Handoff is running on "
+                "this tower; try again once it has ended",
+                reason="EBUSY",
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
 def verb_install(
     args: List[str], config_option: Optional[str], env: Dict[str, str], err: IO[str]
 ) -> JsonObj:
@@ -4971,6 +5006,14 @@ def verb_install(
             "install: --create-user and --join-libvirt-group change this system's "
             "accounts: not with --root",
         )
+    with admin_lock(root, "install"):
+        return _install(opts, root, env, err)
+
+
+def _install(
+    opts: Dict[str, Any], root: str, env: Dict[str, str], err: IO[str]
+) -> JsonObj:
+    """install, under admin_lock."""
     account = lookup_account(opts["user"])
     if account is None and not opts["create_user"]:
         raise AgentError(
@@ -5099,6 +5142,12 @@ def verb_update(args: List[str], err: IO[str]) -> JsonObj:
             "update: this is NixOS: the program lives in the Nix store. Update the "
             "package of the GPU Handoff module (its source), then nixos-rebuild switch",
         )
+    with admin_lock(root, "update"):
+        return _update(prefix, root, err)
+
+
+def _update(prefix: str, root: str, err: IO[str]) -> JsonObj:
+    """update, under admin_lock."""
     path = _rooted(root, os.path.join(prefix, "bin", "gpu-handoff"))
     found = VERSION_LINE_RE.search(installed_agent(path))
     previous = found.group(1).decode() if found else None
