@@ -12,6 +12,8 @@ tests read what systemd says of it (its main process, its journal).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
+import gc
 import json
 import logging
 from pathlib import Path
@@ -27,13 +29,16 @@ from homeassistant.core import HomeAssistant
 from homeassistant.data_entry_flow import FlowResultType
 from homeassistant.helpers import issue_registry as ir
 from homeassistant.setup import async_setup_component
+from homeassistant.util import dt as dt_util
 import pytest
+from pytest_homeassistant_custom_component.common import async_fire_time_changed
 from pytest_homeassistant_custom_component.components.diagnostics import (
     get_diagnostics_for_config_entry,
 )
 from pytest_homeassistant_custom_component.typing import ClientSessionGenerator
 
 import custom_components.gpu_handoff
+from custom_components.gpu_handoff.config_flow_install import ADMIN_LOGIN_KEPT
 from custom_components.gpu_handoff.const import (
     CONF_ADMIN_KEY,
     CONF_ADMIN_PASSPHRASE,
@@ -1082,6 +1087,55 @@ async def test_an_agent_of_an_older_protocol_is_updated_from_its_repair(
     assert fresh.read_bytes("/usr/local/bin/gpu-handoff") == agent_bytes()
     await until(lambda: entry.state is ConfigEntryState.LOADED)
     await until(lambda: ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is None)
+
+
+async def test_the_admin_login_is_kept_ten_minutes_at_most(
+    hass: HomeAssistant, fresh: BoxFreshTower
+) -> None:
+    """A browser tab closed half way leaves the flow open until Home
+    Assistant restarts: the administrator login goes after
+    ADMIN_LOGIN_KEPT all the same (nothing refers to it any more), and an
+    install confirmed after that asks for it again and installs nothing."""
+    flow_id = await _to_menu(hass, fresh)
+    login = _password_login(fresh, "gh-admin-pw")
+    result = await _login(hass, flow_id, fresh.uri, **login)
+    assert result["step_id"] == "install_options"
+    assert _logins_in_memory(login[CONF_ADMIN_PASSWORD]) == 1
+    async_fire_time_changed(
+        hass, dt_util.utcnow() + timedelta(seconds=ADMIN_LOGIN_KEPT - 5)
+    )
+    await hass.async_block_till_done()
+    assert _logins_in_memory(login[CONF_ADMIN_PASSWORD]) == 1
+    async_fire_time_changed(
+        hass, dt_util.utcnow() + timedelta(seconds=ADMIN_LOGIN_KEPT + 1)
+    )
+    await hass.async_block_till_done()
+    assert _logins_in_memory(login[CONF_ADMIN_PASSWORD]) == 0
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_GPU_NODE: "gpu-node", CONF_GAMING_VMS: ["win-1"]}
+    )
+    assert result["step_id"] == "install_agent"
+    assert result["errors"] == {"base": "admin_login_expired"}
+    _nothing_installed(fresh)
+    # Given again, it is kept again, until the flow is closed.
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_USERNAME: AGENT_USER, CONF_LIBVIRT_URI: fresh.uri, **login}
+    )
+    assert result["step_id"] == "install_options"
+    assert _logins_in_memory(login[CONF_ADMIN_PASSWORD]) == 1
+    hass.config_entries.flow.async_abort(flow_id)
+    assert _logins_in_memory(login[CONF_ADMIN_PASSWORD]) == 0
+
+
+def _logins_in_memory(password: str) -> int:
+    """How many administrator logins with this password anything still
+    refers to."""
+    gc.collect()
+    return sum(
+        1
+        for item in gc.get_objects()
+        if isinstance(item, AdminLogin) and item.password == password
+    )
 
 
 async def test_python_removed_between_the_survey_and_the_install(

@@ -74,6 +74,7 @@ from .const import (
     CONF_KNOWN_VMS,
     CONF_KUBECONFIG,
     CONF_LEND_FREE_CARDS,
+    CONF_LIBVIRT_URI,
     CONF_PASSPHRASE,
     CONF_PRIVATE_KEY,
     CONF_SCAN_INTERVAL,
@@ -467,7 +468,7 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         error: InstallError | None = None
         if user_input is not None:
             self._data[CONF_USERNAME] = str(user_input[CONF_USERNAME]).strip()
-            error = await self._install.log_in(self._data, user_input)
+            error = await self._install.log_in(self.hass, self._data, user_input)
             if error is None:
                 return await self.async_step_install_options()
         suggested = {CONF_USERNAME: self._data[CONF_USERNAME]}
@@ -511,8 +512,14 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         with Home Assistant's restricted key. The administrator login is
         forgotten here whatever happens: a retry asks for it again."""
         install = self._install
-        if install.plan is None or install.admin is None:  # pragma: no cover - order
+        if install.plan is None:  # pragma: no cover - a step out of order
             return await self.async_step_install_agent()
+        if install.admin is None:
+            # Kept ADMIN_LOGIN_KEPT at most: asked for again.
+            return self._async_show_login(
+                {CONF_USERNAME: install.plan.user, CONF_LIBVIRT_URI: install.plan.uri},
+                InstallError("admin_login_expired"),
+            )
         private, public = await self._async_key_pair()
         if user_input is None:
             return self.async_show_form(

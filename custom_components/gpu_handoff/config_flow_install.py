@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 import dataclasses
-from typing import Any
+from datetime import datetime
+from typing import Any, Final
 
 from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
+from homeassistant.core import CALLBACK_TYPE, HomeAssistant, callback
+from homeassistant.helpers.event import async_call_later
 
 from .const import (
     CONF_ADMIN_KEY,
@@ -38,6 +41,10 @@ from .installer import (
     admin_session,
 )
 from .tower import gpu_handoff as agent
+
+# How long the guided install keeps a working administrator login for the
+# install: enough to pick the VMs and read the plan.
+ADMIN_LOGIN_KEPT: Final = 600.0
 
 
 def tower_admin_session(
@@ -117,8 +124,10 @@ def plan_placeholders(host: str, admin: str, plan: InstallPlan) -> dict[str, str
 class GuidedInstall:
     """One guided install, from the administrator's login to the install's
     report. The login is kept from a login that works to the install, never
-    longer: installing forgets it whatever happens (a retry asks for it
-    again), and so does ``forget`` (a flow closed half way)."""
+    longer, and at most ADMIN_LOGIN_KEPT: installing forgets it whatever
+    happens (a retry asks for it again), and so do ``forget`` (a flow closed
+    half way) and the time limit (a browser tab closed half way leaves the
+    flow open until Home Assistant restarts)."""
 
     def __init__(self) -> None:
         """Nothing known yet."""
@@ -127,17 +136,30 @@ class GuidedInstall:
         self.uri = DEFAULT_LIBVIRT_URI
         self.plan: InstallPlan | None = None
         self.report: InstallReport | None = None
+        self._expiry: CALLBACK_TYPE | None = None
 
     def forget(self) -> None:
         """Drop the administrator login."""
+        if self._expiry is not None:
+            self._expiry()
+            self._expiry = None
+        self.admin = None
+
+    @callback
+    def _expired(self, _now: datetime) -> None:
+        self._expiry = None
         self.admin = None
 
     async def log_in(
-        self, data: Mapping[str, Any], user_input: dict[str, Any]
+        self,
+        hass: HomeAssistant,
+        data: Mapping[str, Any],
+        user_input: dict[str, Any],
     ) -> InstallError | None:
         """Survey the tower of ``data`` (its address and pinned key, the
         account Home Assistant will log in as) with the login form's login,
-        kept if it works; else why it failed. Looking changes nothing."""
+        kept if it works (ADMIN_LOGIN_KEPT at most); else why it failed.
+        Looking changes nothing."""
         login = admin_login(user_input)
         self.uri = str(user_input[CONF_LIBVIRT_URI]).strip()
         try:
@@ -145,7 +167,9 @@ class GuidedInstall:
                 self.survey = await session.survey(data[CONF_USERNAME], self.uri)
         except InstallError as err:
             return err
+        self.forget()
         self.admin = login
+        self._expiry = async_call_later(hass, ADMIN_LOGIN_KEPT, self._expired)
         return None
 
     @property
@@ -180,7 +204,8 @@ class GuidedInstall:
         """Install as planned and confirmed: with Home Assistant's public key,
         restarting libvirtd if ticked. The login is forgotten whatever
         happens. Raises InstallError."""
-        login, self.admin = self.admin, None
+        login = self.admin
+        self.forget()
         if self.plan is None or login is None:  # pragma: no cover - order
             raise RuntimeError("nothing to install yet")
         plan = dataclasses.replace(

@@ -451,8 +451,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 CONFIG_FLOW_INSTALL,
-                "login, self.admin = self.admin, None",
-                "login = self.admin",
+                "        login = self.admin\n        self.forget()\n",
+                "        login = self.admin\n",
             ),
         ),
         (f"{GUIDED}::test_guided_install_from_nothing_to_a_working_integration",),
@@ -485,6 +485,19 @@ MUTANTS: tuple[Mutant, ...] = (
         # The tower's answer (user id 0) refuses root too: that layer is
         # the end-to-end test's; this one is the name's own check.
         ("tests/test_installer.py::test_a_plan_holds_only_the_towers_own_names",),
+    ),
+    Mutant(
+        "admin_login_kept_without_limit",
+        "the guided install keeps the administrator login ten minutes at most",
+        (
+            Patch(
+                CONFIG_FLOW_INSTALL,
+                "        self._expiry = async_call_later(hass, ADMIN_LOGIN_KEPT, "
+                "self._expired)\n",
+                "",
+            ),
+        ),
+        (f"{GUIDED}::test_the_admin_login_is_kept_ten_minutes_at_most",),
     ),
     Mutant(
         "x509_trusted_certs_at_default",
