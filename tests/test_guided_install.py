@@ -46,6 +46,8 @@ from custom_components.gpu_handoff.const import (
     CONF_ADMIN_USERNAME,
     CONF_GAMING_VMS,
     CONF_GPU_NODE,
+    CONF_HOST_KEY,
+    CONF_HOST_KEY_PINNED_AT,
     CONF_K8S_NODE,
     CONF_KUBECONFIG,
     CONF_LIBVIRT_URI,
@@ -63,7 +65,11 @@ from custom_components.gpu_handoff.installer import (
 from custom_components.gpu_handoff.protocol import PROTOCOL
 from custom_components.gpu_handoff.repairs import AgentUpdateRepairFlow
 from custom_components.gpu_handoff.tower import gpu_handoff as agent
-from custom_components.gpu_handoff.tower_client import generate_key_pair, public_key_of
+from custom_components.gpu_handoff.tower_client import (
+    fingerprint,
+    generate_key_pair,
+    public_key_of,
+)
 from tests.conftest import kubeconfig_text
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.agentbuild import agent_bytes, agent_variant
@@ -722,7 +728,25 @@ async def test_an_older_agent_is_updated_from_its_repair(
     assert flow["menu_options"] == ["update_login", "update_by_hand"]
     result = await submit({"next_step_id": "update_login"})
     assert result["step_id"] == "update_login"
+    # The pinned key's fingerprint, to compare before a password is typed.
+    pinned = entry.data[CONF_HOST_KEY]
+    assert result["description_placeholders"]["fingerprint"] == fingerprint(pinned)
     admin = fresh.admins["gh-admin-pw"]
+    # The key was pinned at setup, minutes ago: whoever holds it could be
+    # faking this old agent to be given a password. None is taken for a day
+    # (the sudo password either), before anything is sent.
+    for password in (
+        {CONF_ADMIN_PASSWORD: admin.password},
+        {**_key_login(fresh, "gh-admin-pw"), CONF_SUDO_PASSWORD: admin.password},
+    ):
+        result = await submit({CONF_ADMIN_USERNAME: admin.name, **password})
+        assert result["errors"] == {"base": "password_after_pin"}
+        assert result["description_placeholders"]["hours"] == "24"
+    assert fresh.read_bytes("/usr/local/bin/gpu-handoff") != agent_bytes()
+    day_ago = dt_util.utcnow() - timedelta(hours=25)
+    hass.config_entries.async_update_entry(
+        entry, data=entry.data | {CONF_HOST_KEY_PINNED_AT: day_ago.isoformat()}
+    )
     result = await submit(
         {CONF_ADMIN_USERNAME: admin.name, CONF_ADMIN_PASSWORD: "not-it"}
     )
@@ -782,9 +806,15 @@ async def test_the_account_and_uri_are_checked_before_anything_runs(
     """A name useradd would refuse and a URI with shell characters are
     refused in the form, before the tower runs anything with them."""
     flow_id = await _to_menu(hass, fresh)
-    await hass.config_entries.flow.async_configure(
+    result = await hass.config_entries.flow.async_configure(
         flow_id, {"next_step_id": "install_agent"}
     )
+    # The pinned host key's fingerprint, to compare with the tower's before
+    # a password is typed; the key field comes before the password's.
+    shown = result["description_placeholders"]["fingerprint"]
+    assert shown == fingerprint(fresh.host_public_key)
+    fields = [str(key) for key in result["data_schema"].schema]
+    assert fields.index(CONF_ADMIN_KEY) < fields.index(CONF_ADMIN_PASSWORD)
     login = _key_login(fresh, "gh-admin")
     result = await hass.config_entries.flow.async_configure(
         flow_id, {CONF_USERNAME: "Bad User", CONF_LIBVIRT_URI: fresh.uri, **login}

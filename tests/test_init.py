@@ -47,6 +47,7 @@ from syrupy.filters import props
 from custom_components.gpu_handoff.const import (
     CONF_DOMAIN_NAME,
     CONF_HOST_KEY,
+    CONF_HOST_KEY_PINNED_AT,
     CONF_KNOWN_VMS,
     CONF_KUBECONFIG,
     CONF_PRIVATE_KEY,
@@ -347,9 +348,14 @@ async def test_host_key_change_raises_a_repair(
     flow, submit = await _fix(hass, hass_client, issue_id)
     assert flow["step_id"] == "confirm"
     assert flow["description_placeholders"]["new"] == tower.host_fingerprint
+    accepted = dt_util.utcnow()
     assert (await submit())["type"] == "create_entry"
     assert entry.data[CONF_HOST_KEY].split()[:2] == tower.host_public_key.split()[:2]
     assert entry.unique_id == tower.host_fingerprint != old
+    # When: the update repair takes no password for a day after it.
+    pinned = dt_util.parse_datetime(entry.data[CONF_HOST_KEY_PINNED_AT])
+    assert pinned is not None
+    assert abs((pinned - accepted).total_seconds()) < 60
     assert hass.states.get(HANDOFF).state == "serving"
     assert ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is None
 

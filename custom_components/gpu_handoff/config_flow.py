@@ -33,6 +33,7 @@ from homeassistant.config_entries import (
 )
 from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
 from homeassistant.core import callback
+from homeassistant.util import dt as dt_util
 
 from .cluster_client import ClusterClient, ClusterError
 from .config_flow_install import (
@@ -70,6 +71,7 @@ from .const import (
     CONF_GPU_NODE,
     CONF_HANDOFF_WHEN_CORDONED,
     CONF_HOST_KEY,
+    CONF_HOST_KEY_PINNED_AT,
     CONF_K8S_NODE,
     CONF_KNOWN_VMS,
     CONF_KUBECONFIG,
@@ -443,8 +445,9 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
     async def async_step_host_key(
         self, user_input: dict[str, Any] | None = None
     ) -> ConfigFlowResult:
-        """Show the host key's fingerprint; going on pins it."""
+        """Show the host key's fingerprint; going on pins it (and when)."""
         if user_input is not None:
+            self._data[CONF_HOST_KEY_PINNED_AT] = dt_util.utcnow().isoformat()
             return await self.async_step_credentials()
         return self.async_show_form(
             step_id="host_key", description_placeholders=_key_placeholders(self._data)

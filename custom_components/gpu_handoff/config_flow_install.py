@@ -41,6 +41,7 @@ from .installer import (
     admin_session,
 )
 from .tower import gpu_handoff as agent
+from .tower_client import fingerprint
 
 # How long the guided install keeps a working administrator login for the
 # install: enough to pick the VMs and read the plan.
@@ -91,11 +92,15 @@ def install_error_placeholders(err: InstallError) -> dict[str, str]:
 def login_placeholders(
     data: Mapping[str, Any], err: InstallError | None
 ) -> dict[str, str]:
-    """The login form's texts: the tower, the account Home Assistant will log
-    in as, and why the last try failed (``-``: it did not)."""
-    return {"host": data[CONF_HOST], "user": data[CONF_USERNAME]} | (
-        install_error_placeholders(err) if err else {"detail": "-", "left": "-"}
-    )
+    """The login form's texts: the tower, its pinned host key's fingerprint
+    (to compare with the tower's before typing a password), the account Home
+    Assistant will log in as, and why the last try failed (``-``: it did
+    not)."""
+    return {
+        "host": data[CONF_HOST],
+        "fingerprint": fingerprint(data[CONF_HOST_KEY]),
+        "user": data[CONF_USERNAME],
+    } | (install_error_placeholders(err) if err else {"detail": "-", "left": "-"})
 
 
 def survey_placeholders(host: str, survey: Survey) -> dict[str, str]:

@@ -80,13 +80,15 @@ def kubeconfig_schema() -> probatio.Schema:
 
 def admin_schema() -> probatio.Schema:
     """An administrator's login on the tower (the guided install's and the
-    agent update's): a password, or a key, and sudo's password if it differs."""
+    agent update's): a key (first: its signature is bound to the session,
+    where a password goes to whoever holds the pinned host key), or a
+    password, and sudo's password if it differs."""
     return probatio.Schema(
         {
             probatio.Required(CONF_ADMIN_USERNAME, default="root"): TEXT,
-            probatio.Optional(CONF_ADMIN_PASSWORD): PASSWORD,
             probatio.Optional(CONF_ADMIN_KEY): MULTILINE,
             probatio.Optional(CONF_ADMIN_PASSPHRASE): PASSWORD,
+            probatio.Optional(CONF_ADMIN_PASSWORD): PASSWORD,
             probatio.Optional(CONF_SUDO_PASSWORD): PASSWORD,
         }
     )

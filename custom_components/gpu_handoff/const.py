@@ -13,6 +13,9 @@ DEFAULT_AGENT_COMMAND: Final = (
 CONF_PRIVATE_KEY: Final = "private_key"
 CONF_PASSPHRASE: Final = "passphrase"  # noqa: S105 - a key name, not a secret
 CONF_HOST_KEY: Final = "host_key"
+# When the host key was last pinned (trusted on first use at setup, or a
+# changed one accepted in its repair), ISO 8601 in UTC.
+CONF_HOST_KEY_PINNED_AT: Final = "host_key_pinned_at"
 CONF_GPU_NODE: Final = "gpu_node"
 CONF_GAMING_VMS: Final = "gaming_vms"
 CONF_KUBECONFIG: Final = "kubeconfig"

@@ -4,8 +4,9 @@ that reports Ready but does not work, and update an old agent on the tower."""
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Final
 
 from homeassistant.components.repairs import ConfirmRepairFlow, RepairsFlow
 from homeassistant.components.repairs.models import RepairsFlowResult
@@ -13,6 +14,7 @@ from homeassistant.config_entries import ConfigEntryState, ConfigSubentry
 from homeassistant.const import STATE_UNAVAILABLE
 from homeassistant.core import HomeAssistant
 from homeassistant.helpers import entity_registry as er, issue_registry as ir
+from homeassistant.util import dt as dt_util
 import probatio
 
 from .config_flow import (
@@ -24,10 +26,33 @@ from .config_flow import (
     tower_admin_session,
     vm_subentry,
 )
-from .const import CONF_HOST_KEY, DOMAIN
+from .const import (
+    CONF_ADMIN_PASSWORD,
+    CONF_HOST_KEY,
+    CONF_HOST_KEY_PINNED_AT,
+    CONF_SUDO_PASSWORD,
+    DOMAIN,
+)
 from .data import GpuHandoffConfigEntry
 from .installer import InstallError
 from .tower_client import fingerprint
+
+# After a host key was pinned (at setup, or a changed one accepted), the
+# update repair takes no password for this long: a man in the middle whose
+# key was pinned could fake an old agent to be asked for one.
+PASSWORDS_AFTER_PIN: Final = timedelta(hours=24)
+
+
+def password_refused_for(
+    data: MappingProxyType[str, Any] | dict[str, Any], now: datetime
+) -> timedelta | None:
+    """How long the update repair still refuses passwords for this entry's
+    tower (None: it takes them)."""
+    pinned = dt_util.parse_datetime(str(data.get(CONF_HOST_KEY_PINNED_AT) or ""))
+    if pinned is None:
+        return None
+    left = pinned + PASSWORDS_AFTER_PIN - now
+    return left if left > timedelta(0) else None
 
 
 class _IssueFlow(RepairsFlow):
@@ -74,7 +99,11 @@ class HostKeyRepairFlow(_IssueFlow):
             self.hass.config_entries.async_update_entry(
                 entry,
                 unique_id=fingerprint(self._host_key),
-                data=entry.data | {CONF_HOST_KEY: self._host_key},
+                data=entry.data
+                | {
+                    CONF_HOST_KEY: self._host_key,
+                    CONF_HOST_KEY_PINNED_AT: dt_util.utcnow().isoformat(),
+                },
             )
             self.hass.config_entries.async_schedule_reload(entry.entry_id)
             return self.async_create_entry(data={})
@@ -210,8 +239,16 @@ class AgentUpdateRepairFlow(_IssueFlow):
         if entry is None:
             return self.async_abort(reason="entry_removed")
         errors: dict[str, str] = {}
-        placeholders = self._placeholders() | {"detail": "-", "left": "-"}
-        if user_input is not None:
+        placeholders = self._placeholders() | {
+            "detail": "-",
+            "left": "-",
+            "fingerprint": fingerprint(entry.data[CONF_HOST_KEY]),
+        }
+        refused = password_refused_for(entry.data, dt_util.utcnow())
+        if user_input is not None and refused is not None and _has_password(user_input):
+            errors["base"] = "password_after_pin"
+            placeholders["hours"] = str(int(refused.total_seconds() // 3600) + 1)
+        elif user_input is not None:
             try:
                 async with tower_admin_session(
                     entry.data, admin_login(user_input)
@@ -242,6 +279,14 @@ class AgentUpdateRepairFlow(_IssueFlow):
         return self.async_abort(
             reason="update_by_hand", description_placeholders=self._placeholders()
         )
+
+
+def _has_password(user_input: dict[str, Any]) -> bool:
+    """Whether a login sends a password (its own, or sudo's inside the
+    session): a key login with sudo that asks for none sends none."""
+    return bool(
+        user_input.get(CONF_ADMIN_PASSWORD) or user_input.get(CONF_SUDO_PASSWORD)
+    )
 
 
 async def async_create_fix_flow(

@@ -437,10 +437,9 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 CONFIG_FLOW_INSTALL,
-                "        self.admin = login\n        return None\n",
+                "        self.admin = login\n",
                 "        self.admin = login\n"
-                "        data[CONF_SUDO_PASSWORD] = login.password\n"
-                "        return None\n",
+                "        data[CONF_SUDO_PASSWORD] = login.password\n",
             ),
         ),
         (f"{GUIDED}::test_guided_install_from_nothing_to_a_working_integration",),
@@ -498,6 +497,30 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
         (f"{GUIDED}::test_the_admin_login_is_kept_ten_minutes_at_most",),
+    ),
+    Mutant(
+        "fingerprint_not_on_the_admin_step",
+        "the administrator login form shows the pinned host key's fingerprint",
+        (
+            Patch(
+                CONFIG_FLOW_INSTALL,
+                '        "fingerprint": fingerprint(data[CONF_HOST_KEY]),\n',
+                "",
+            ),
+        ),
+        (f"{GUIDED}::test_the_account_and_uri_are_checked_before_anything_runs",),
+    ),
+    Mutant(
+        "password_taken_after_pin",
+        "the update repair takes no password for a day after the host key was pinned",
+        (
+            Patch(
+                "custom_components/gpu_handoff/repairs.py",
+                "        if user_input is not None and refused is not None",
+                "        if False",
+            ),
+        ),
+        (f"{GUIDED}::test_an_older_agent_is_updated_from_its_repair",),
     ),
     Mutant(
         "x509_trusted_certs_at_default",
