@@ -270,6 +270,11 @@ async def test_guided_install_from_nothing_to_a_working_integration(
         "gaming": "win-1, win-2",
         "uri": fresh.uri,
         "version": agent.VERSION,
+        # The account does not exist yet.
+        "groups": "-",
+        "shell": "-",
+        "password": "-",
+        "home": "-",
     }
     _nothing_installed(fresh)
     result = await hass.config_entries.flow.async_configure(
@@ -1056,9 +1061,11 @@ async def test_the_install_form_as_the_frontend_gets_it(
     assert list(fields) == [
         CONF_USERNAME,
         CONF_ADMIN_USERNAME,
-        CONF_ADMIN_PASSWORD,
+        # A key first: its signature is bound to the session; a password
+        # goes to whoever holds the pinned host key.
         CONF_ADMIN_KEY,
         CONF_ADMIN_PASSPHRASE,
+        CONF_ADMIN_PASSWORD,
         CONF_SUDO_PASSWORD,
         CONF_LIBVIRT_URI,
     ]
@@ -1073,14 +1080,33 @@ async def test_a_key_sshd_refuses_after_the_install_is_shown_and_retried(
     hass: HomeAssistant, fresh: BoxFreshTower
 ) -> None:
     """The account existed already, with a home anyone may write to: sshd
-    (StrictModes) refuses the key the install put there. The check right
-    after the install says so, with the install's own findings; once the
-    home is fixed, submitting logs in."""
+    (StrictModes) would refuse the key the install puts there, and the
+    survey says so first. Made so again between the survey and the install
+    (a race no look can rule out), the check right after the install says
+    so, with the install's own findings; once the home is fixed, submitting
+    logs in."""
     home = f"/home/{AGENT_USER}"
     made = fresh.run(["useradd", "--create-home", "--password", "*", AGENT_USER])
     assert made.returncode == 0, made.stderr
     fresh.run(["chmod", "o+w", home])
-    flow_id, result = await _install(hass, fresh, _key_login(fresh, "gh-admin"))
+    login = _key_login(fresh, "gh-admin")
+    flow_id = await _to_menu(hass, fresh)
+    result = await _login(hass, flow_id, fresh.uri, **login)
+    assert result["errors"] == {"base": "agent_user_home_unsafe"}
+    fresh.run(["chmod", "o-w", home])
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_USERNAME: AGENT_USER, CONF_LIBVIRT_URI: fresh.uri, **login}
+    )
+    assert result["step_id"] == "install_options", result.get("errors")
+    fresh.run(["chmod", "o+w", home])
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_GPU_NODE: "gpu-node", CONF_GAMING_VMS: ["win-1", "win-2"]}
+    )
+    # passwd -S of useradd's "*": locked.
+    assert result["description_placeholders"]["password"] == "L"  # noqa: S105
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_RESTART_LIBVIRT: False}
+    )
     assert result["step_id"] == "install_done"
     assert result["errors"] == {"base": "invalid_auth"}
     assert "Authentication refused: bad ownership or modes" in fresh.log
@@ -1117,6 +1143,50 @@ async def test_an_agent_of_an_older_protocol_is_updated_from_its_repair(
     assert fresh.read_bytes("/usr/local/bin/gpu-handoff") == agent_bytes()
     await until(lambda: entry.state is ConfigEntryState.LOADED)
     await until(lambda: ir.async_get(hass).async_get_issue(DOMAIN, issue_id) is None)
+
+
+async def test_an_existing_account_is_looked_at_before_it_is_used(
+    hass: HomeAssistant, fresh: BoxFreshTower
+) -> None:
+    """The install keeps an existing account as it is (its groups, shell and
+    password) and gives it Home Assistant's key: an administrator (in the
+    sudo group, or with sudo rights of its own) is refused, and so is a
+    home sshd's StrictModes would refuse a key in; another account is shown
+    on the confirm step as it is now. Nothing is installed."""
+    flow_id = await _to_menu(hass, fresh)
+    await hass.config_entries.flow.async_configure(
+        flow_id, {"next_step_id": "install_agent"}
+    )
+    login = _key_login(fresh, "gh-admin")
+
+    async def as_account(name: str) -> Result:
+        return await hass.config_entries.flow.async_configure(
+            flow_id, {CONF_USERNAME: name, CONF_LIBVIRT_URI: fresh.uri, **login}
+        )
+
+    for name in ("gh-admin-pw", "gh-admin"):
+        result = await as_account(name)
+        assert result["errors"] == {"base": "agent_user_is_admin"}, name
+        assert "sudo" in result["description_placeholders"]["detail"]
+    assert fresh.run(["chmod", "0777", "/home/gh-plain"]).returncode == 0
+    result = await as_account("gh-plain")
+    assert result["errors"] == {"base": "agent_user_home_unsafe"}
+    assert "/home/gh-plain 777 gh-plain" in result["description_placeholders"]["detail"]
+    assert fresh.run(["chmod", "0755", "/home/gh-plain"]).returncode == 0
+    result = await as_account("gh-plain")
+    assert result["step_id"] == "install_options", result.get("errors")
+    result = await hass.config_entries.flow.async_configure(
+        flow_id, {CONF_GPU_NODE: "gpu-node", CONF_GAMING_VMS: ["win-1"]}
+    )
+    assert result["step_id"] == "install_confirm"
+    shown = result["description_placeholders"]
+    assert shown["groups"].split()[0] == "gh-plain"
+    assert shown["shell"] == "/bin/bash"
+    assert shown["password"] == "P"  # noqa: S105 - passwd -S: a usable password
+    assert shown["home"] == "/home/gh-plain (755 gh-plain)"
+    hass.config_entries.flow.async_abort(flow_id)
+    for path in WRITTEN:
+        assert fresh.read(path) is None, path
 
 
 async def test_the_admin_login_is_kept_ten_minutes_at_most(

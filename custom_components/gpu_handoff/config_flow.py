@@ -529,7 +529,10 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
                 step_id="install_confirm",
                 data_schema=install_confirm_schema(),
                 description_placeholders=plan_placeholders(
-                    self._data[CONF_HOST], install.admin.username, install.plan
+                    self._data[CONF_HOST],
+                    install.admin.username,
+                    install.plan,
+                    install.known_survey.account,
                 ),
             )
         again = retry_fields(install.plan, install.admin)

@@ -32,6 +32,7 @@ from .const import (
     DEFAULT_LIBVIRT_URI,
 )
 from .installer import (
+    Account,
     AdminLogin,
     AdminSession,
     InstallError,
@@ -113,8 +114,11 @@ def survey_placeholders(host: str, survey: Survey) -> dict[str, str]:
     }
 
 
-def plan_placeholders(host: str, admin: str, plan: InstallPlan) -> dict[str, str]:
-    """The confirmation's texts: exactly what the install does."""
+def plan_placeholders(
+    host: str, admin: str, plan: InstallPlan, account: Account | None
+) -> dict[str, str]:
+    """The confirmation's texts: exactly what the install does, and what the
+    account for Home Assistant is now if it exists (``-``: it does not)."""
     return {
         "host": host,
         "admin": admin,
@@ -123,6 +127,10 @@ def plan_placeholders(host: str, admin: str, plan: InstallPlan) -> dict[str, str
         "gaming": ", ".join(plan.gaming),
         "uri": plan.uri,
         "version": agent.VERSION,
+        "groups": " ".join(account.groups) if account else "-",
+        "shell": account.shell if account else "-",
+        "password": account.password if account else "-",
+        "home": f"{account.home} ({account.home_mode})" if account else "-",
     }
 
 

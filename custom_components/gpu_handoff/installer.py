@@ -54,6 +54,7 @@ LIBVIRT_URI: Final = re.compile(r"^[a-z][a-z0-9+.-]*:/[^\s'\"`$\\;&|<>()]*$")
 # What the survey runs as root: facts only, changes nothing. "$1" is the SSH
 # user's name (an argument, never part of the script's text).
 SURVEY_SCRIPT: Final = """\
+export LC_ALL=C
 if command -v python3 >/dev/null 2>&1; then
   python3 -c 'import sys; print("python=%d.%d" % sys.version_info[:2])' \
     || echo python=broken
@@ -63,6 +64,17 @@ fi
 if command -v virsh >/dev/null 2>&1; then echo virsh=yes; else echo virsh=; fi
 if [ -e /etc/NIXOS ]; then echo nixos=yes; fi
 echo "user=$(id -u -- "$1" 2>/dev/null)"
+if id -u -- "$1" >/dev/null 2>&1; then
+  echo "groups=$(id -Gn -- "$1" 2>/dev/null)"
+  home=$(getent passwd "$1" | cut -d: -f6)
+  echo "shell=$(getent passwd "$1" | cut -d: -f7)"
+  echo "password=$(passwd -S "$1" 2>/dev/null | cut -d' ' -f2)"
+  echo "home=$home"
+  echo "home_mode=$(stat -c '%a %U' -- "$home" 2>/dev/null)"
+  if sudo -n -l -U "$1" 2>/dev/null | grep -q 'may run the following'; then
+    echo sudoer=yes
+  fi
+fi
 if [ -e /etc/gpu-handoff/config.json ]; then echo config=yes; fi
 if [ -x /usr/local/bin/gpu-handoff ]; then
   /usr/local/bin/gpu-handoff version 2>/dev/null | sed -n 's/^/agent=/p'
@@ -107,6 +119,59 @@ class AdminLogin:
         return self.sudo_password or self.password
 
 
+# Groups whose members are root in all but name (sudo and su rights, the
+# logs, the container engines' sockets, raw disks, the shadow file): an
+# account in one of them is not one to hand Home Assistant a key to.
+ADMIN_GROUPS: Final = frozenset(
+    {
+        "root",
+        "sudo",
+        "wheel",
+        "admin",
+        "adm",
+        "docker",
+        "podman",
+        "lxd",
+        "incus-admin",
+        "disk",
+        "shadow",
+    }
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Account:
+    """An existing account of the name given for Home Assistant, as root
+    sees it: the install keeps it as it is (its shell, its password, its
+    groups) and only adds libvirt and Home Assistant's key."""
+
+    groups: list[str]
+    shell: str
+    # passwd -S: P (a usable password), L (locked), NP (none), or "?"
+    password: str
+    home: str
+    home_mode: str  # "755 gpu-handoff": its mode and owner
+    sudoer: bool
+
+    def refusal(self, user: str) -> InstallError | None:
+        """Why this account may not be the agent's (None: it may)."""
+        admin = sorted(ADMIN_GROUPS & set(self.groups))
+        if admin or self.sudoer:
+            return InstallError(
+                "agent_user_is_admin", ", ".join(admin + ["sudo"] * self.sudoer)
+            )
+        mode, _, owner = self.home_mode.partition(" ")
+        try:
+            writable = int(mode, 8) & 0o022
+        except ValueError:
+            writable = 1  # no home to check: sshd would refuse the key
+        if writable or owner not in (user, "root"):
+            return InstallError(
+                "agent_user_home_unsafe", f"{self.home} {self.home_mode}"
+            )
+        return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Survey:
     """What the tower has, as root sees it."""
@@ -120,6 +185,8 @@ class Survey:
     # domain id or UUID first (the agent refuses them) are left out.
     domains: list[str]
     left_out: list[str] = field(default_factory=list)
+    # The account for Home Assistant, if it exists already (None: made).
+    account: Account | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +262,18 @@ def check_uri(uri: str) -> bool:
     same (its local_libvirt_uri); no host, no transport or parameter that
     runs a program, reads a key or connects elsewhere."""
     return LIBVIRT_URI.fullmatch(uri) is not None and agent.local_libvirt_uri(uri)
+
+
+def _account(found: dict[str, str]) -> Account:
+    """The survey's facts of an existing account."""
+    return Account(
+        groups=found.get("groups", "").split(),
+        shell=found.get("shell", ""),
+        password=found.get("password") or "?",
+        home=found.get("home", ""),
+        home_mode=found.get("home_mode", ""),
+        sudoer=bool(found.get("sudoer")),
+    )
 
 
 def check_plan(plan: InstallPlan, survey: Survey) -> None:
@@ -295,6 +374,9 @@ class AdminSession:
                 found[key] = value.strip()
         if found.get("user") == "0":  # another name of root's
             raise InstallError("invalid_agent_user", user)
+        account = _account(found) if found.get("user") else None
+        if account is not None and (refused := account.refusal(user)) is not None:
+            raise refused
         python = found.get("python", "")
         if not _python_ok(python):
             raise InstallError("tower_no_python", python or "python3")
@@ -315,6 +397,7 @@ class AdminSession:
             agent_version=_agent_version(found.get("agent", "")),
             domains=domains,
             left_out=left_out,
+            account=account,
         )
 
     async def _domains(self, uri: str) -> list[str]:

@@ -277,8 +277,10 @@ async def test_an_unreachable_nodes_pods_go_after_their_toleration(
     tolerations = _tolerations(emulator, "exporter-x1")
     assert tolerates(tolerations, UNSCHEDULABLE_TAINT)
     assert all("tolerationSeconds" not in t for t in tolerations)
-    emulator.set_node_up(GPU_NODE, False)
+    # (Read before: the node may be marked away at any moment of the call,
+    # and a bound from after it would be short by however long it took.)
     away = time.monotonic()
+    emulator.set_node_up(GPU_NODE, False)
     await _until(emulator, lambda: _deleted(emulator, "minute"))
     assert time.monotonic() - away >= 0.6
     assert not _deleted(emulator, "default")

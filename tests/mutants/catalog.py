@@ -523,6 +523,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{GUIDED}::test_an_older_agent_is_updated_from_its_repair",),
     ),
     Mutant(
+        "admin_account_reused_silently",
+        "an existing administrator's account is not made the agent's",
+        (
+            Patch(
+                INSTALLER,
+                "        if admin or self.sudoer:\n",
+                "        if False:\n",
+            ),
+        ),
+        (f"{GUIDED}::test_an_existing_account_is_looked_at_before_it_is_used",),
+    ),
+    Mutant(
         "x509_trusted_certs_at_default",
         "a connection to a tower trusts no X.509 CA of Home Assistant's home "
         "before the pinned key",

@@ -392,6 +392,22 @@ def test_install_takes_only_this_machines_libvirt(tmp_path: Path, uri: str) -> N
     assert not (tmp_path / "root").exists()
 
 
+def test_install_refuses_an_account_of_user_id_0() -> None:
+    """root, by name or by another name of user id 0, on the system it
+    installs on: the agent needs no privilege, and the key its account gets
+    must not get one. Refused before anything is written (this system's own
+    install, without --root; its relative --config would refuse it next,
+    before anything is written, were the check gone)."""
+    for name in ("root", *(p.pw_name for p in pwd.getpwall() if p.pw_uid == 0)):
+        argv = install_args(Path("/"), name, "--config", "relative/config.json")
+        argv.remove("--root")
+        argv.remove("/")
+        run = run_agent(argv)
+        assert run.reply["error"]["code"] == "bad_request", run.reply
+        assert "user id 0" in run.reply["error"]["message"]
+    assert not Path("/etc/gpu-handoff/config.json").exists()
+
+
 def test_install_failure(tmp_path: Path) -> None:
     blocker = tmp_path / "root"
     blocker.write_text("a file, not a directory", encoding="utf-8")

@@ -5015,6 +5015,14 @@ def _install(
 ) -> JsonObj:
     """install, under admin_lock."""
     account = lookup_account(opts["user"])
+    # (Under --root the accounts are those of the system running install, not
+    # of the tree it fills: its tests install for themselves, as root.)
+    if account is not None and account.pw_uid == 0 and not root:
+        raise AgentError(
+            ERR_BAD_REQUEST,
+            f"install: {opts['user']!r} is root (user id 0): the agent needs no "
+            "privilege, and Home Assistant's key must not get one",
+        )
     if account is None and not opts["create_user"]:
         raise AgentError(
             ERR_BAD_REQUEST,
