@@ -270,11 +270,6 @@ async def test_guided_install_from_nothing_to_a_working_integration(
         "gaming": "win-1, win-2",
         "uri": fresh.uri,
         "version": agent.VERSION,
-        # The account does not exist yet.
-        "groups": "-",
-        "shell": "-",
-        "password": "-",
-        "home": "-",
     }
     _nothing_installed(fresh)
     result = await hass.config_entries.flow.async_configure(
@@ -1103,6 +1098,7 @@ async def test_a_key_sshd_refuses_after_the_install_is_shown_and_retried(
         flow_id, {CONF_GPU_NODE: "gpu-node", CONF_GAMING_VMS: ["win-1", "win-2"]}
     )
     # passwd -S of useradd's "*": locked.
+    assert result["step_id"] == "install_confirm_existing"
     assert result["description_placeholders"]["password"] == "L"  # noqa: S105
     result = await hass.config_entries.flow.async_configure(
         flow_id, {CONF_RESTART_LIBVIRT: False}
@@ -1178,7 +1174,7 @@ async def test_an_existing_account_is_looked_at_before_it_is_used(
     result = await hass.config_entries.flow.async_configure(
         flow_id, {CONF_GPU_NODE: "gpu-node", CONF_GAMING_VMS: ["win-1"]}
     )
-    assert result["step_id"] == "install_confirm"
+    assert result["step_id"] == "install_confirm_existing"
     shown = result["description_placeholders"]
     assert shown["groups"].split()[0] == "gh-plain"
     assert shown["shell"] == "/bin/bash"

@@ -524,15 +524,18 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
                 InstallError("admin_login_expired"),
             )
         private, public = await self._async_key_pair()
+        account = install.known_survey.account
         if user_input is None:
             return self.async_show_form(
-                step_id="install_confirm",
+                # An account that exists is kept as it is: that step says so,
+                # with what it is now.
+                step_id="install_confirm_existing" if account else "install_confirm",
                 data_schema=install_confirm_schema(),
                 description_placeholders=plan_placeholders(
                     self._data[CONF_HOST],
                     install.admin.username,
                     install.plan,
-                    install.known_survey.account,
+                    account,
                 ),
             )
         again = retry_fields(install.plan, install.admin)
@@ -547,6 +550,12 @@ class GpuHandoffConfigFlow(ConfigFlow, domain=DOMAIN):
         self._status = None
         self._key_errors = await self._async_use_key(private, None)
         return await self.async_step_install_done()
+
+    async def async_step_install_confirm_existing(
+        self, user_input: dict[str, Any] | None = None
+    ) -> ConfigFlowResult:
+        """The confirmation for an account that exists already."""
+        return await self.async_step_install_confirm(user_input)
 
     async def async_step_install_done(
         self, user_input: dict[str, Any] | None = None

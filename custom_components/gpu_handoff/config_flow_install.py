@@ -118,8 +118,8 @@ def plan_placeholders(
     host: str, admin: str, plan: InstallPlan, account: Account | None
 ) -> dict[str, str]:
     """The confirmation's texts: exactly what the install does, and what the
-    account for Home Assistant is now if it exists (``-``: it does not)."""
-    return {
+    account for Home Assistant is now if it exists (the step that says so)."""
+    texts = {
         "host": host,
         "admin": admin,
         "user": plan.user,
@@ -127,10 +127,14 @@ def plan_placeholders(
         "gaming": ", ".join(plan.gaming),
         "uri": plan.uri,
         "version": agent.VERSION,
-        "groups": " ".join(account.groups) if account else "-",
-        "shell": account.shell if account else "-",
-        "password": account.password if account else "-",
-        "home": f"{account.home} ({account.home_mode})" if account else "-",
+    }
+    if account is None:
+        return texts
+    return texts | {
+        "groups": " ".join(account.groups) or "-",
+        "shell": account.shell or "-",
+        "password": account.password,
+        "home": f"{account.home} ({account.home_mode})",
     }
 
 
