@@ -66,8 +66,9 @@ if [ -e /etc/NIXOS ]; then echo nixos=yes; fi
 echo "user=$(id -u -- "$1" 2>/dev/null)"
 if id -u -- "$1" >/dev/null 2>&1; then
   echo "groups=$(id -Gn -- "$1" 2>/dev/null)"
-  home=$(getent passwd "$1" | cut -d: -f6)
-  echo "shell=$(getent passwd "$1" | cut -d: -f7)"
+  entry=$(getent passwd "$1")
+  home=$(printf '%s' "$entry" | cut -d: -f6)
+  echo "shell=$(printf '%s' "$entry" | cut -d: -f7)"
   echo "password=$(passwd -S "$1" 2>/dev/null | cut -d' ' -f2)"
   echo "home=$home"
   echo "home_mode=$(stat -c '%a %U' -- "$home" 2>/dev/null)"
@@ -155,11 +156,9 @@ class Account:
 
     def refusal(self, user: str) -> InstallError | None:
         """Why this account may not be the agent's (None: it may)."""
-        admin = sorted(ADMIN_GROUPS & set(self.groups))
-        if admin or self.sudoer:
-            return InstallError(
-                "agent_user_is_admin", ", ".join(admin + ["sudo"] * self.sudoer)
-            )
+        admin = ADMIN_GROUPS & set(self.groups) | ({"sudo"} if self.sudoer else set())
+        if admin:
+            return InstallError("agent_user_is_admin", ", ".join(sorted(admin)))
         mode, _, owner = self.home_mode.partition(" ")
         try:
             writable = int(mode, 8) & 0o022

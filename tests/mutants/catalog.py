@@ -528,7 +528,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 INSTALLER,
-                "        if admin or self.sudoer:\n",
+                "        if admin:\n",
                 "        if False:\n",
             ),
         ),

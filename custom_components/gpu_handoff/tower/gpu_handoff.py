@@ -5015,8 +5015,9 @@ def _install(
 ) -> JsonObj:
     """install, under admin_lock."""
     account = lookup_account(opts["user"])
-    # (Under --root the accounts are those of the system running install, not
-    # of the tree it fills: its tests install for themselves, as root.)
+    # Not under --root: the accounts looked up are then those of the system
+    # running install, not of the tree it fills, whose user ids it cannot
+    # know. (The tests' --root installs are made as root, for themselves.)
     if account is not None and account.pw_uid == 0 and not root:
         raise AgentError(
             ERR_BAD_REQUEST,
