@@ -64,6 +64,7 @@ from .world import (
     TowerJob,
     World,
     at,
+    cached_hash,
     hook_time,
     replace,
 )
@@ -90,6 +91,8 @@ class InvariantError(Exception):
 class Ctl:
     """The controller: its stored records, its memory, and where the
     operation it runs is (lost on a restart)."""
+
+    __hash__ = cached_hash
 
     desired: frozenset[str] = frozenset()
     plan: Plan | None = None
@@ -128,6 +131,8 @@ class Ctl:
 class State:
     world: World
     ctl: Ctl
+
+    __hash__ = cached_hash
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,17 @@ class Result:
     states: int = 0
     seconds: float = 0.0
     found: dict[str, Found] = field(default_factory=dict)
+    explored: int = 0  # deep.py: states explored, one explored again counting again
+    # With a frontier asked for: each state's fewest events, and its link.
+    best: dict[int, int] = field(default_factory=dict, repr=False)
+    parent: dict[int, tuple[int, str] | None] = field(default_factory=dict, repr=False)
 
     def as_json(self) -> dict[str, object]:
         return {
             "depth": self.depth,
             "states": self.states,
             "seconds": round(self.seconds, 2),
+            **({"explored": self.explored} if self.explored else {}),
             "violations": [
                 {"invariant": f.invariant, "detail": f.detail, "steps": list(f.steps)}
                 for f in self.found.values()
@@ -76,7 +81,12 @@ def settled(model: Model, state: State) -> None:
 
 
 def explore(
-    model: Model, depth: int, start: State | None = None, *, limit: int = 40_000_000
+    model: Model,
+    depth: int,
+    start: State | None = None,
+    *,
+    limit: int = 40_000_000,
+    frontier: list[tuple[State, int]] | None = None,
 ) -> Result:
     """Every state reachable with at most ``depth`` events.
 
@@ -85,6 +95,9 @@ def explore(
     a few hundred thousand at ten million states), and those that may take
     no more events are explored depth first as soon as they are reached, so
     memory grows with the states seen, not with the last layer's frontier.
+    ``frontier``, if given, receives each state (and its hash) reached with
+    ``depth`` events, and the result keeps the links its paths are read from
+    (``deep.py`` goes on from there).
     """
     began = time.monotonic()
     result = Result(depth=depth)
@@ -97,8 +110,10 @@ def explore(
         state, key, used = last.pop() if last else queue.popleft()
         if best.get(key, depth + 1) < used:
             continue
-        steps, broken = _successors(model, state, key, used, depth, result, parent)
-        quiet = not broken
+        steps, errors = successors(model, state, used < depth)
+        for err in errors:
+            _keep(result, err, (*_path(parent, key), _label_of(err)))
+        quiet = not errors
         for label, nxt, cost in steps:
             quiet = quiet and cost == 1
             total = used + cost
@@ -109,6 +124,8 @@ def explore(
             parent[nxt_key] = (key, label)
             if total == depth:
                 last.append((nxt, nxt_key, total))
+                if frontier is not None:
+                    frontier.append((nxt, nxt_key))
             elif cost == 0:
                 queue.appendleft((nxt, nxt_key, total))
             else:
@@ -122,6 +139,8 @@ def explore(
             raise RuntimeError(f"more than {limit} states at depth {depth}")
     result.states = len(best)
     result.seconds = time.monotonic() - began
+    if frontier is not None:
+        result.best, result.parent = best, parent
     return result
 
 
@@ -129,30 +148,24 @@ def _ctl() -> Ctl:
     return Ctl(booting=False)
 
 
-def _successors(
-    model: Model,
-    state: State,
-    key: int,
-    used: int,
-    depth: int,
-    result: Result,
-    parent: dict[int, tuple[int, str] | None],
-) -> tuple[list[tuple[str, State, int]], bool]:
-    """The steps from ``state`` (events only within the depth), and whether
-    a step broke an invariant (the state is then not a settled one)."""
-    broken = False
+def successors(
+    model: Model, state: State, events: bool
+) -> tuple[list[tuple[str, State, int]], list[InvariantError]]:
+    """The steps from ``state`` (with its events if ``events``), each with
+    its cost in events, and the invariants a step broke (the state is then
+    not a settled one)."""
+    errors: list[InvariantError] = []
     steps: list[tuple[str, State, int]] = []
     generators = [(model.free_steps, 0)]
-    if used < depth:
+    if events:
         generators.append((model.events, 1))
     for generate, cost in generators:
         try:
             for label, nxt in generate(state):
                 steps.append((label, nxt, cost))
         except InvariantError as err:
-            _keep(result, err, (*_path(parent, key), _label_of(err)))
-            broken = True
-    return steps, broken
+            errors.append(err)
+    return steps, errors
 
 
 def _label_of(err: InvariantError) -> str:

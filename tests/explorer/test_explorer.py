@@ -21,6 +21,7 @@ from custom_components.gpu_handoff.core import Kind, Request
 from custom_components.gpu_handoff.protocol import RUNNING, HookRequest
 
 from .conformance import compare
+from .deep import Table, deep
 from .model import BASE, InvariantError, Model
 from .search import _walk, as_test, explore, replay, run_out
 
@@ -656,3 +657,53 @@ def test_a_runner_that_differs_from_its_model_is_caught(
     monkeypatch.setattr(runner_module, "node_holds_cards_of", lambda *_: False)
     _, differences = compare(MODEL, 1)
     assert differences
+
+
+# --- the deep search: the same states in less memory, on both cores ------------------
+
+
+def test_the_deep_search_reaches_the_states_explore_does(
+    explored: dict[bool, Any],
+) -> None:
+    """deep.py (the compact table shared by two processes, depth first below
+    depth - 2) reaches exactly the states explore reaches (depth 3 with
+    lending, the fixture's: 4 s)."""
+    shared = deep(LENDING, CI_DEPTH[True], jobs=2)
+    assert shared.states == explored[True].states
+    assert shared.explored >= shared.states
+    assert set(shared.found) == KNOWN[True]
+
+
+def test_the_deep_search_finds_a_bug_and_its_sequence() -> None:
+    """The explorer's own find (a start by hand refused, retried and ended
+    before Home Assistant looked), found by the deep search below its
+    breadth-first part, with a sequence of at most 3 events that breaks it."""
+    model = replace(MODEL, reconcile=_old_reconcile)
+    result = deep(model, 3, jobs=2)
+    found = result.found["half_state"]
+    events = [step for step in found.steps if step not in FREE_STEPS]
+    assert len(events) <= 3
+    with pytest.raises(InvariantError, match="half_state"):
+        replay(model, [step for step in found.steps if not step.startswith("<")])
+
+
+FREE_STEPS = {"controller", "tower_job", "hook_stop", "node_not_ready", "node_ready"}
+
+
+def test_the_table_keeps_the_fewest_events() -> None:
+    table = Table(4)  # 16 slots: keys alike in their top bits share a slot
+    try:
+        first, second = 0x1234 << 48, (0x1234 << 48) | 0x50
+        assert table.fewest(first) is None
+        assert table.claim(first, 3)
+        assert not table.claim(first, 3)
+        assert not table.claim(first, 5)
+        assert table.claim(first, 1)  # fewer events: explore it again
+        assert table.fewest(first) == 1
+        assert table.claim(second, 2)  # the next slot
+        assert (table.fewest(first), table.fewest(second)) == (1, 2)
+        assert table.claim(-1, 0)  # Python's hashes are signed
+        assert table.fewest(-1) == 0
+        assert table.filled() == 3
+    finally:
+        table.close()

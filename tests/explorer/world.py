@@ -55,14 +55,36 @@ def replace[T](record: T, /, **changes: object) -> T:
     """``dataclasses.replace`` for the explorer's frozen records (none has an
     ``__init__`` of its own or a ``__post_init__``), without its per-field
     checks: a search makes millions of copies, and the standard one was
-    more than half of its time."""
+    more than half of its time. A copy that changes nothing is the record
+    itself, whose hash is then not computed again."""
     fields = record.__dict__
-    unknown = changes.keys() - fields.keys()
-    if unknown:
-        raise TypeError(f"{type(record).__name__} has no field {sorted(unknown)}")
+    same = True
+    for name, value in changes.items():
+        if name not in fields or name == _HASH:
+            raise TypeError(f"{type(record).__name__} has no field {name!r}")
+        same = same and fields[name] is value
+    if same:
+        return record  # immutable: the record itself is its copy
     copy = object.__new__(type(record))
     copy.__dict__.update(fields, **changes)
+    copy.__dict__.pop(_HASH, None)
     return copy
+
+
+_HASH = "_hash"
+
+
+def cached_hash(record: object) -> int:
+    """A frozen record's hash, computed once (``__hash__ = cached_hash`` in
+    its class): the search hashes every state it reaches, and a state's
+    world or controller is often the one it came from, unchanged."""
+    values = record.__dict__
+    try:
+        return values[_HASH]  # type: ignore[no-any-return]
+    except KeyError:
+        names = type(record).__dataclass_fields__  # type: ignore[attr-defined]
+        values[_HASH] = result = hash(tuple([values[name] for name in names]))
+        return result
 
 
 def at(moment: int) -> str:
@@ -86,6 +108,8 @@ class TowerJob:
 @dataclass(frozen=True)
 class World:
     """The tower and the GPU node's Kubernetes node."""
+
+    __hash__ = cached_hash
 
     gpu: str = RUNNING
     lent: frozenset[str] = frozenset(CARDS.values())  # the cards it runs with
