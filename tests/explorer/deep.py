@@ -29,12 +29,16 @@ in a hundred at 150 million states).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+import hashlib
+import json
 import mmap
 import multiprocessing
 from multiprocessing.connection import Connection
+from pathlib import Path
 import sys
 import time
+from typing import Any, BinaryIO
 
 from .model import InvariantError, Model, State
 from .search import (
@@ -49,6 +53,7 @@ from .search import (
 
 _MASK = (1 << 64) - 1
 _DEPTH_BITS = 0xF
+_IO_CHUNK = 1 << 28  # bytes a kept table is written and read by
 _CHUNK = 256  # start states a worker takes at a time (fewer if there are few)
 
 
@@ -93,6 +98,22 @@ class Table:
             index = (index + 1) & mask
         return None
 
+    def write_to(self, handle: BinaryIO) -> None:
+        view = memoryview(self._memory)
+        for start in range(0, len(view), _IO_CHUNK):
+            handle.write(view[start : start + _IO_CHUNK])
+        view.release()
+
+    def read_from(self, handle: BinaryIO) -> None:
+        view = memoryview(self._memory)
+        for start in range(0, len(view), _IO_CHUNK):
+            part = view[start : start + _IO_CHUNK]
+            data = handle.read(len(part))
+            if len(data) != len(part):
+                raise RuntimeError(f"{handle.name} is not a table of {self.size} slots")
+            part[:] = data
+        view.release()
+
     def filled(self) -> int:
         step = 1 << 20
         chunks = (
@@ -117,8 +138,26 @@ class _Share:
     found: dict[str, Found]
 
 
-def deep(model: Model, depth: int, *, jobs: int = 2, bits: int | None = None) -> Result:
-    """Every state reachable with at most ``depth`` events (see the module)."""
+def deep(
+    model: Model,
+    depth: int,
+    *,
+    jobs: int = 2,
+    bits: int | None = None,
+    keep: str | None = None,
+    stop_after: float | None = None,
+    until: int | None = None,
+) -> Result:
+    """Every state reachable with at most ``depth`` events (see the module).
+
+    With ``stop_after`` (seconds), the workers take no more start states
+    after that long; with ``keep`` (a path), a run that stopped so is kept
+    there (its table, and how far it came) and a later call with the same
+    ``keep`` goes on from there, if the model, the decisions and the search
+    are those it began with, and Python hashes as it did (another process
+    must run with the same PYTHONHASHSEED). ``until`` stops once that many
+    start states are explored (of all, kept ones included). The result says
+    whether it is complete."""
     began = time.monotonic()
     front = max(depth - 2, 0)
     frontier: list[tuple[State, int]] = []
@@ -128,12 +167,23 @@ def deep(model: Model, depth: int, *, jobs: int = 2, bits: int | None = None) ->
         for state, key in frontier
         if result.best[key] == front
     ]
-    table = Table(bits or table_bits(depth))
+    bits = bits or table_bits(depth)
+    table = Table(bits)
     try:
+        kept = _Kept(keep, fingerprint(model, depth, bits)) if keep else None
+        done, shares = kept.load(table) if kept else (0, [])
         for key, used in result.best.items():
             table.claim(key, used)
         result.best, result.parent = {}, {}
-        shares = _run(model, table, depth, front, starts, jobs)
+        deadline = None if stop_after is None else time.monotonic() + stop_after
+        end = len(starts) if until is None else min(until, len(starts))
+        todo = starts[done:end]
+        taken, more = _run(model, table, depth, front, todo, jobs, deadline)
+        done, shares = done + taken, shares + more
+        result.complete = done >= len(starts)
+        result.progress = (done, len(starts))
+        if kept:
+            kept.save(table, done, shares, result.complete)
         result.states = table.filled()
     finally:
         table.close()
@@ -146,6 +196,94 @@ def deep(model: Model, depth: int, *, jobs: int = 2, bits: int | None = None) ->
     return result
 
 
+# What a kept run's table is only good for: these sources, unchanged.
+_SOURCES = (
+    "custom_components/gpu_handoff/core.py",
+    "custom_components/gpu_handoff/cluster_model.py",
+    "custom_components/gpu_handoff/protocol.py",
+    "tests/explorer/model.py",
+    "tests/explorer/world.py",
+    "tests/explorer/search.py",
+    "tests/explorer/deep.py",
+)
+
+
+# How this process hashes strings (PYTHONHASHSEED): a kept table holds
+# states' hashes, good only in a process that hashes them alike.
+_HASHES = hash("gpu-handoff explorer")
+
+
+def fingerprint(model: Model, depth: int, bits: int) -> str:
+    """The run a kept table belongs to: the model's options, the depth, the
+    table's size, and the sources of the decisions, the model and the
+    search."""
+    top = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256(f"{model.settings!r} {depth} {bits}".encode())
+    for name in _SOURCES:
+        digest.update((top / name).read_bytes())
+    return digest.hexdigest()
+
+
+class _Kept:
+    """A run kept to go on later: its table (PATH.table) and how far it
+    came (PATH.json)."""
+
+    def __init__(self, path: str, fingerprint: str) -> None:
+        self.table, self.record = Path(f"{path}.table"), Path(f"{path}.json")
+        self.fingerprint = fingerprint
+
+    def load(self, table: Table) -> tuple[int, list[_Share]]:
+        if not self.record.exists():
+            return 0, []
+        saved = json.loads(self.record.read_text(encoding="utf-8"))
+        if saved["hashes"] != _HASHES:
+            raise RuntimeError(
+                f"{self.record} was kept by a Python that hashes otherwise: run with "
+                "PYTHONHASHSEED=0 (scripts/explore --keep does)"
+            )
+        if saved["fingerprint"] != self.fingerprint:
+            raise RuntimeError(
+                f"{self.record} was kept by another run (other sources, depth or "
+                "options): remove it to begin again"
+            )
+        if saved["complete"]:
+            raise RuntimeError(
+                f"{self.record} is a complete run: remove it to run again"
+            )
+        with self.table.open("rb") as handle:
+            table.read_from(handle)
+        found = {
+            f["invariant"]: Found(f["invariant"], f["detail"], tuple(f["steps"]))
+            for f in saved["found"]
+        }
+        return saved["done"], [_Share(explored=saved["explored"], found=found)]
+
+    def save(
+        self, table: Table, done: int, shares: list[_Share], complete: bool
+    ) -> None:
+        # The table first, each file whole or not at all: a table newer than
+        # its record only has start states explored again.
+        if not complete:
+            part = self.table.with_name(self.table.name + ".new")
+            with part.open("wb") as handle:
+                table.write_to(handle)
+            part.replace(self.table)
+        else:
+            self.table.unlink(missing_ok=True)
+        found = [asdict(f) for share in shares for f in share.found.values()]
+        record = {
+            "fingerprint": self.fingerprint,
+            "hashes": _HASHES,
+            "done": done,
+            "complete": complete,
+            "explored": sum(share.explored for share in shares),
+            "found": found,
+        }
+        part = self.record.with_name(self.record.name + ".new")
+        part.write_text(json.dumps(record, indent=1), encoding="utf-8")
+        part.replace(self.record)
+
+
 def _run(
     model: Model,
     table: Table,
@@ -153,17 +291,23 @@ def _run(
     front: int,
     starts: list[tuple[State, int, tuple[str, ...]]],
     jobs: int,
-) -> list[_Share]:
-    if jobs <= 1:
-        return [_work(model, table, depth, front, iter(starts))]
+    deadline: float | None,
+) -> tuple[int, list[_Share]]:
+    """The start states' explorations, by ``jobs`` processes: how many of the
+    start states were explored (all, unless the deadline came first), and
+    what each process found."""
     context = multiprocessing.get_context("fork")
     taken = context.Value("q", 0)
+    if jobs <= 1:
+        shares = [_work(model, table, depth, front, _dealt(starts, taken, deadline))]
+        return min(taken.value, len(starts)), shares
     pipes: list[Connection] = []
     workers = []
     for _ in range(jobs):
         receive, send = context.Pipe(duplex=False)
         worker = context.Process(
-            target=_worker, args=(model, table, depth, front, starts, taken, send)
+            target=_worker,
+            args=(model, table, depth, front, starts, taken, deadline, send),
         )
         worker.start()
         send.close()
@@ -175,20 +319,34 @@ def _run(
         worker.join()
         if worker.exitcode:
             raise RuntimeError(f"an explorer worker exited with {worker.exitcode}")
-    return shares
+    return min(taken.value, len(starts)), shares
 
 
-def _progress(taken: object, total: int, pipes: list[Connection]) -> None:
+def _progress(taken: Any, total: int, pipes: list[Connection]) -> None:
     """Say on stderr, once a minute, how far the workers are."""
     began = time.monotonic()
     while not all(pipe.poll(60) for pipe in pipes):
-        done = min(taken.value, total)  # type: ignore[attr-defined]
         print(
-            f"explorer: {done}/{total} start states dealt out, "
+            f"explorer: {min(taken.value, total)}/{total} start states dealt out, "
             f"{time.monotonic() - began:.0f} s",
             file=sys.stderr,
             flush=True,
         )
+
+
+def _dealt(
+    starts: list[tuple[State, int, tuple[str, ...]]], taken: Any, deadline: float | None
+) -> Iterator[tuple[State, int, tuple[str, ...]]]:
+    """Start states, a chunk at a time, for as long as there are any and the
+    deadline has not come (``taken`` counts those dealt, all processes')."""
+    chunk = max(1, min(_CHUNK, len(starts) // 64))
+    while deadline is None or time.monotonic() < deadline:
+        with taken.get_lock():
+            first = taken.value
+            if first >= len(starts):
+                return
+            taken.value = first + chunk
+        yield from starts[first : first + chunk]
 
 
 def _worker(
@@ -197,21 +355,11 @@ def _worker(
     depth: int,
     front: int,
     starts: list[tuple[State, int, tuple[str, ...]]],
-    taken: object,
+    taken: Any,
+    deadline: float | None,
     send: Connection,
 ) -> None:
-    chunk = max(1, min(_CHUNK, len(starts) // 64))
-
-    def dealt() -> Iterator[tuple[State, int, tuple[str, ...]]]:
-        while True:
-            with taken.get_lock():  # type: ignore[attr-defined]
-                first = taken.value  # type: ignore[attr-defined]
-                taken.value = first + chunk  # type: ignore[attr-defined]
-            if first >= len(starts):
-                return
-            yield from starts[first : first + chunk]
-
-    send.send(_work(model, table, depth, front, dealt()))
+    send.send(_work(model, table, depth, front, _dealt(starts, taken, deadline)))
     send.close()
 
 

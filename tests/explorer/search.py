@@ -34,6 +34,8 @@ class Result:
     seconds: float = 0.0
     found: dict[str, Found] = field(default_factory=dict)
     explored: int = 0  # deep.py: states explored, one explored again counting again
+    complete: bool = True  # deep.py: False if stopped before the end (and kept)
+    progress: tuple[int, int] = (0, 0)  # deep.py: start states explored, of all
     # With a frontier asked for: each state's fewest events, and its link.
     best: dict[int, int] = field(default_factory=dict, repr=False)
     parent: dict[int, tuple[int, str] | None] = field(default_factory=dict, repr=False)
@@ -44,6 +46,11 @@ class Result:
             "states": self.states,
             "seconds": round(self.seconds, 2),
             **({"explored": self.explored} if self.explored else {}),
+            **(
+                {}
+                if self.complete
+                else {"complete": False, "start_states": self.progress}
+            ),
             "violations": [
                 {"invariant": f.invariant, "detail": f.detail, "steps": list(f.steps)}
                 for f in self.found.values()

@@ -12,6 +12,7 @@ docs/chaos-and-mutants.md quotes the deepest run made."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -707,3 +708,27 @@ def test_the_table_keeps_the_fewest_events() -> None:
         assert table.filled() == 3
     finally:
         table.close()
+
+
+def test_a_kept_run_goes_on_where_it_stopped(
+    explored: dict[bool, Any], tmp_path: Path
+) -> None:
+    """A deep run stopped part way (a depth-6 run takes hours) is kept, and
+    goes on from there to the same states as a run in one go; a kept run is
+    refused to another model, and once complete."""
+    keep = str(tmp_path / "run")
+    first = deep(LENDING, CI_DEPTH[True], jobs=2, keep=keep, until=5)
+    assert not first.complete
+    assert first.progress[0] >= 5
+    assert first.progress[0] < first.progress[1]
+    assert first.states < explored[True].states
+    with pytest.raises(RuntimeError, match="another run"):
+        deep(MODEL, CI_DEPTH[True], jobs=1, keep=keep)
+    rest = deep(LENDING, CI_DEPTH[True], jobs=2, keep=keep)
+    assert rest.complete
+    assert rest.progress == (first.progress[1], first.progress[1])
+    assert rest.states == explored[True].states
+    assert rest.explored >= rest.states
+    assert not (tmp_path / "run.table").exists()
+    with pytest.raises(RuntimeError, match="complete run"):
+        deep(LENDING, CI_DEPTH[True], jobs=2, keep=keep)
