@@ -33,6 +33,8 @@ down loses its agent first. As libvirt's qemu driver does:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 import subprocess
 import time
@@ -78,6 +80,20 @@ def _boot(tower: Tower, name: str) -> None:
     assert sim(tower, "start", "--domain", name).rc == 0
     tower.advance(2.0 * SCALE)
     assert tower.agent_connected(name)
+
+
+@contextmanager
+def _agent_shutdown_holding_the_job(
+    tower: Tower, name: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``virsh shutdown --mode agent NAME`` running, once it holds the agent job."""
+    with subprocess.Popen(
+        [str(tower.virsh), "-c", tower.uri, "shutdown", "--mode", "agent", name],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    ) as shutdown:
+        tower.wait_until(lambda: tower.agent_job_held(name), timeout=10, what="job")
+        yield shutdown
 
 
 def _timed(tower: Tower, *args: str) -> tuple[Result, float]:
@@ -150,12 +166,7 @@ def test_a_ping_waits_for_the_agent_job_then_fails(tower: Tower) -> None:
     tower.set_libvirt_waits(agent_shutdown_timeout=LONG_AGENT_WAIT)
     _boot(tower, "slow")
     _boot(tower, "quick")
-    with subprocess.Popen(
-        [str(tower.virsh), "-c", tower.uri, "shutdown", "--mode", "agent", "slow"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    ) as shutdown:
-        tower.wait_until(lambda: tower.agent_job_held("slow"), timeout=10, what="job")
+    with _agent_shutdown_holding_the_job(tower, "slow") as shutdown:
         cmd = ("qemu-agent-command", "--timeout", "1", "--domain")
         other = sim(tower, *cmd, "quick", PING)
         assert other == Result(0, '{"return":{}}\n\n', "")
@@ -172,12 +183,7 @@ def test_a_ping_waits_for_the_agent_job_then_fails(tower: Tower) -> None:
 def test_a_second_agent_shutdown_waits_for_the_job(tower: Tower) -> None:
     tower.set_libvirt_waits(agent_shutdown_timeout=LONG_AGENT_WAIT)
     _boot(tower, "slow")
-    with subprocess.Popen(
-        [str(tower.virsh), "-c", tower.uri, "shutdown", "--mode", "agent", "slow"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    ) as shutdown:
-        tower.wait_until(lambda: tower.agent_job_held("slow"), timeout=10, what="job")
+    with _agent_shutdown_holding_the_job(tower, "slow") as shutdown:
         second = sim(tower, "shutdown", "--mode", "agent", "--domain", "slow")
         assert second == Result(
             1,
@@ -193,11 +199,7 @@ def test_a_ping_after_the_power_off_is_not_running(tower: Tower) -> None:
     domain off (virDomainObjCheckActive)."""
     tower.set_libvirt_waits(job_wait=200.0)
     _boot(tower, "quick")
-    with subprocess.Popen(
-        [str(tower.virsh), "-c", tower.uri, "shutdown", "--mode", "agent", "quick"],
-        stdout=subprocess.DEVNULL,
-    ) as shutdown:
-        tower.wait_until(lambda: tower.agent_job_held("quick"), timeout=10, what="job")
+    with _agent_shutdown_holding_the_job(tower, "quick") as shutdown:
         result = sim(tower, "qemu-agent-command", "--domain", "quick", PING)
         assert result == Result(
             1, "\n", "error: Requested operation is not valid: domain is not running\n"
@@ -285,11 +287,7 @@ def test_an_agent_shutdown_ends_when_the_agent_goes_away(tower: Tower) -> None:
     """qemuAgentNotifyCloseLocked: the guest shuts itself down while an agent
     shutdown waits: the agent closes, the call returns 0 at once."""
     _boot(tower, "slow")
-    with subprocess.Popen(
-        [str(tower.virsh), "-c", tower.uri, "shutdown", "--mode", "agent", "slow"],
-        stdout=subprocess.DEVNULL,
-    ) as shutdown:
-        tower.wait_until(lambda: tower.agent_job_held("slow"), timeout=10, what="job")
+    with _agent_shutdown_holding_the_job(tower, "slow") as shutdown:
         tower.guest_shutdown("slow")
         assert shutdown.wait(timeout=10) == 0
     assert tower.is_running("slow")
@@ -307,11 +305,7 @@ def test_a_guest_shutdown_racing_the_next_stop(tower: Tower) -> None:
     assert tower.domstate("slow") == "running (booted)"
     _power_off(tower, "slow")
     _boot(tower, "slow")
-    with subprocess.Popen(
-        [str(tower.virsh), "-c", tower.uri, "shutdown", "--mode", "agent", "slow"],
-        stdout=subprocess.DEVNULL,
-    ) as shutdown:
-        tower.wait_until(lambda: tower.agent_job_held("slow"), timeout=10, what="job")
+    with _agent_shutdown_holding_the_job(tower, "slow") as shutdown:
         tower.advance(SLOW * SCALE)  # the guest powers off: the wait ends
         assert shutdown.wait(timeout=10) == 0
 
