@@ -19,6 +19,7 @@ import pytest
 from custom_components.gpu_handoff.cluster_model import CORDON_OWNER_US, NodeView
 from custom_components.gpu_handoff.core import (
     STORE_VERSION,
+    HookJobRead,
     JobFacts,
     Kind,
     Memory,
@@ -160,6 +161,18 @@ def hook(
     )
 
 
+# The hook's job j1 shut the GPU node down at this time (its record, read).
+HOOK_STOPPED_AT = "2026-12-02T05:00:20.000+00:00"
+
+
+def hook_read(*jobs: str, stopped: tuple[str, ...] = ()) -> frozenset[HookJobRead]:
+    """The records read of the hook's ended jobs: those in ``stopped`` shut
+    the GPU node down at HOOK_STOPPED_AT, the others did not."""
+    return frozenset(
+        HookJobRead(job, HOOK_STOPPED_AT if job in stopped else None) for job in jobs
+    )
+
+
 # --- an idle controller after an update -------------------------------------------
 
 
@@ -200,13 +213,13 @@ def test_a_start_by_hand_with_its_cards_is_followed() -> None:
     assert (first.run, first.followed, first.read_hook_jobs) == (None, (), ("j1",))
     assert first.memory.seen_hook_requests == frozenset()
 
-    read = Memory(hook_jobs_read=frozenset({"j1"}))
+    read = Memory(hook_jobs_read=hook_read("j1"))
     result = reconcile(observed(status), Owned(), read)
     assert (result.run, result.followed, result.changed) == (None, ("gaming-1",), True)
     assert result.desired == {"gaming-1"}
     assert not result.gpu_stopped_by_us
 
-    stopped = replace(read, hook_jobs_stopped=frozenset({"j1"}))
+    stopped = replace(read, hook_jobs_read=hook_read("j1", stopped=("j1",)))
     result = reconcile(observed(status), Owned(), stopped)
     assert result.followed == ("gaming-1",)
     assert result.gpu_stopped_by_us
@@ -283,8 +296,8 @@ def test_a_start_by_hand_that_ended_before_home_assistant_looked() -> None:
     assert (first.run, first.read_hook_jobs) == (None, ("j1",))
     assert first.memory.seen_hook_requests == frozenset()
 
-    read = replace(first.memory, hook_jobs_read=frozenset({"j1"}))
-    stopped = replace(read, hook_jobs_stopped=frozenset({"j1"}))
+    read = replace(first.memory, hook_jobs_read=hook_read("j1"))
+    stopped = replace(read, hook_jobs_read=hook_read("j1", stopped=("j1",)))
     result = reconcile(observed(status), Owned(), stopped)
     assert result.run == Request(
         vm="gpu-node", kind=Kind.RETURN, origin=Origin.GPU_HANDOFF
@@ -305,6 +318,33 @@ def test_a_start_by_hand_that_ended_before_home_assistant_looked() -> None:
     assert reconcile(observed(status, settings=manual), Owned(), stopped).run is None
 
 
+def test_a_hook_stop_read_is_over_once_gpu_handoff_started_the_gpu_node() -> None:
+    """The hook's record was read (it shut the GPU node down) and a job of
+    GPU Handoff's started the GPU node after that; the operator has shut it
+    down since. The stop is judged again at each look, against that start:
+    it is over, so nothing starts the operator's GPU node (found by the
+    explorer at depth 6), for an ended start by hand as for a followed one."""
+    stopped = Memory(hook_jobs_read=hook_read("j1", stopped=("j1",)))
+    ended = tower(gpu="shut_off", hooks=(hook(),))
+    before = Owned(gpu_started_at="2026-12-02T05:00:10.000+00:00")
+    after = Owned(gpu_started_at="2026-12-02T05:05:00.000+00:00")
+    assert reconcile(observed(ended), before, stopped).run == Request(
+        vm="gpu-node", kind=Kind.RETURN, origin=Origin.GPU_HANDOFF
+    )
+    result = reconcile(observed(ended), after, stopped)
+    assert (result.run, result.gpu_stopped_by_us, result.read_hook_jobs) == (
+        None,
+        False,
+        (),
+    )
+    assert result.memory.seen_hook_requests == {hook().key}
+
+    playing = tower(gpu="shut_off", g1="running", hooks=(hook(),))
+    assert reconcile(observed(playing), before, stopped).gpu_stopped_by_us
+    followed = reconcile(observed(playing), after, stopped)
+    assert (followed.followed, followed.gpu_stopped_by_us) == (("gaming-1",), False)
+
+
 def test_lending_an_ended_start_by_hand_then_a_followed_one_lends_after() -> None:
     """Lending: Gaming station 1's start by hand was refused (the hook shut
     the GPU node down), retried and quit; Gaming station 2 was started by
@@ -322,9 +362,7 @@ def test_lending_an_ended_start_by_hand_then_a_followed_one_lends_after() -> Non
         error=None,
     )
     status = tower(gpu="shut_off", g2="running", hooks=(first, second))
-    memory = Memory(
-        hook_jobs_read=frozenset({"j1", "j2"}), hook_jobs_stopped=frozenset({"j1"})
-    )
+    memory = Memory(hook_jobs_read=hook_read("j1", "j2", stopped=("j1",)))
     result = reconcile(observed(status, settings=LENDING), Owned(), memory)
     assert result.run == Request(
         vm="gaming-2", kind=Kind.HANDOFF, origin=Origin.HOOK, hook_job="j2"
@@ -932,7 +970,7 @@ def test_a_failed_start_by_hand_of_a_vm_gpu_handoff_wants_is_handed_over() -> No
     owned = Owned(desired=frozenset({"gaming-1"}))
     asks = reconcile(observed(playing), owned, Memory())
     assert (asks.run, asks.read_hook_jobs) == (None, ("j1",))
-    read = Memory(hook_jobs_read=frozenset({"j1"}), hook_jobs_stopped=frozenset({"j1"}))
+    read = Memory(hook_jobs_read=hook_read("j1", stopped=("j1",)))
     quiet = reconcile(observed(playing), owned, read)
     assert (quiet.run, quiet.followed, quiet.gpu_stopped_by_us) == (None, (), True)
     assert start.key in quiet.memory.seen_hook_requests

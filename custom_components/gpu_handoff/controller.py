@@ -29,12 +29,13 @@ from .const import (
 )
 from .coordinator import GpuHandoffCoordinator
 from .core import (
+    HookJobRead,
     Kind,
     Memory,
     PendingJob,
     Plan,
     Request,
-    hook_stopped_gpu_node,
+    hook_gpu_stop,
     reconcile,
 )
 from .operations import Operations
@@ -309,18 +310,11 @@ class HandoffController:
     async def _read_hook_jobs(self, jobs: tuple[str, ...]) -> None:
         """Read the records of the hook's ended jobs the decision needs (what
         they did never changes), then decide again."""
-        read, stopped = await read_hook_records(
-            self.coordinator.tower,
-            jobs,
-            gpu_node=self.coordinator.data.tower.gpu_node,
-            since=self.state.gpu_started_at,
+        read = await read_hook_records(
+            self.coordinator.tower, jobs, gpu_node=self.coordinator.data.tower.gpu_node
         )
         memory = self.state.memory
-        self.state.memory = replace(
-            memory,
-            hook_jobs_read=memory.hook_jobs_read | read,
-            hook_jobs_stopped=memory.hook_jobs_stopped | stopped,
-        )
+        self.state.memory = replace(memory, hook_jobs_read=memory.hook_jobs_read | read)
         if read:
             self._reconcile()
 
@@ -368,17 +362,11 @@ async def forget_stale_mark(coordinator: GpuHandoffCoordinator) -> bool:
 
 
 async def read_hook_records(
-    tower: TowerClient,
-    jobs: tuple[str, ...],
-    *,
-    gpu_node: str,
-    since: str | None,
-) -> tuple[frozenset[str], frozenset[str]]:
-    """Of the hook's jobs ``jobs``, those that ended and whose records were
-    read, and those of them that shut the GPU node down after GPU Handoff
-    last started it (``since``; core.hook_stopped_gpu_node)."""
-    read: set[str] = set()
-    stopped: set[str] = set()
+    tower: TowerClient, jobs: tuple[str, ...], *, gpu_node: str
+) -> frozenset[HookJobRead]:
+    """The records of the hook's jobs ``jobs`` that ended: when each shut
+    the GPU node down, if it did (core.hook_gpu_stop)."""
+    read: set[HookJobRead] = set()
     for job_id in jobs:
         try:
             record = await tower.job(job_id)
@@ -387,7 +375,5 @@ async def read_hook_records(
             continue
         if record.job.state.active:
             continue
-        read.add(job_id)
-        if hook_stopped_gpu_node(record, gpu_node, since=since):
-            stopped.add(job_id)
-    return frozenset(read), frozenset(stopped)
+        read.add(HookJobRead(job_id, hook_gpu_stop(record, gpu_node)))
+    return frozenset(read)

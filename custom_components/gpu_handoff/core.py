@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 import datetime as dt
 from enum import Enum, StrEnum, auto
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from .cluster_model import CORDON_OWNER_US, SKIP_WAIT_FOR_DELETE, NodeView
 from .protocol import (
@@ -453,6 +453,25 @@ class Observed:
     settings: Settings
 
 
+class HookStop(StrEnum):
+    """Whether the hook's stop of the GPU node for a start by hand whose
+    session ended before GPU Handoff looked still stands (see _ended_start)."""
+
+    KEEP = "keep"  # not known yet, or nothing to tell: looked at again
+    READ = "read"  # its job's record is needed
+    STANDS = "stands"  # it shut the GPU node down, which is still off
+    OVER = "over"  # it did nothing, or the GPU node runs again since
+
+
+class HookJobRead(NamedTuple):
+    """A job of libvirt's hook whose record was read once it ended, and when
+    it shut the GPU node down (the tower's clock, "" if that cannot be
+    read; None: it did not; hook_gpu_stop)."""
+
+    job: str
+    gpu_stopped_at: str | None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Memory:
     """What the controller remembers between updates: the starts by hand
@@ -464,10 +483,24 @@ class Memory:
     seen_hook_requests: frozenset[str] = frozenset()
     lend_refused: tuple[str, ...] = ()
     # The hook's jobs whose records were read once they ended (not stored:
-    # read again after a restart), and those of them that shut the GPU node
-    # down.
-    hook_jobs_read: frozenset[str] = frozenset()
-    hook_jobs_stopped: frozenset[str] = frozenset()
+    # read again after a restart), each with when it shut the GPU node down
+    # (judged at each use against GPU Handoff's last start of the GPU node,
+    # which may come after the read).
+    hook_jobs_read: frozenset[HookJobRead] = frozenset()
+
+    def hook_stop(self, job: str, *, since: str | None) -> HookStop:
+        """What the record read of the hook's ended job ``job`` says: READ
+        if it was not read; STANDS if the job shut the GPU node down after
+        GPU Handoff last started it (``since``: a start may come after the
+        read, and ends that stop), OVER if not."""
+        for read in self.hook_jobs_read:
+            if read.job == job:
+                stood = read.gpu_stopped_at is not None and stopped_after(
+                    read.gpu_stopped_at, since
+                )
+                return HookStop.STANDS if stood else HookStop.OVER
+        return HookStop.READ
+
     # The free cards when the last return began (not stored): lending, the
     # GPU node is lent again when they change, not after every update while
     # a lend that failed is not fixed (see _lend_falls_short).
@@ -527,6 +560,9 @@ class _Scan:
     desired: set[str]
     seen: set[str]
     stopped: bool
+    # When GPU Handoff last started the GPU node: a stop of the hook's
+    # before that is over.
+    gpu_started_at: str | None
     followed: list[str] = field(default_factory=list)
     ended: set[str] = field(default_factory=set)
     to_read: list[str] = field(default_factory=list)
@@ -558,6 +594,7 @@ def _starts_by_hand(observed: Observed, owned: Owned, memory: Memory) -> Reconci
         desired=set(owned.desired),
         seen=set(memory.seen_hook_requests),
         stopped=owned.gpu_stopped_by_us,
+        gpu_started_at=owned.gpu_started_at,
     )
     for request in observed.tower.hook_requests:
         if request.key in scan.seen:
@@ -565,7 +602,11 @@ def _starts_by_hand(observed: Observed, owned: Owned, memory: Memory) -> Reconci
         asks = _hook_request_asks(observed, frozenset(scan.desired), request)
         if asks is StartByHand.ENDED:
             stand = _ended_start(
-                observed, request, memory, stopped_by_us=owned.gpu_stopped_by_us
+                observed,
+                request,
+                memory,
+                stopped_by_us=owned.gpu_stopped_by_us,
+                since=scan.gpu_started_at,
             )
             _scan_ended(scan, request, stand)
         elif (run := _scan_started(observed, memory, scan, request, asks)) is not None:
@@ -604,7 +645,9 @@ def _scan_started(
     # (its hook's record says whether the free cards go back).
     lends = follows and _lends_on_follow(observed)
     follow = (
-        _followed_start(observed, request, memory) if follows and not lends else None
+        _followed_start(observed, request, memory, since=scan.gpu_started_at)
+        if follows and not lends
+        else None
     )
     if follow is HookStop.READ and request.job is not None:
         scan.to_read.append(request.job)
@@ -640,7 +683,7 @@ def _plays_as_ours(
 
 
 def _followed_start(
-    observed: Observed, request: HookRequest, memory: Memory
+    observed: Observed, request: HookRequest, memory: Memory, *, since: str | None
 ) -> HookStop:
     """A start by hand that plays with its cards: its session is followed.
     Once its hook's stop of the GPU node ran (until then it is looked at
@@ -658,23 +701,16 @@ def _followed_start(
         return HookStop.KEEP
     if gpu.state != SHUT_OFF:
         return HookStop.OVER
-    if job not in memory.hook_jobs_read:
-        return HookStop.READ
-    return HookStop.STANDS if job in memory.hook_jobs_stopped else HookStop.OVER
-
-
-class HookStop(StrEnum):
-    """Whether the hook's stop of the GPU node for a start by hand whose
-    session ended before GPU Handoff looked still stands (see _ended_start)."""
-
-    KEEP = "keep"  # not known yet, or nothing to tell: looked at again
-    READ = "read"  # its job's record is needed
-    STANDS = "stands"  # it shut the GPU node down, which is still off
-    OVER = "over"  # it did nothing, or the GPU node runs again since
+    return memory.hook_stop(job, since=since)
 
 
 def _ended_start(
-    observed: Observed, request: HookRequest, memory: Memory, *, stopped_by_us: bool
+    observed: Observed,
+    request: HookRequest,
+    memory: Memory,
+    *,
+    stopped_by_us: bool,
+    since: str | None,
 ) -> HookStop:
     """A player's start by hand whose session ended before GPU Handoff
     looked (the start was refused and the hook stopped the GPU node, the
@@ -698,9 +734,7 @@ def _ended_start(
         return HookStop.KEEP
     if stopped_by_us:
         return HookStop.STANDS
-    if job not in memory.hook_jobs_read:
-        return HookStop.READ
-    return HookStop.STANDS if job in memory.hook_jobs_stopped else HookStop.OVER
+    return memory.hook_stop(job, since=since)
 
 
 def card_of(address: str) -> str:
@@ -1110,31 +1144,41 @@ def _later(value: str | None, than: str) -> bool:
     return later is not None and earlier is not None and later > earlier
 
 
+def hook_gpu_stop(record: JobRecord, gpu_node: str) -> str | None:
+    """When a job of libvirt's hook shut the GPU node down (its step's end,
+    else the job's, on the tower's clock; "" if neither is known), or None
+    if it did not."""
+    if not record.did(StepName.SHUTDOWN, gpu_node):
+        return None
+    finished = next(
+        (
+            step.finished
+            for step in record.steps
+            if step.name is StepName.SHUTDOWN and step.domain == gpu_node
+        ),
+        None,
+    )
+    return finished or record.job.finished or ""
+
+
+def stopped_after(stopped_at: str, since: str | None) -> bool:
+    """Whether a stop of the GPU node at ``stopped_at`` came after GPU
+    Handoff last started it (``since``). A stop before that is over: the
+    GPU node ran again since, and being off now is someone else's doing
+    (the operator's). The agent runs one job at a time, so the tower's clock
+    orders them; a time that cannot be read counts as after."""
+    if since is None or _parse_time(since) is None:
+        return True
+    return _parse_time(stopped_at) is None or _later(stopped_at, since)
+
+
 def hook_stopped_gpu_node(
     record: JobRecord, gpu_node: str, *, since: str | None
 ) -> bool:
     """Whether a job of libvirt's hook shut the GPU node down after GPU
-    Handoff last started it (``since``, the tower's clock). A stop before
-    that is over: the GPU node ran again since, and being off now is
-    someone else's doing (the operator's). The agent runs one job at a
-    time, so the tower's clock orders them; a time that cannot be read
-    counts as after."""
-    if not record.did(StepName.SHUTDOWN, gpu_node):
-        return False
-    if since is None or _parse_time(since) is None:
-        return True
-    finished = (
-        next(
-            (
-                step.finished
-                for step in record.steps
-                if step.name is StepName.SHUTDOWN and step.domain == gpu_node
-            ),
-            None,
-        )
-        or record.job.finished
-    )
-    return _parse_time(finished) is None or _later(finished, since)
+    Handoff last started it (``since``, the tower's clock; stopped_after)."""
+    stopped_at = hook_gpu_stop(record, gpu_node)
+    return stopped_at is not None and stopped_after(stopped_at, since)
 
 
 def superseded_hook_requests(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from custom_components.gpu_handoff.cluster_model import CORDON_OWNER_US
 from custom_components.gpu_handoff.core import (
+    HookJobRead,
     JobFacts,
     Kind,
     Memory,
@@ -31,6 +32,7 @@ from custom_components.gpu_handoff.core import (
     Settle,
     free_cards,
     gpu_stopped_by_us,
+    hook_gpu_stop,
     hook_stopped_gpu_node,
     job_stopped_gpu_node,
     lends_after,
@@ -873,21 +875,14 @@ def _uncordon_if_serving(world: World) -> World:
 
 def _read_hook_jobs(world: World, ctl: Ctl, jobs: tuple[str, ...]) -> Ctl:
     """What the hook's ended jobs did, remembered; then reconcile again."""
-    done = frozenset(job for job in jobs if world.hook_job_done(job))
-    stopped = frozenset(
-        job
-        for job in done
-        if hook_stopped_gpu_node(
-            _hook_record(world, job), GPU, since=ctl.gpu_started_at
-        )
+    read = frozenset(
+        HookJobRead(job, hook_gpu_stop(_hook_record(world, job), GPU))
+        for job in jobs
+        if world.hook_job_done(job)
     )
     memory = ctl.memory
     return replace(
         ctl,
-        memory=replace(
-            memory,
-            hook_jobs_read=memory.hook_jobs_read | done,
-            hook_jobs_stopped=memory.hook_jobs_stopped | stopped,
-        ),
-        dirty=bool(done),
+        memory=replace(memory, hook_jobs_read=memory.hook_jobs_read | read),
+        dirty=bool(read),
     )

@@ -381,6 +381,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_lending.py::test_one_player_leaves_the_cluster_two_cards",),
     ),
     Mutant(
+        "hook_stop_outlives_the_gpu_nodes_start",
+        "a hook's stop of the GPU node, once read, is over when GPU Handoff "
+        "starts the GPU node after it",
+        (
+            Patch(
+                CORE,
+                "                    read.gpu_stopped_at, since\n",
+                "                    read.gpu_stopped_at, None\n",
+            ),
+        ),
+        (
+            (
+                "tests/test_core.py::"
+                "test_a_hook_stop_read_is_over_once_gpu_handoff_started_the_gpu_node"
+            ),
+            "tests/explorer/test_explorer.py::test_a_fixed_race_stays_fixed",
+        ),
+    ),
+    Mutant(
         "no_second_look_before_a_level_return",
         "a return decided because the GPU node was seen running looks again "
         "when it acts: the operator's GPU node shut down since stays off",
