@@ -23,6 +23,14 @@ else
   GH_CACHE=${GPU_HANDOFF_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-handoff}
 fi
 GH_ROOT="$GH_CACHE/forky"
+# A Debian 11 "bullseye" tower, as the oldest towers the agent claims run it
+# (Python 3.9, libvirt 7.0, systemd 247, OpenSSH 8.4, QEMU 5.2), with its
+# security updates: tests/box/test_bullseye_tower.py boots it as a box. Built
+# once beside the forky root, seen read-only at /opt/bullseye inside it.
+GH_BULLSEYE="$GH_CACHE/bullseye"
+GH_BULLSEYE_PACKAGES="python3 systemd systemd-sysv dbus libpam-systemd openssh-server sudo libvirt-clients libvirt-daemon-system qemu-system-x86 procps"
+# Bump when the build below changes in a way the package list does not show.
+GH_BULLSEYE_LAYOUT=1
 
 gh_log() { printf '%s\n' "gpu-handoff: $*" >&2; }
 gh_die() { gh_log "$*"; exit 1; }
@@ -153,6 +161,11 @@ gh_root_exec() {
         done
         extra+=("GPU_HANDOFF_OLD_PYTHON=/opt/oldpython/bin/$GH_OLDPY" "GPU_HANDOFF_OLD_PYTHON_LIB=/opt/oldpython/lib")
       fi
+      if [ -f "$GH_CACHE/bullseye/.gh-bullseye" ]; then
+        mkdir -p "$r/opt/bullseye"
+        mount --bind -o ro "$GH_CACHE/bullseye" "$r/opt/bullseye"
+        extra+=("GPU_HANDOFF_BULLSEYE_ROOT=/opt/bullseye")
+      fi
       while IFS= read -r -d $'"'"'\v'"'"' kv; do extra+=("$kv"); done <<<"$GH_PASS_ENV"
       # A background job would read /dev/null instead of our stdin; keep the
       # stdin we have (CI may start us with none at all).
@@ -174,9 +187,16 @@ gh_root_exec() {
 }
 
 gh_provision_root() {
-  local pkg_stamp req_stamp
+  local pkg_stamp req_stamp bullseye=""
   [ -x "$GH_ROOT/usr/bin/python3.14" ] || gh_root_bootstrap
   gh_root_sync_host_files
+  # The Debian 11 tower's root is built beside the rest (mostly downloads and
+  # disk): started now, waited for at the end. Its failure fails nothing
+  # here; the tests that need it say so.
+  if ! gh_bullseye_ready; then
+    (gh_provision_bullseye || exit 1) &
+    bullseye=$!
+  fi
   pkg_stamp=$(gh_stamp "$GH_SYSTEM_PACKAGES")
   if [ "$(cat "$GH_ROOT/.gh-packages" 2>/dev/null)" != "$pkg_stamp" ]; then
     gh_log "installing system packages into the root"
@@ -204,6 +224,99 @@ gh_provision_root() {
     gh_root_exec / sh -c 'python3.14 -m venv /opt/venv && /opt/venv/bin/pip install -q --disable-pip-version-check -r /src/requirements_test.txt'
     echo "$req_stamp" >"$GH_ROOT/opt/venv/.stamp"
   fi
+  if [ -n "$bullseye" ] && ! wait "$bullseye"; then
+    gh_log "no Debian 11 tower root (see $GH_CACHE/bullseye.log): the tests that boot one fail"
+  fi
+}
+
+# The host's Debian security mirror (apt configuration), or nothing.
+gh_apt_security_mirror() {
+  local uri
+  uri=$(awk '/^URIs:/ && $2 ~ /security/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
+  if [ -z "$uri" ]; then
+    uri=$(awk '$1 == "deb" && $0 ~ /security/ {for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) {print $i; exit}}' \
+      /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null | head -n 1 || true)
+  fi
+  echo "${GPU_HANDOFF_SECURITY_MIRROR:-$uri}"
+}
+
+gh_bullseye_stamp() {
+  # shellcheck disable=SC2086
+  printf '%s\n' "$GH_BULLSEYE_LAYOUT" $GH_BULLSEYE_PACKAGES | sha256sum | cut -c1-16
+}
+
+gh_bullseye_ready() {
+  [ "$(cat "$GH_BULLSEYE/.gh-bullseye" 2>/dev/null)" = "$(gh_bullseye_stamp)" ]
+}
+
+# Builds the Debian 11 tower root once (a few minutes; cached). A failed
+# build returns 1 and leaves no root, and is not tried again for the same
+# packages until its mark is removed (each script would wait for it again).
+gh_provision_bullseye() {
+  local stamp failed="$GH_CACHE/bullseye.failed"
+  gh_bullseye_ready && return 0
+  stamp=$(gh_bullseye_stamp)
+  if [ "$(cat "$failed" 2>/dev/null)" = "$stamp" ]; then
+    gh_log "the Debian 11 tower root failed to build before (see $GH_CACHE/bullseye.log); remove $failed to try again"
+    return 1
+  fi
+  if ! gh_bullseye_build "$stamp"; then
+    echo "$stamp" >"$failed"
+    return 1
+  fi
+  rm -f "$failed"
+}
+
+gh_bullseye_build() {
+  local stamp=$1 mirror security tmp="$GH_BULLSEYE.partial" log="$GH_CACHE/bullseye.log"
+  if ! command -v debootstrap >/dev/null; then
+    gh_log "installing debootstrap"
+    apt-get update -q >/dev/null || return 1
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends debootstrap >/dev/null || return 1
+  fi
+  [ -e /usr/share/debootstrap/scripts/bullseye ] || return 1
+  mirror=$(gh_apt_mirror) || return 1
+  security=$(gh_apt_security_mirror)
+  gh_log "building a Debian 11 (bullseye) tower root in $GH_BULLSEYE (a few minutes, once)"
+  rm -rf "$tmp" "$GH_BULLSEYE"
+  debootstrap --variant=minbase bullseye "$tmp" "$mirror" >"$log" 2>&1 || return 1
+  echo 'Acquire::Check-Valid-Until "false";' >"$tmp/etc/apt/apt.conf.d/99gpu-handoff"
+  # Packages installed here must not start services; dpkg need not sync
+  # each file of a root that is thrown away if the build fails (both undone
+  # below: a tower has neither).
+  printf '#!/bin/sh\nexit 101\n' >"$tmp/usr/sbin/policy-rc.d"
+  chmod 755 "$tmp/usr/sbin/policy-rc.d"
+  echo force-unsafe-io >"$tmp/etc/dpkg/dpkg.cfg.d/99gpu-handoff"
+  {
+    echo "deb $mirror bullseye main"
+    echo "deb $mirror bullseye-updates main"
+    if [ -n "$security" ]; then echo "deb $security bullseye-security main"; fi
+  } >"$tmp/etc/apt/sources.list"
+  cp /etc/resolv.conf "$tmp/etc/resolv.conf" 2>/dev/null || true
+  mkdir -p "$tmp/etc/ssl/certs"
+  if [ -r /etc/ssl/certs/ca-certificates.crt ]; then
+    cp /etc/ssl/certs/ca-certificates.crt "$tmp/etc/ssl/certs/ca-certificates.crt"
+  fi
+  # shellcheck disable=SC2086
+  unshare --mount --pid --fork --propagation private --kill-child sh -ec '
+    r=$1; shift
+    mount -t proc proc "$r/proc"
+    mount --rbind /dev "$r/dev"
+    chroot "$r" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
+      DEBIAN_FRONTEND=noninteractive sh -ec "
+        apt-get update -q
+        apt-get full-upgrade -y -q --no-install-recommends
+        apt-get install -y -q --no-install-recommends \$*
+        apt-get clean" sh "$@"
+  ' gh-bullseye "$tmp" $GH_BULLSEYE_PACKAGES >>"$log" 2>&1 || return 1
+  rm -rf "$tmp/var/lib/apt/lists"/* "$tmp/usr/sbin/policy-rc.d" "$tmp/etc/dpkg/dpkg.cfg.d/99gpu-handoff"
+  # The box shares the machine's network: libvirt's default network (a
+  # bridge, firewall rules, dnsmasq) must not start in it.
+  rm -f "$tmp/etc/libvirt/qemu/networks/autostart/default.xml"
+  # Where a box mounts the repository.
+  mkdir -p "$tmp/src"
+  echo "$stamp" >"$tmp/.gh-bullseye"
+  mv "$tmp" "$GH_BULLSEYE"
 }
 
 # The oldest Python 3 (>= 3.9) on the host, for the tower agent's

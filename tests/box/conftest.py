@@ -128,6 +128,39 @@ def user_systemctl(box: Box) -> list[str]:
     ]
 
 
+def job_units(box: Box) -> str:
+    """Every job unit the SSH user's manager has loaded, with its state."""
+    return box.run(
+        [
+            *user_systemctl(box),
+            "list-units",
+            "--all",
+            "--plain",
+            "--no-legend",
+            "gpu-handoff-job-*",
+        ],
+        check=True,
+    ).stdout
+
+
+def pretend_vfio(box: Box) -> None:
+    """What libvirt takes for a host with VFIO: an IOMMU group in
+    /sys/kernel/iommu_groups (a tmpfs mounted over it, in the box only) and
+    /dev/vfio/vfio (tests/box/test_libvirtd_restart.py says what follows)."""
+    box.run(
+        [
+            "sh",
+            "-ec",
+            (
+                "mkdir -p /dev/vfio && touch /dev/vfio/vfio && "
+                "mount -t tmpfs -o mode=0755 iommu-groups /sys/kernel/iommu_groups && "
+                "mkdir /sys/kernel/iommu_groups/0"
+            ),
+        ],
+        check=True,
+    )
+
+
 def run_install(box: Box, *options: str) -> dict[str, Any]:
     """The agent's install run as root in the box, as the guided install runs
     it (``sudo python3 gpu_handoff.py install``), making the SSH user; its

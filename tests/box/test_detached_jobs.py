@@ -21,6 +21,7 @@ from tests.box.conftest import (
     USER,
     BoxAgent,
     install_agent,
+    job_units,
     user_systemctl,
 )
 from tests.support.agentbuild import AGENT, REPO, agent_variant_bytes
@@ -44,17 +45,7 @@ def job_inside(agent: BoxAgent, job_id: str) -> dict[str, Any]:
 
 def user_units(agent: BoxAgent) -> str:
     """Every job unit the SSH user's manager has loaded, with its state."""
-    return agent.box.run(
-        [
-            *user_systemctl(agent.box),
-            "list-units",
-            "--all",
-            "--plain",
-            "--no-legend",
-            "gpu-handoff-job-*",
-        ],
-        check=True,
-    ).stdout
+    return job_units(agent.box)
 
 
 def sessions(box: Box) -> list[str]:

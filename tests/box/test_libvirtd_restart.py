@@ -46,7 +46,7 @@ from typing import Any
 
 import pytest
 
-from tests.box.conftest import CONFIG, PROGRAM, USER, run_install
+from tests.box.conftest import CONFIG, PROGRAM, USER, pretend_vfio, run_install
 from tests.support.box import Box
 from tests.support.waiting import wait_until
 
@@ -110,22 +110,6 @@ def must(done: subprocess.CompletedProcess[str]) -> str:
 def define(box: Box, name: str, devices: str = "") -> None:
     box.write(f"/root/{name}.xml", domain_xml(name, devices))
     must(virsh(box, "define", f"/root/{name}.xml"))
-
-
-def pretend_vfio(box: Box) -> None:
-    """What libvirt takes for a host with VFIO (see the module's docstring)."""
-    box.run(
-        [
-            "sh",
-            "-ec",
-            (
-                "mkdir -p /dev/vfio && touch /dev/vfio/vfio && "
-                "mount -t tmpfs -o mode=0755 iommu-groups /sys/kernel/iommu_groups && "
-                "mkdir /sys/kernel/iommu_groups/0"
-            ),
-        ],
-        check=True,
-    )
 
 
 def main_pid(box: Box, unit: str) -> int:

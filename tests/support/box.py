@@ -1,8 +1,9 @@
 """A tower in a box: the test root booted under its own systemd, as PID 1.
 
-The box is the root file system the tests run in (the provisioned Debian root)
-under an overlay whose upper layer is the box's directory, so nothing is
-written to the root itself. It runs in private mount, PID, cgroup and UTS
+The box is the root file system the tests run in (the provisioned Debian root;
+or another root file system, ``lower``: the Debian 11 tower's) under an
+overlay whose upper layer is the box's directory, so nothing is written to
+the root itself. It runs in private mount, PID, cgroup and UTS
 namespaces (and a network namespace of its own when asked), in a sub-tree of
 the machine's cgroup2 hierarchy bind-mounted at its ``/sys/fs/cgroup``, with
 its own ``/proc`` (``/proc/sys`` read-only: kernel variables are the
@@ -92,7 +93,7 @@ BOOT_SECONDS: list[float] = []
 # systemd. Positional arguments: cgroup, merged root, upper, work, shared
 # directory, network flag, mount propagation ("private", or "unchanged" where
 # the mounts are private already: inside a chroot, where "/" is no mount
-# point, unshare cannot make them so).
+# point, unshare cannot make them so), the lower layer (the root booted).
 _LAUNCHER = r"""
 set -eu
 echo $$ > "$1/cgroup.procs"
@@ -102,7 +103,7 @@ exec unshare --mount --pid --fork --propagation "$7" --cgroup --uts $net \
   --kill-child /bin/sh -c '
 set -eu
 root=$2 shared=$5
-mount -t overlay overlay -o "lowerdir=/,upperdir=$3,workdir=$4" "$root"
+mount -t overlay overlay -o "lowerdir=$8,upperdir=$3,workdir=$4" "$root"
 mount -t proc proc "$root/proc"
 mount --bind "$root/proc/sys" "$root/proc/sys"
 mount -o remount,bind,ro "$root/proc/sys"
@@ -128,6 +129,7 @@ mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$root/dev/shm"
 ln -s /proc/self/fd "$root/dev/fd"
 mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs "$root/run"
 mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$root/tmp"
+mkdir -p "$root/src"
 mount --bind -o ro /src "$root/src"
 mkdir -p "$root$shared"
 mount --bind "$shared" "$root$shared"
@@ -199,7 +201,9 @@ class Box:
     machine's, so a service in the box listening on 127.0.0.1 is reachable
     from the tests. ``ssh.service`` listens on 127.0.0.1 at ``ssh_port`` (a
     free port by default, so it never meets the machine's own sshd).
-    ``masked``: the units masked before the first boot.
+    ``masked``: the units masked before the first boot. ``lower``: the root
+    file system booted (its overlay's lower layer; by default the test
+    root itself), one with systemd at /usr/lib/systemd/systemd.
     """
 
     def __init__(
@@ -210,6 +214,7 @@ class Box:
         masked: Iterable[str] = MASKED,
         hostname: str = "tower",
         ssh_port: int = 0,
+        lower: Path = Path("/"),
     ) -> None:
         if network not in ("shared", "private"):
             raise ValueError(f"network must be 'shared' or 'private', not {network!r}")
@@ -218,6 +223,7 @@ class Box:
         self.masked = tuple(masked)
         self.hostname = hostname
         self.ssh_port = ssh_port
+        self.lower = lower
         self.cgroup = CGROUP2 / f"gpu-handoff-box-{secrets.token_hex(4)}"
         self.launcher: subprocess.Popen[bytes] | None = None
         self.pid1: int | None = None
@@ -267,8 +273,9 @@ class Box:
             if upper.is_dir():
                 continue
             upper.mkdir()
-            if part.is_dir():
-                info = part.stat()
+            below = self.lower / str(part).lstrip("/")
+            if below.is_dir():
+                info = below.stat()
                 os.chown(upper, info.st_uid, info.st_gid)
                 upper.chmod(stat.S_IMODE(info.st_mode))
 
@@ -367,6 +374,7 @@ class Box:
                     str(self.shared),
                     self.network,
                     _propagation(),
+                    str(self.lower),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
