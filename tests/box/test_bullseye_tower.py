@@ -36,8 +36,10 @@ wrote (``libvirt_uri``; the rest stays as install wrote it):
   test driver's is a PNG file it ships), which the agent converts to PNG.
 
 Found here: virsh 7.0 holds ``event --loop``'s lines in its output buffer
-when that is a pipe, so a session or ``watch`` on such a tower sees no
-libvirt event as it happens (a strict xfail below pins it).
+when that is a pipe (it does not flush after each line, as 9.0 does), so a
+session or ``watch`` on such a tower saw no libvirt event as it happened;
+the agent now runs that virsh under coreutils' ``stdbuf -oL``
+(``Virsh.event_argv``).
 """
 
 from __future__ import annotations
@@ -715,13 +717,6 @@ def test_a_session_over_ssh_answers_and_pushes_what_libvirt_7_tells(
         session.kill()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="virsh 7.0's `event --loop` does not flush its output into a pipe "
-    "(9.0's does): the agent's event child gets libvirt's events only once 4 KiB "
-    "of them wait in virsh's buffer, or never; a session's status still follows "
-    "job records at once and everything else within session_refresh",
-)
 def test_a_session_pushes_libvirt_7_events_as_they_happen(daemon_driver: Tower) -> None:
     """Domains started and stopped by hand while a session is open: each
     change is an event of virsh's, which the session pushes at once. Tried

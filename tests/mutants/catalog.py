@@ -579,6 +579,24 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{GUIDED}::test_a_password_login_offers_no_key_of_home_assistants",),
     ),
     Mutant(
+        "event_virsh_block_buffered",
+        "a session on a Debian 11 tower (virsh 7.0) pushes libvirt's events "
+        "as they happen",
+        (
+            Patch(
+                AGENT,
+                '        self.stdbuf = resolve_program("stdbuf", None, cfg)\n',
+                "        self.stdbuf = None\n",
+            ),
+        ),
+        (
+            (
+                "tests/box/test_bullseye_tower.py::"
+                "test_a_session_pushes_libvirt_7_events_as_they_happen"
+            ),
+        ),
+    ),
+    Mutant(
         "remote_libvirt_uri_accepted",
         "the survey and install, run as root, take only this machine's libvirt",
         (

@@ -716,12 +716,26 @@ class Virsh:
         self.path = path
         self.uri = cfg.libvirt_uri
         self.env = virsh_environment(cfg.env)
+        # coreutils' stdbuf, to make a long-running virsh's output line
+        # buffered (event_argv), where it is found.
+        self.stdbuf = resolve_program("stdbuf", None, cfg)
         self.calls = 0
         self.unreachable_wait = unreachable_wait
         self.retry_pause = max(0.05, min(cfg.poll_interval, 0.5))
 
     def argv(self, args: List[str]) -> List[str]:
         return [self.path, "-c", self.uri, *args]
+
+    def event_argv(self, args: List[str]) -> List[str]:
+        """``argv`` for a virsh that prints events as they come into a pipe.
+        virsh prints through stdio, and virsh before 9.0 (Debian 11's 7.0)
+        does not flush after each line (newer ones do, in tools/vsh.c's
+        vshPrintVa): into a pipe, its lines wait in a 4 KiB buffer, and a
+        session would get libvirt's events dozens at a time, or never.
+        ``stdbuf -oL`` (exec'ing virsh, so the same process) makes stdout
+        line buffered as on a terminal."""
+        argv = self.argv(args)
+        return [self.stdbuf, "-oL", *argv] if self.stdbuf else argv
 
     def run(self, args: List[str], timeout: float = VIRSH_TIMEOUT) -> VirshResult:
         return self._run(self.check(args), timeout)
@@ -3142,7 +3156,9 @@ class EventChild:
     def __init__(self, virsh: Virsh) -> None:
         try:
             self.proc = subprocess.Popen(
-                virsh.argv(Virsh.check(["event", "--loop", "--all", "--timestamp"])),
+                virsh.event_argv(
+                    Virsh.check(["event", "--loop", "--all", "--timestamp"])
+                ),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
