@@ -1,7 +1,7 @@
 # The pure half of the NixOS module (module.nix imports it): the agent's
 # configuration, its libvirt hook and its authorized_keys line, from the
 # module's options. Each is the twin of a function of the agent
-# (custom_components/gpu_handoff/tower/gpu_handoff.py) that `install` uses on
+# (custom_components/gpu_handoff/tower/gpu_handoff/install.py) that `install` uses on
 # other systems: agentConfig of agent_config, hookScript of hook_script,
 # authorizedKeysLine of authorized_keys_line, and the defaults are the
 # agent's. It needs no nixpkgs, so tests/tower/test_nixos.py evaluates it with

@@ -33,9 +33,10 @@ import time
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "custom_components/gpu_handoff"
-# The agent's source and its build: a change to either changes the program
-# every test that runs the agent runs.
-AGENT = (f"{PACKAGE}/tower/gpu_handoff.py", f"{PACKAGE}/tower/build.py")
+# The agent's sources (its package) and its build: a change to either
+# changes the program every test that runs the agent runs.
+AGENT_PACKAGE = f"{PACKAGE}/tower/gpu_handoff/"
+AGENT_BUILD = f"{PACKAGE}/tower/build.py"
 # Tests that read the integration's data files, by file name.
 DATA_READERS = {
     "strings.json": ("tests/test_manifest.py", "tests/test_hassfest.py"),
@@ -105,7 +106,7 @@ def select(changed: list[str]) -> tuple[list[str], list[str]]:
                     )
                 else:
                     chosen.update(t for t in tests if t.startswith(folder))
-        elif path in AGENT or path.startswith("nixos/"):
+        elif path.startswith((AGENT_PACKAGE, "nixos/")) or path == AGENT_BUILD:
             chosen.update(t for t in tests if runs_agent(sources[t]))
         elif path.startswith(PACKAGE + "/") and path.endswith(".py"):
             module = path[len(PACKAGE) + 1 : -3].removesuffix("/__init__")

@@ -19,7 +19,7 @@ from pytest_homeassistant_custom_component.common import MockConfigEntry
 
 from custom_components.gpu_handoff.const import DOMAIN
 from custom_components.gpu_handoff.session import AGENT_VERSION, version_key
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import wire
 from tests.conftest import add_tower_entry
 from tests.k8semu import K8sEmulator
 from tests.support.agentbuild import agent_variant
@@ -28,7 +28,7 @@ from tests.support.stories import setup_entry, until
 
 
 def _agent_of_version(directory: Path, version: str) -> Path:
-    assert agent.VERSION == AGENT_VERSION
+    assert wire.VERSION == AGENT_VERSION
     return agent_variant(directory, version=version)
 
 

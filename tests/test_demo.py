@@ -32,7 +32,7 @@ import yaml
 
 from custom_components.gpu_handoff.const import DOMAIN
 from custom_components.gpu_handoff.health import CONTAINERS_NOT_STARTING, NO_PROBLEM
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import config as agent_config, wire
 from scripts.gpu_handoff_demo import ghost
 from scripts.gpu_handoff_demo.cluster import seed
 from scripts.gpu_handoff_demo.demo import SCREEN
@@ -275,7 +275,7 @@ def test_guided_install_demo() -> None:
         '"Install the agent for me"',
         "administrator gh-admin-pw with its password",
         "GPU node gpu-node, gaming VMs win-1, win-2 (as proposed)",
-        f'confirmed with "Restart libvirtd now"; agent {agent.VERSION} installed',
+        f'confirmed with "Restart libvirtd now"; agent {wire.VERSION} installed',
         "the restricted key logs in; the kubeconfig",
         "Kubernetes node fresh-gpu-node",
     ]
@@ -335,7 +335,8 @@ def _check_kept(work: Path) -> None:
     assert len(entries) == 2
     # The agent reports the tower's name where it takes one ("name").
     if not any(
-        p.startswith("name:") for p in agent.validate_config(agents[0] | {"name": "x"})
+        p.startswith("name:")
+        for p in agent_config.validate_config(agents[0] | {"name": "x"})
     ):
         assert {e["title"] for e in entries} == {"tower-1", "tower-2"}
     registry = _store(config, "core.entity_registry")["entities"]

@@ -34,7 +34,7 @@ from custom_components.gpu_handoff.const import (
 )
 from custom_components.gpu_handoff.coordinator import tower_credentials
 from custom_components.gpu_handoff.protocol import JobKind
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import wire
 from custom_components.gpu_handoff.tower_client import AgentCommandError, TowerClient
 from tests.conftest import kubeconfig_text, tower_entry_data
 from tests.k8semu import K8sEmulator
@@ -118,7 +118,7 @@ async def test_a_gaming_vm_named_like_the_gpu_nodes_id_is_refused(
             await client.submit(JobKind.STOP, "1", "domain-names-stop-1")
     finally:
         await client.close()
-    assert caught.value.code == agent.ERR_CONFIG_INVALID
+    assert caught.value.code == wire.ERR_CONFIG_INVALID
     assert PROBLEM in str(caught.value)
 
     sim.advance(1.0)

@@ -64,7 +64,10 @@ from custom_components.gpu_handoff.installer import (
 )
 from custom_components.gpu_handoff.protocol import PROTOCOL
 from custom_components.gpu_handoff.repairs import AgentUpdateRepairFlow
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    install as agent_install,
+    wire,
+)
 from custom_components.gpu_handoff.tower_client import (
     fingerprint,
     generate_key_pair,
@@ -269,7 +272,7 @@ async def test_guided_install_from_nothing_to_a_working_integration(
         "gpu_node": "gpu-node",
         "gaming": "win-1, win-2",
         "uri": fresh.uri,
-        "version": agent.VERSION,
+        "version": wire.VERSION,
     }
     _nothing_installed(fresh)
     result = await hass.config_entries.flow.async_configure(
@@ -295,7 +298,7 @@ async def test_guided_install_from_nothing_to_a_working_integration(
     assert fresh.run(["id", "-u", AGENT_USER]).returncode == 0
     assert fresh.read_bytes("/usr/local/bin/gpu-handoff") == agent_bytes()
     config = json.loads(fresh.read("/etc/gpu-handoff/config.json") or "")
-    assert config == agent.agent_config(
+    assert config == agent_install.agent_config(
         gpu_node="gpu-node", gaming=["win-1", "win-2"], libvirt_uri=fresh.uri
     )
     keys = fresh.read(f"/home/{AGENT_USER}/.ssh/authorized_keys") or ""
@@ -441,7 +444,7 @@ async def test_an_installed_agent_is_installed_again(
     flow_id = await _to_menu(hass, fresh)
     result = await _login(hass, flow_id, fresh.uri, **_key_login(fresh, "gh-admin"))
     assert result["step_id"] == "install_options"
-    assert result["description_placeholders"]["agent"] == agent.VERSION
+    assert result["description_placeholders"]["agent"] == wire.VERSION
     result = await hass.config_entries.flow.async_configure(
         flow_id, {CONF_GPU_NODE: "gpu-node", CONF_GAMING_VMS: ["win-2"]}
     )
@@ -593,7 +596,7 @@ async def test_nixos_gets_the_module_with_home_assistants_key(
     module = result["description_placeholders"]["module"]
     assert 'gpuNode = "gpu-node";' in module
     assert "ssh-ed25519 " in module
-    assert agent.PLACEHOLDER_KEY not in module
+    assert agent_install.PLACEHOLDER_KEY not in module
     _nothing_installed(fresh)
     result = await hass.config_entries.flow.async_configure(flow_id, {})
     assert result["step_id"] == "install_nixos"
@@ -672,7 +675,7 @@ async def _age_the_agent(
     hass: HomeAssistant, tower: BoxFreshTower, entry: ConfigEntry
 ) -> str:
     """The tower runs an older agent (same protocol): its repair is raised."""
-    _edit_installed_agent(tower, f'VERSION = "{agent.VERSION}"', 'VERSION = "0.2.0"')
+    _edit_installed_agent(tower, f'VERSION = "{wire.VERSION}"', 'VERSION = "0.2.0"')
     assert await hass.config_entries.async_reload(entry.entry_id)
     await hass.async_block_till_done()
     issue_id = f"agent_version_{entry.entry_id}"
@@ -1014,7 +1017,7 @@ async def test_a_reply_lost_after_the_install_is_retried_safely(
         },
     )
     assert result["step_id"] == "install_options"
-    assert result["description_placeholders"]["agent"] == agent.VERSION
+    assert result["description_placeholders"]["agent"] == wire.VERSION
     result = await hass.config_entries.flow.async_configure(
         flow_id, {CONF_GPU_NODE: "gpu-node", CONF_GAMING_VMS: ["win-1", "win-2"]}
     )

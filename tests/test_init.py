@@ -56,7 +56,7 @@ from custom_components.gpu_handoff.const import (
 )
 from custom_components.gpu_handoff.diagnostics import async_get_config_entry_diagnostics
 from custom_components.gpu_handoff.models import domain_identifier, tower_identifier
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import wire
 from custom_components.gpu_handoff.tower_client import fingerprint, generate_key_pair
 from tests.conftest import add_tower_entry, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
@@ -179,7 +179,7 @@ async def test_devices(hass: HomeAssistant, entry: MockConfigEntry) -> None:
     assert all(device.via_device_id == tower.id for device in vms.values())
     # Once the agent session is open, the tower shows the agent it runs.
     async with asyncio.timeout(10):
-        while registry.async_get(tower.id).sw_version != agent.VERSION:  # noqa: ASYNC110
+        while registry.async_get(tower.id).sw_version != wire.VERSION:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
 
 

@@ -38,7 +38,10 @@ from custom_components.gpu_handoff.const import (
     EVENT_RETURN_SUCCEEDED,
     EVENT_STOP_SUCCEEDED,
 )
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_configuration,
+    jobs as agent_jobs,
+)
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.kubelet import Kubelet
 from tests.support.sshd import Sshd
@@ -279,8 +282,8 @@ def test_an_agent_killed_mid_lend_leaves_the_definition(
         sim.set_agent_delay("gpu-node", None)  # the guest agent never answers
     else:
         sim.set_shutdown_duration("gpu-node", 1000.0)  # 10 s here
-    cfg = agent.load_config(str(agent_config), {"PATH": "/usr/bin:/bin"})
-    job_id = str(agent.create_job(cfg, "lend", None, "cli")["id"])
+    cfg = agent_configuration.load_config(str(agent_config), {"PATH": "/usr/bin:/bin"})
+    job_id = str(agent_jobs.create_job(cfg, "lend", None, "cli")["id"])
     runner = subprocess.Popen(
         [sys.executable, str(AGENT), "--config", str(agent_config), "run-job", job_id],
         stdout=subprocess.DEVNULL,

@@ -9,7 +9,7 @@ from typing import Any
 import homeassistant
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import wire
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPONENT = ROOT / "custom_components" / "gpu_handoff"
@@ -81,7 +81,7 @@ def test_the_integration_ships_the_agent_of_its_version() -> None:
     """The manifest's version is the bundled agent's: Home Assistant knows
     which agent it ships (and so which one a tower should run)."""
     manifest = json.loads((COMPONENT / "manifest.json").read_text(encoding="utf-8"))
-    assert manifest["version"] == agent.VERSION
+    assert manifest["version"] == wire.VERSION
 
 
 def test_every_step_a_switch_can_show_is_translated() -> None:

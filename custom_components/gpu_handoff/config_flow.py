@@ -90,7 +90,7 @@ from .const import (
 from .errors import cluster_error_key, tower_error_key
 from .installer import InstallError, InstallReport
 from .protocol import DomainState, TowerStatus, Version
-from .tower import gpu_handoff as agent
+from .tower.gpu_handoff import wire
 from .tower_client import (
     TowerAuthError,
     TowerClient,
@@ -281,7 +281,7 @@ def _gaming_domains(status: TowerStatus) -> list[DomainState]:
     return [
         domain
         for domain in status.domains.values()
-        if domain.name in status.gaming and not agent.virsh_reads_as(domain.name)
+        if domain.name in status.gaming and not wire.virsh_reads_as(domain.name)
     ]
 
 

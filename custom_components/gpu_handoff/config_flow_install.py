@@ -41,7 +41,7 @@ from .installer import (
     Survey,
     admin_session,
 )
-from .tower import gpu_handoff as agent
+from .tower.gpu_handoff import wire
 from .tower_client import fingerprint
 
 # How long the guided install keeps a working administrator login for the
@@ -126,7 +126,7 @@ def plan_placeholders(
         "gpu_node": plan.gpu_node,
         "gaming": ", ".join(plan.gaming),
         "uri": plan.uri,
-        "version": agent.VERSION,
+        "version": wire.VERSION,
     }
     if account is None:
         return texts

@@ -8,7 +8,7 @@ from .cluster_client import (
     KubeconfigError,
     NodeNotFoundError,
 )
-from .tower import gpu_handoff as agent
+from .tower.gpu_handoff import wire
 from .tower_client import (
     AgentCommandError,
     AgentMissingError,
@@ -30,7 +30,7 @@ def tower_error_key(err: TowerError) -> str:
             return "agent_missing"
         case AgentVersionError():
             return "agent_version"
-        case AgentCommandError(code=agent.ERR_CONFIG_INVALID):
+        case AgentCommandError(code=wire.ERR_CONFIG_INVALID):
             return "agent_config_invalid"
         case AgentCommandError():
             return "agent_error"

@@ -30,7 +30,8 @@ from typing import Any, Final, Literal
 
 import asyncssh
 
-from .tower import build, gpu_handoff as agent
+from .tower import build
+from .tower.gpu_handoff import wire
 from .tower_client import (
     CONNECT_TIMEOUT,
     TowerAuthError,
@@ -260,7 +261,7 @@ def check_uri(uri: str) -> bool:
     survey and the install may use as root: the agent's install takes the
     same (its local_libvirt_uri); no host, no transport or parameter that
     runs a program, reads a key or connects elsewhere."""
-    return LIBVIRT_URI.fullmatch(uri) is not None and agent.local_libvirt_uri(uri)
+    return LIBVIRT_URI.fullmatch(uri) is not None and wire.local_libvirt_uri(uri)
 
 
 def _account(found: dict[str, str]) -> Account:
@@ -283,7 +284,7 @@ def check_plan(plan: InstallPlan, survey: Survey) -> None:
     if not check_uri(plan.uri):
         raise InstallError("invalid_uri", plan.uri)
     for name in (plan.gpu_node, *plan.gaming):
-        if agent.virsh_reads_as(name):
+        if wire.virsh_reads_as(name):
             raise InstallError("ambiguous_domain", name)
     if plan.gpu_node not in known:
         raise InstallError("unknown_domain", plan.gpu_node)
@@ -384,7 +385,7 @@ class AdminSession:
         listing = await self._domains(uri)
         # virsh would look such a name up as a domain id or UUID first, and
         # could act on another VM: the agent refuses it, so nobody picks it.
-        left_out = [name for name in listing if agent.virsh_reads_as(name)]
+        left_out = [name for name in listing if wire.virsh_reads_as(name)]
         domains = [name for name in listing if name not in left_out]
         if not domains:
             raise InstallError("ambiguous_domain", ", ".join(left_out))

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 import json
 from typing import Any, Final
 
-from .tower import gpu_handoff as agent
+from .tower.gpu_handoff import wire
+from .tower.gpu_handoff.wire import Word
 
-PROTOCOL: Final = agent.PROTOCOL
+PROTOCOL: Final = wire.PROTOCOL
 RUNNING: Final = "running"
 SHUT_OFF: Final = "shut_off"
 # libvirt's reason for a domain shut off by a start that failed
@@ -30,43 +30,14 @@ START_FAILED: Final = "failed"
 REQUESTED_BY_HOOK: Final = "hook"
 
 
+# What a job does, where it is, its steps: the agent's own words (wire).
+JobKind = wire.JobKind
+JobState = wire.JobState
+StepName = wire.StepName
+
+
 class ProtocolError(ValueError):
     """A message does not have the shape this side expects."""
-
-
-class JobKind(StrEnum):
-    """What a tower job does."""
-
-    STOP = "stop"
-    START = "start"
-    HANDOFF = "handoff"
-    RELEASE = "release"
-    LEND = "lend"
-
-
-class JobState(StrEnum):
-    """Where a tower job is."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-
-    @property
-    def active(self) -> bool:
-        """Queued or running: it may still act on the tower."""
-        return self in (JobState.QUEUED, JobState.RUNNING)
-
-
-class StepName(StrEnum):
-    """One step of a tower job."""
-
-    WAIT_AGENT = "wait_agent"
-    SHUTDOWN = "shutdown"
-    WAIT_SHUT_OFF = "wait_shut_off"
-    WAIT_DEVICES_FREE = "wait_devices_free"
-    START = "start"
-    START_FREE = "start_free"
 
 
 # --- reading fields ---------------------------------------------------------------
@@ -165,14 +136,14 @@ class _Reader:
             return None
         return _Reader(value, f"{self.what}.{key}", self.strict)
 
-    def enum[E: StrEnum](self, key: str, kind: type[E]) -> E:
+    def enum[E: Word](self, key: str, kind: type[E]) -> E:
         value = self.text(key)
         try:
             return kind(value)
         except ValueError as err:
             raise ProtocolError(f"{self.what}: {key!r} is {value!r}") from err
 
-    def opt_enum[E: StrEnum](self, key: str, kind: type[E]) -> E | None:
+    def opt_enum[E: Word](self, key: str, kind: type[E]) -> E | None:
         value = self.opt_text(key)
         if value is None:
             return None

@@ -29,7 +29,7 @@ from .const import CONF_HOST_KEY, DOMAIN
 from .coordinator import GpuHandoffCoordinator
 from .health import CONTAINERS_NOT_STARTING, NodeHealth, issue_placeholders
 from .protocol import PROTOCOL, TowerStatus
-from .tower import gpu_handoff as agent
+from .tower.gpu_handoff import wire
 from .tower_client import (
     AgentVersionError,
     TowerError,
@@ -44,11 +44,11 @@ ISSUE_NODE_HEALTH: Final = "node_health"
 # The libvirt XML a finding's text names. A placeholder, not part of the
 # text: Home Assistant's strings hold no markup (hassfest refuses it).
 FINDING_PLACEHOLDERS: Final[dict[str, dict[str, str]]] = {
-    agent.FINDING_ROM_BAR: {
+    wire.FINDING_ROM_BAR: {
         "rom_element": "<rom bar='off'/>",
         "hostdev_element": "<hostdev>",
     },
-    agent.FINDING_NO_AGENT_CHANNEL: {
+    wire.FINDING_NO_AGENT_CHANNEL: {
         "channel_element": "<channel type='unix'><target type='virtio' "
         "name='org.qemu.guest_agent.0'/></channel>",
     },

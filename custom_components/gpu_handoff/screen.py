@@ -17,7 +17,7 @@ from .const import CONF_GPU_NODE
 from .data import GpuHandoffConfigEntry
 from .entity import gaming_vms
 from .errors import tower_error_key
-from .tower import gpu_handoff as agent
+from .tower.gpu_handoff import wire
 from .tower_client import AgentCommandError, TowerClient, TowerError
 
 # What browsers show (a current agent always sends PNG).
@@ -66,7 +66,7 @@ async def async_capture(tower: TowerClient, vm: str) -> Capture:
     except AgentCommandError as err:
         key = (
             "screenshot_too_large"
-            if err.code == agent.ERR_TOO_LARGE
+            if err.code == wire.ERR_TOO_LARGE
             else "screenshot_failed"
         )
         raise ScreenError(key, {"vm": vm, "error": err.message}) from err

@@ -38,7 +38,7 @@ from .protocol import (
     Version,
 )
 from .repair_sync import agent_outdated_issue_id, async_raise_agent_outdated
-from .tower import gpu_handoff as agent
+from .tower.gpu_handoff import wire
 from .tower_client import (
     AgentCommandError,
     AgentVersionError,
@@ -66,7 +66,7 @@ LIFECYCLE_STATES: Final = {
 # The agent's version against the one this integration ships (same protocol).
 ISSUE_AGENT_VERSION: Final = "agent_version"
 # The agent this integration ships, and so expects on the tower.
-AGENT_VERSION: Final = agent.VERSION
+AGENT_VERSION: Final = wire.VERSION
 
 
 def version_key(version: str) -> tuple[int, ...] | None:

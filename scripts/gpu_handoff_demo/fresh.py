@@ -42,7 +42,7 @@ from custom_components.gpu_handoff.const import (
     CONF_RESTART_LIBVIRT,
     DOMAIN,
 )
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import wire
 from tests.support.agentbuild import agent_bytes
 from tests.support.box import BoxError
 from tests.support.box_tower import (
@@ -300,7 +300,7 @@ async def guided_install(
         )
     log(
         f'{NAME}: config flow: confirmed with "Restart libvirtd now"; agent '
-        f"{agent.VERSION} installed in {seconds:.1f} s, {LIBVIRTD} restarted "
+        f"{wire.VERSION} installed in {seconds:.1f} s, {LIBVIRTD} restarted "
         f"(main process {pid_before} -> {pid_after}), the tower's check found:"
     )
     findings = result["description_placeholders"]["findings"].splitlines()
@@ -351,7 +351,7 @@ async def confirm_screenshot(
     expect = [
         confirm["title"].format(host=HOST),
         confirm["data"][CONF_RESTART_LIBVIRT],
-        f"uploads the GPU Handoff agent {agent.VERSION}",
+        f"uploads the GPU Handoff agent {wire.VERSION}",
         admin.name,
         tower.uri,
     ]

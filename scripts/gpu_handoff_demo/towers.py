@@ -17,7 +17,7 @@ import getpass
 import json
 from pathlib import Path
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import config as agent_config
 from tests.support.simtower import write_agent_config
 from tests.support.sshd import Sshd
 from tests.support.testdriver import agent_command
@@ -88,7 +88,9 @@ def _name_agent(config: Path, name: str) -> bool:
     one (the ``name`` key, reported by ``version`` as ``host_name``)."""
     data = json.loads(config.read_text(encoding="utf-8"))
     named = data | {"name": name}
-    if any(problem.startswith("name:") for problem in agent.validate_config(named)):
+    if any(
+        problem.startswith("name:") for problem in agent_config.validate_config(named)
+    ):
         return False
     config.write_text(json.dumps(named), encoding="utf-8")
     return True

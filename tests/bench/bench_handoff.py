@@ -765,7 +765,7 @@ def test_screen_conversion() -> None:
     import gzip
     import io
 
-    from custom_components.gpu_handoff.tower import gpu_handoff as agent
+    from custom_components.gpu_handoff.tower.gpu_handoff import screenshot
     from tests.realvm.test_screenshot import RECORDED_FRAME
     from tests.tower.test_screenshot import desktop_1280x800
 
@@ -777,7 +777,7 @@ def test_screen_conversion() -> None:
         best = float("inf")
         for _ in range(5):
             started = time.perf_counter()
-            png, _, _ = agent.png_from_ppm(io.BytesIO(ppm), len(ppm), 64 << 20)
+            png, _, _ = screenshot.png_from_ppm(io.BytesIO(ppm), len(ppm), 64 << 20)
             best = min(best, time.perf_counter() - started)
         figures[name] = {
             "ppm_bytes": len(ppm),

@@ -32,10 +32,8 @@ from custom_components.gpu_handoff.const import (
     CONF_SCAN_INTERVAL,
     DOMAIN,
 )
-from custom_components.gpu_handoff.tower.gpu_handoff import (
-    POLL_INTERVAL_DEFAULT,
-    parse_event,
-)
+from custom_components.gpu_handoff.tower.gpu_handoff.config import POLL_INTERVAL_DEFAULT
+from custom_components.gpu_handoff.tower.gpu_handoff.virsh import parse_event
 from tests.conftest import gaming_subentries, kubeconfig_text, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.simtower import write_agent_config

@@ -2,7 +2,7 @@
 
 ``box`` is a fresh box per test (it boots in about half a second).
 ``box_agent`` is a box with the agent installed as a tower's administrator
-installs it (``sudo python3 gpu_handoff.py install --create-user ...``, run
+installs it (``sudo python3 gpu-handoff install --create-user ...``, run
 as root inside), reached by Home Assistant's key through the box's own sshd
 (``ssh.service``), with its jobs detached by the box's own ``systemd-run``.
 Its libvirt is the tower simulator (tests/towersim) in the box's shared
@@ -163,7 +163,7 @@ def pretend_vfio(box: Box) -> None:
 
 def run_install(box: Box, *options: str) -> dict[str, Any]:
     """The agent's install run as root in the box, as the guided install runs
-    it (``sudo python3 gpu_handoff.py install``), making the SSH user; its
+    it (``sudo python3 gpu-handoff install``), making the SSH user; its
     JSON reply, which must say ok."""
     python3_in(box)
     done = box.run(

@@ -31,7 +31,11 @@ import stat
 import time
 from typing import Any
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    install as agent_install,
+    runner as agent_runner,
+    wire,
+)
 from tests.box.conftest import CONFIG, PROGRAM, USER, BoxAgent, user_systemctl
 from tests.support.box import Box
 from tests.support.waiting import wait_until
@@ -41,7 +45,7 @@ TMPFILES = "/etc/tmpfiles.d/gpu-handoff.conf"
 TMPFILES_LINE = f"d {STATE_DIR} 0700 {USER} {USER} -"
 STOPPED_BY_SIGTERM = (
     "the job's runner was stopped (SIGTERM) before the job finished: "
-    + agent.RUNNER_STOP_SIGNALS[15]
+    + agent_runner.RUNNER_STOP_SIGNALS[15]
 )
 GONE = "the job's runner is gone before the job finished"
 ACTIVE_STATES = ("active", "activating", "deactivating", "reloading", "refreshing")
@@ -50,7 +54,7 @@ ACTIVE_STATES = ("active", "activating", "deactivating", "reloading", "refreshin
 def installed_files(box: Box) -> dict[str, tuple[int, int, int, str]]:
     """Owner, group, mode and a digest of what the install put on the tower
     (the state directory: no digest)."""
-    hook = agent.HOOK_PATH
+    hook = agent_install.HOOK_PATH
     out = {}
     for path in (STATE_DIR, CONFIG, PROGRAM, hook):
         where = box.root / path.lstrip("/")
@@ -149,7 +153,7 @@ def test_a_reboot_keeps_the_install_and_fails_the_running_job(
     job = box_agent.job(job_id)
     print("reported:", job["state"], job["error"])
     assert job["state"] == "failed"
-    assert job["error"]["code"] == agent.ERR_RUNNER_DIED
+    assert job["error"]["code"] == wire.ERR_RUNNER_DIED
     assert job["error"]["message"] in (STOPPED_BY_SIGTERM, GONE)
     # What the runner wrote itself at shutdown (the unit stopped with
     # SIGTERM by the SSH user's systemd), not found out afterwards.
@@ -207,7 +211,7 @@ def test_a_stopped_unit_fails_its_job(box_agent: BoxAgent) -> None:
     stored = stored_job(box, job_id)
     assert stored["state"] == "failed", stored
     assert stored["error"] == {
-        "code": agent.ERR_RUNNER_DIED,
+        "code": wire.ERR_RUNNER_DIED,
         "message": STOPPED_BY_SIGTERM,
     }
     job = box_agent.job(job_id)

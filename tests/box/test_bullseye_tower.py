@@ -61,7 +61,7 @@ from typing import Any
 import pytest
 import pytest_socket
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import virsh as agent_virsh, wire
 from tests.box.conftest import (
     CONFIG,
     PROGRAM,
@@ -255,7 +255,7 @@ def tower(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tower]:
             public,
             *TIMEOUTS,
         )
-        newer = agent_variant(box.shared / "newer", version=f"{agent.VERSION}+newer")
+        newer = agent_variant(box.shared / "newer", version=f"{wire.VERSION}+newer")
         updates = [
             last_json(box.run(["python3", str(program), "update"], check=True))
             for program in (newer, AGENT)
@@ -308,22 +308,22 @@ def test_the_tower_is_debian_11_and_the_agent_installs_and_updates(
     assert reply["status_error"] is None, reply
     assert "/usr/local/bin/__pycache__/gpu-handoff.cpython-39.pyc" in reply["installed"]
     assert {finding["code"] for finding in reply["findings"]} == {
-        agent.FINDING_NO_AGENT_CHANNEL,
-        agent.FINDING_ROM_BAR,
-        agent.FINDING_CLAIMED_BY_UNMANAGED,
+        wire.FINDING_NO_AGENT_CHANNEL,
+        wire.FINDING_ROM_BAR,
+        wire.FINDING_CLAIMED_BY_UNMANAGED,
     }
     # The updates: to a newer program, and back to the built one.
     newer, back = tower.updates
-    assert (newer["ok"], newer["previous"]) == (True, agent.VERSION), newer
-    assert newer["version"] == f"{agent.VERSION}+newer"
-    assert (back["previous"], back["version"]) == (newer["version"], agent.VERSION)
+    assert (newer["ok"], newer["previous"]) == (True, wire.VERSION), newer
+    assert newer["version"] == f"{wire.VERSION}+newer"
+    assert (back["previous"], back["version"]) == (newer["version"], wire.VERSION)
     installed = (box.root / PROGRAM.lstrip("/")).read_bytes()
     assert installed == agent_bytes()
     # sshd's forced command runs the installed program on Python 3.9.
     version = tower.ssh("version")
     assert (version["ok"], version["version"], version["host_name"]) == (
         True,
-        agent.VERSION,
+        wire.VERSION,
         "tower",
     )
 
@@ -341,11 +341,11 @@ def test_a_bad_configuration_is_refused_with_its_code(tower: Tower) -> None:
         )
         for reply in (tower.ssh("status"), tower.agent("check-config")):
             assert reply["ok"] is False, reply
-            assert reply["error"]["code"] == agent.ERR_CONFIG_INVALID, reply
+            assert reply["error"]["code"] == wire.ERR_CONFIG_INVALID, reply
             assert GPU_NODE in reply["error"]["message"], reply
         path.write_text(good[: len(good) // 2], encoding="utf-8")
         reply = tower.ssh("status")
-        assert reply["error"]["code"] == agent.ERR_CONFIG_INVALID, reply
+        assert reply["error"]["code"] == wire.ERR_CONFIG_INVALID, reply
         assert "not valid JSON" in reply["error"]["message"], reply
     finally:
         path.write_text(good, encoding="utf-8")
@@ -383,9 +383,9 @@ def test_status_over_sshd_reads_the_node_file_through_virsh_7(tower: Tower) -> N
         "0000:02:00.1": (GPU_NODE, [GPU_NODE, "win-2"]),
     }
     assert sorted((f["code"], f["domain"]) for f in reply["findings"]) == [
-        (agent.FINDING_CLAIMED_BY_UNMANAGED, "other-vm"),
-        (agent.FINDING_NO_AGENT_CHANNEL, "win-2"),
-        (agent.FINDING_ROM_BAR, GPU_NODE),
+        (wire.FINDING_CLAIMED_BY_UNMANAGED, "other-vm"),
+        (wire.FINDING_NO_AGENT_CHANNEL, "win-2"),
+        (wire.FINDING_ROM_BAR, GPU_NODE),
     ]
     # The same file read by the same agent here (Python 3.14, libvirt 12).
     assert comparable(reply) == comparable(status_here(tower))
@@ -476,7 +476,7 @@ def reset_test_driver(tower: Tower, running: tuple[str, ...]) -> None:
 
 def hostdevs(tower: Tower, name: str, *options: str) -> list[str]:
     xml = tower.must_virsh(DAEMON_URI, "dumpxml", name, *options)
-    return [d["address"] for d in agent.parse_domain_xml(xml)["hostdevs"]]
+    return [d["address"] for d in agent_virsh.parse_domain_xml(xml)["hostdevs"]]
 
 
 def submit(tower: Tower, command: str) -> dict[str, Any]:
@@ -506,7 +506,7 @@ def test_every_job_kind_runs_detached_to_its_end(daemon_driver: Tower) -> None:
     started by an SSH request as a unit of the SSH user's systemd manager,
     against libvirtd 7.0's test driver."""
     tower = daemon_driver
-    assert set(agent.JOB_KINDS) == {"stop", "start", "handoff", "lend", "release"}
+    assert set(wire.JOB_KINDS) == {"stop", "start", "handoff", "lend", "release"}
     tower.use(DAEMON_URI)
     reset_test_driver(tower, running=(GPU_NODE,))
     units = []
@@ -519,11 +519,11 @@ def test_every_job_kind_runs_detached_to_its_end(daemon_driver: Tower) -> None:
         return job
 
     # A running guest whose agent never answers is never stopped.
-    job = check(f"stop {GPU_NODE}", "failed", agent.ERR_AGENT_TIMEOUT)
+    job = check(f"stop {GPU_NODE}", "failed", wire.ERR_AGENT_TIMEOUT)
     assert results(job)[0] == ("wait_agent", GPU_NODE, "failed")
     assert tower.state(DAEMON_URI, GPU_NODE) == "running"
     # A start waits for the cards the running GPU node holds, then gives up.
-    job = check("start win-2", "failed", agent.ERR_DEVICES_BUSY)
+    job = check("start win-2", "failed", wire.ERR_DEVICES_BUSY)
     assert results(job)[0] == ("wait_devices_free", "win-2", "failed")
     assert tower.state(DAEMON_URI, "win-2") == "shut off"
     # The GPU node shut down (by the operator): a handoff starts win-1.
@@ -541,7 +541,7 @@ def test_every_job_kind_runs_detached_to_its_end(daemon_driver: Tower) -> None:
     assert hostdevs(tower, GPU_NODE) == ["0000:02:00.0", "0000:02:00.1"]
     assert len(hostdevs(tower, GPU_NODE, "--inactive")) == 4
     # Releasing win-1 must stop it first: it has no guest agent here either.
-    job = check("release win-1", "failed", agent.ERR_AGENT_TIMEOUT)
+    job = check("release win-1", "failed", wire.ERR_AGENT_TIMEOUT)
     assert tower.state(DAEMON_URI, "win-1") == "running"
     # Both shut down (by the operator): win-1's stop is done already, and the
     # release starts the GPU node with every card.
@@ -613,7 +613,7 @@ class SshSession:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
             message: dict[str, Any] = json.loads(raw)
-            assert message["protocol"] == agent.PROTOCOL
+            assert message["protocol"] == wire.PROTOCOL
             self.queue.put(message)
         self.queue.put(None)
 
@@ -673,9 +673,9 @@ def test_a_session_over_ssh_answers_and_pushes_what_libvirt_7_tells(
         assert (hello["type"], hello["ok"], hello["version"]) == (
             "hello",
             True,
-            agent.VERSION,
+            wire.VERSION,
         )
-        assert hello["verbs"] == sorted(agent.SESSION_VERBS)
+        assert hello["verbs"] == sorted(wire.SESSION_VERBS)
         first = session.expect(lambda m: True)
         assert first["type"] == "status"
         assert {d["state"] for d in first["status"]["domains"]} == {"shut_off"}

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-AGENT = "custom_components/gpu_handoff/tower/gpu_handoff.py"
+# The tower agent's package, and its modules the mutants patch.
+AGENT = "custom_components/gpu_handoff/tower/gpu_handoff"
+AGENT_ACCOUNTS = f"{AGENT}/accounts.py"
+AGENT_JOBS = f"{AGENT}/jobs.py"
+AGENT_REQUESTS = f"{AGENT}/requests.py"
+AGENT_RUNNER = f"{AGENT}/runner.py"
+AGENT_VIRSH = f"{AGENT}/virsh.py"
+AGENT_WIRE = f"{AGENT}/wire.py"
 RUNNER = "custom_components/gpu_handoff/runner.py"
 NODE_RETURN = "custom_components/gpu_handoff/node_return.py"
 CONTROLLER = "custom_components/gpu_handoff/controller.py"
@@ -74,7 +81,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "no stop is sent before the guest's agent answers",
         (
             Patch(
-                AGENT,
+                AGENT_RUNNER,
                 "            if self.agent_ready(domain):\n",
                 "            if True:\n",
             ),
@@ -107,7 +114,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the forced command refuses a job for a domain it does not manage",
         (
             Patch(
-                AGENT,
+                AGENT_REQUESTS,
                 "    if verb in JOB_VERBS:\n"
                 "        check_work(cfg, verb, args[0] if args else None)\n",
                 "    if False:\n"
@@ -122,7 +129,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "jobs run one at a time per tower",
         (
             Patch(
-                AGENT,
+                AGENT_RUNNER,
                 "fcntl.flock(tower, fcntl.LOCK_EX)",
                 "fcntl.flock(tower, fcntl.LOCK_UN)",
             ),
@@ -138,7 +145,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the tower never runs two jobs for one request id",
         (
             Patch(
-                AGENT,
+                AGENT_JOBS,
                 "existing = find_request(cfg, request_id)",
                 "existing = None",
             ),
@@ -265,7 +272,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "nothing is ever forced off: no destroy reaches libvirt",
         (
             Patch(
-                AGENT,
+                AGENT_RUNNER,
                 '                self.end(step, "failed", message)\n'
                 "                raise AgentError(ERR_SHUTDOWN_TIMEOUT, message)\n",
                 '                self.end(step, "failed", message)\n'
@@ -480,7 +487,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "an install that fails half way leaves the tower as it was",
         (
             Patch(
-                AGENT,
+                AGENT_ACCOUNTS,
                 "            try:\n"
                 "                action()\n"
                 "            except _STEP_ERRORS:\n"
@@ -584,7 +591,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "as they happen",
         (
             Patch(
-                AGENT,
+                AGENT_VIRSH,
                 '        self.stdbuf = resolve_program("stdbuf", None, cfg)\n',
                 "        self.stdbuf = None\n",
             ),
@@ -601,7 +608,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the survey and install, run as root, take only this machine's libvirt",
         (
             Patch(
-                AGENT,
+                AGENT_WIRE,
                 "    found = LOCAL_URI_RE.fullmatch(uri)\n",
                 "    return True\n",
             ),

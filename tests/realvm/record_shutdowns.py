@@ -37,7 +37,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from custom_components.gpu_handoff.tower.gpu_handoff import cmd_ping
+from custom_components.gpu_handoff.tower.gpu_handoff.virsh import cmd_ping
 from tests.realvm import record
 from tests.realvm.qemu_libvirtd import (
     EventLog,

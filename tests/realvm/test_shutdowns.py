@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from custom_components.gpu_handoff.tower.gpu_handoff import cmd_ping
+from custom_components.gpu_handoff.tower.gpu_handoff.virsh import cmd_ping
 from tests.realvm.record import TIMESTAMP_RE
 from tests.realvm.record_shutdowns import (
     AGENT_LEAD,

@@ -1,7 +1,7 @@
 """A fresh tower in a box: the guided install's tower, with systemd as init.
 
 The guided install logs in to a tower with an administrator's login, uploads
-the agent and runs ``sudo python3 .../gpu_handoff.py install
+the agent and runs ``sudo python3 .../gpu-handoff install
 [--restart-libvirt]``. ``BoxFreshTower`` is that tower as a Debian host is
 right after its set-up, booted in a box (tests/support/box.py: the test root
 under its own systemd as PID 1, in private namespaces, on an overlay thrown

@@ -70,7 +70,7 @@ import yaml
 
 from custom_components.gpu_handoff import health, services
 from custom_components.gpu_handoff.const import DOMAIN, SUBENTRY_GAMING_VM
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import wire
 
 YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ DYNAMIC_KEYS: dict[tuple[str, str], Callable[[], set[str]]] = {
     },
     # A finding of the tower's agent is an issue named after its code.
     ("repair_sync", "code"): lambda: {
-        value for name, value in vars(agent).items() if name.startswith("FINDING_")
+        value for name, value in vars(wire).items() if name.startswith("FINDING_")
     },
 }
 

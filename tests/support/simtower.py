@@ -16,7 +16,7 @@ from pathlib import Path
 import shlex
 import sys
 
-from custom_components.gpu_handoff.tower.gpu_handoff import hook_script
+from custom_components.gpu_handoff.tower.gpu_handoff.install import hook_script
 from tests.support.testdriver import AGENT
 from tests.towersim import Tower
 

@@ -15,7 +15,12 @@ from typing import Any
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    accounts as agent_accounts,
+    cli as agent_cli,
+    state as agent_state,
+    wire,
+)
 from tests.tower import nodes
 
 HERE = Path(__file__).parent
@@ -38,7 +43,8 @@ def never_drop_privileges_here(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(uid: int, gid: int, env: dict[str, str]) -> None:
         pytest.fail(f"the agent would become uid {uid} inside the test process")
 
-    monkeypatch.setattr(agent, "drop_privileges", refuse, raising=False)
+    monkeypatch.setattr(agent_accounts, "drop_privileges", refuse, raising=False)
+    monkeypatch.setattr(agent_state, "drop_privileges", refuse, raising=False)
 
 
 def require_tool(*names: str) -> None:
@@ -71,10 +77,10 @@ def run_agent(
     """Call the agent's main in this process."""
     out, err = io.StringIO(), io.StringIO()
     base = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/root")}
-    rc = agent.main(argv, {**base, **(env or {})}, io.StringIO(stdin), out, err)
+    rc = agent_cli.main(argv, {**base, **(env or {})}, io.StringIO(stdin), out, err)
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     for line in lines:
-        assert line["protocol"] == agent.PROTOCOL
+        assert line["protocol"] == wire.PROTOCOL
     return Run(rc, lines, err.getvalue())
 
 

@@ -23,12 +23,23 @@ import time
 
 import pytest
 
-from custom_components.gpu_handoff.tower import build, gpu_handoff as agent
+from custom_components.gpu_handoff.tower import build
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    install as agent_install,
+    wire,
+)
 from tests.support.agentbuild import agent_variant
 from tests.support.oldpython import oldest_python
 from tests.support.testdriver import write_tower
 
 BUILD = Path(build.__file__)
+PACKAGE = BUILD.parent / build.PACKAGE
+
+
+def agent_modules(program: Path) -> set[str]:
+    """Each module of the agent's package as a start of ``program`` names
+    it when it compiles it."""
+    return {f"{program}/{entry}" for entry in build.package_modules()}
 
 
 @pytest.fixture(scope="module")
@@ -85,19 +96,19 @@ def test_the_oldest_python_builds_the_same_bytes(built: Path, tmp_path: Path) ->
 def test_the_prefix_says_version_and_hash_without_running(built: Path) -> None:
     data = built.read_bytes()
     version, digest = build.read_header(data)
-    assert version == agent.VERSION
+    assert version == wire.VERSION
     head = data.split(b"\n", 4)
     assert head[:4] == [
         b"#!/usr/bin/env python3",
-        agent.AGENT_MARKER.join([b"# ", b""]),
-        f'VERSION = "{agent.VERSION}"'.encode(),
+        agent_install.AGENT_MARKER.join([b"# ", b""]),
+        f'VERSION = "{wire.VERSION}"'.encode(),
         f"# sha256 of the archive below: {digest}".encode(),
     ]
     assert hashlib.sha256(head[4]).hexdigest() == digest
     # What an update of either release looks for in an installed file.
-    assert agent.AGENT_MARKER in data[: agent.AGENT_HEAD]
+    assert agent_install.AGENT_MARKER in data[: agent_install.AGENT_HEAD]
     other = build.archive_bytes(version="9.1.0")
-    found = agent.VERSION_LINE_RE.search(other)
+    found = agent_install.VERSION_LINE_RE.search(other)
     assert found is not None
     assert found.group(1) == b"9.1.0"
     # The command prints the same.
@@ -115,16 +126,29 @@ def test_a_changed_or_damaged_archive_is_told_apart(
     with pytest.raises(build.BuildError, match="does not match"):
         build.read_header(bytes(damaged))
     with pytest.raises(build.BuildError, match="not a built"):
-        build.read_header((BUILD.parent / "gpu_handoff.py").read_bytes())
+        build.read_header((PACKAGE / "wire.py").read_bytes())
     sources = tmp_path / "sources"
     sources.mkdir()
-    for name in build.MODULES:
-        shutil.copy(BUILD.parent / name, sources / name)
-    changed = (sources / "gpu_handoff.py").read_bytes() + b"# one more line\n"
-    (sources / "gpu_handoff.py").write_bytes(changed)
+    shutil.copy(BUILD, sources / BUILD.name)
+    shutil.copytree(PACKAGE, sources / PACKAGE.name)
+    module = sources / PACKAGE.name / "jobs.py"
+    module.write_bytes(module.read_bytes() + b"# one more line\n")
     rebuilt = build.archive_bytes(str(sources))
     assert build.read_header(rebuilt)[1] != digest
-    (sources / "gpu_handoff.py").unlink()
+    module.unlink()
+    assert build.read_header(build.archive_bytes(str(sources)))[1] not in (
+        digest,
+        build.read_header(rebuilt)[1],
+    )
+    (sources / PACKAGE.name / "__init__.py").unlink()
+    with pytest.raises(build.BuildError, match="not the agent's package"):
+        build.archive_bytes(str(sources))
+    shutil.rmtree(sources / PACKAGE.name)
+    with pytest.raises(build.BuildError, match="cannot read"):
+        build.archive_bytes(str(sources))
+    (sources / BUILD.name).unlink()
+    (sources / PACKAGE.name).mkdir()
+    (sources / PACKAGE.name / "__init__.py").write_text("")
     with pytest.raises(build.BuildError, match="cannot read"):
         build.archive_bytes(str(sources))
     with pytest.raises(build.BuildError, match="not a version"):
@@ -137,7 +161,7 @@ def test_the_built_agent_answers_as_the_source_does(
     config = write_tower(tmp_path / "tower")
     for verb in (["version"], ["--config", str(config), "status"]):
         from_file = _reply(_run(python, str(built), *verb))
-        from_source = _reply(_run(python, str(BUILD.parent / "gpu_handoff.py"), *verb))
+        from_source = _reply(_run(python, str(PACKAGE), *verb))
         from_file.pop("time", None)
         from_source.pop("time", None)
         assert from_file == from_source
@@ -168,10 +192,11 @@ def test_the_built_agent_spawns_itself_as_a_jobs_runner(
         time.sleep(0.05)
     assert job["state"] == "succeeded", job
     probe = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import gpu_handoff; "
-        "print(gpu_handoff.program_path()); "
+        "import sys; sys.path.insert(0, sys.argv[1]); "
+        "from gpu_handoff import accounts, jobs; "
+        "print(jobs.program_path()); "
         "sys.stdout.flush(); "
-        "sys.stdout.buffer.write(gpu_handoff.own_program())"
+        "sys.stdout.buffer.write(accounts.own_program())"
     )
     done = subprocess.run(
         [python[0], "-I", "-S", "-c", probe, str(built)],
@@ -217,7 +242,7 @@ def test_the_built_agent_installs_and_updates_itself(
     updated = _reply(
         _run((sys.executable, {}), str(newer), "update", "--root", str(root))
     )
-    assert (updated["previous"], updated["version"]) == (agent.VERSION, agent.VERSION)
+    assert (updated["previous"], updated["version"]) == (wire.VERSION, wire.VERSION)
     assert program.read_bytes() == newer.read_bytes()
     again = _reply(
         _run((sys.executable, {}), str(built), "update", "--root", str(root))
@@ -258,7 +283,9 @@ def test_the_build_command(
 
 def test_sources_without_a_version_do_not_build(tmp_path: Path) -> None:
     shutil.copy(BUILD, tmp_path / "build.py")
-    (tmp_path / "gpu_handoff.py").write_text('"""No version here."""\n')
+    (tmp_path / PACKAGE.name).mkdir()
+    (tmp_path / PACKAGE.name / "__init__.py").write_text('"""The package."""\n')
+    (tmp_path / PACKAGE.name / "wire.py").write_text('"""No version here."""\n')
     with pytest.raises(build.BuildError, match="no VERSION line"):
         build.archive_bytes(str(tmp_path))
     with pytest.raises(build.BuildError, match="one line"):
@@ -281,20 +308,21 @@ def compiled_at_start(python: tuple[str, dict[str, str]], program: Path) -> list
         "sys.stderr.write(repr(seen))\n"
     )
     done = _run(python, "-c", probe, str(program))
-    assert json.loads(done.stdout)["version"] == agent.VERSION, done.stderr
+    assert json.loads(done.stdout)["version"] == wire.VERSION, done.stderr
     return [name for name in eval(done.stderr) if name.endswith(".py")]  # noqa: S307
 
 
 def test_a_start_compiles_the_agent_once(
     built: Path, python: tuple[str, dict[str, str]]
 ) -> None:
-    """The archive's entry compiles the agent's module itself: an import
-    through zipimport would compile it twice (find_spec's get_filename
-    compiles it to learn its name), 60 ms more of every start on a tower."""
+    """The archive's entry imports the agent's modules itself, compiling
+    each once: an import through zipimport would compile each twice
+    (find_spec's get_filename compiles it to learn its name), 60 ms more of
+    every start on a tower."""
     compiled = compiled_at_start(python, built)
     # (runpy's own lookup compiles the few lines of __main__.py twice)
-    assert set(compiled) == {f"{built}/__main__.py", f"{built}/gpu_handoff.py"}
-    assert compiled.count(f"{built}/gpu_handoff.py") == 1, compiled
+    agent = [name for name in compiled if name != f"{built}/__main__.py"]
+    assert sorted(agent) == sorted(agent_modules(built)), compiled
 
 
 def _with_cache(directory: Path) -> Path:
@@ -313,16 +341,17 @@ def _with_cache(directory: Path) -> Path:
 def test_a_start_with_its_compiled_module_compiles_nothing(
     tmp_path: Path, python: tuple[str, dict[str, str]]
 ) -> None:
-    """``install`` and ``update`` leave the module compiled for the tower's
+    """``install`` and ``update`` leave the modules compiled for the tower's
     Python beside the program (build.write_cache): a start then compiles
     none of the agent. Another Python (3.9 here) finds none of its own and
-    compiles it, as without."""
+    compiles each, as without."""
     program = _with_cache(tmp_path / "bin")
     compiled = compiled_at_start(python, program)
     if python[0] == sys.executable:
         assert set(compiled) == {f"{program}/__main__.py"}, compiled
     else:
-        assert compiled.count(f"{program}/gpu_handoff.py") == 1, compiled
+        agent = [name for name in compiled if name != f"{program}/__main__.py"]
+        assert sorted(agent) == sorted(agent_modules(program)), compiled
 
 
 def _other_source(program: Path) -> None:
@@ -394,4 +423,5 @@ def test_a_compiled_module_is_used_only_if_it_is_the_programs_own(
     program = _with_cache(tmp_path / "bin")
     spoil(program)
     compiled = compiled_at_start((sys.executable, {}), program)
-    assert compiled.count(f"{program}/gpu_handoff.py") == 1, compiled
+    agent = [name for name in compiled if name != f"{program}/__main__.py"]
+    assert sorted(agent) == sorted(agent_modules(program)), compiled

@@ -8,7 +8,12 @@ from typing import Any
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    install as agent_install,
+    virsh as agent_virsh,
+    wire,
+)
 from tests.tower.conftest import run_agent, write_config
 
 GOOD = {"gpu_node": "gpu-node", "gaming": ["win-1"]}
@@ -49,10 +54,15 @@ def test_path_from_env_then_default(
     path = write_config(tmp_path / "c.json", **GOOD)
     run = run_agent(["check-config"], env={"GPU_HANDOFF_CONFIG": str(path)})
     assert run.rc == 0
-    monkeypatch.setattr(agent, "DEFAULT_CONFIG_PATH", str(tmp_path / "none.json"))
+    monkeypatch.setattr(
+        agent_config, "DEFAULT_CONFIG_PATH", str(tmp_path / "none.json")
+    )
+    monkeypatch.setattr(
+        agent_install, "DEFAULT_CONFIG_PATH", str(tmp_path / "none.json")
+    )
     run = run_agent(["check-config"])
     assert run.rc == 1
-    assert run.reply["error"]["code"] == agent.ERR_CONFIG_INVALID
+    assert run.reply["error"]["code"] == wire.ERR_CONFIG_INVALID
     assert "none.json" in run.reply["error"]["message"]
 
 
@@ -167,12 +177,12 @@ def test_virsh_missing(tmp_path: Path) -> None:
         tmp_path / "c.json", **GOOD, commands={"virsh": str(tmp_path / "nope")}
     )
     run = run_agent(["--config", str(path), "status"])
-    assert run.reply["error"]["code"] == agent.ERR_VIRSH_MISSING
+    assert run.reply["error"]["code"] == wire.ERR_VIRSH_MISSING
     path = write_config(tmp_path / "c.json", **GOOD, path=[str(tmp_path)])
     run = run_agent(
         ["--config", str(path), "stop", "win-1"], env={"PATH": str(tmp_path / "empty")}
     )
-    assert run.reply["error"]["code"] == agent.ERR_VIRSH_MISSING
+    assert run.reply["error"]["code"] == wire.ERR_VIRSH_MISSING
     assert "config path" in run.reply["error"]["message"]
 
 
@@ -184,10 +194,12 @@ def test_path_entries_are_appended(tmp_path: Path) -> None:
         tool = directory / "virsh"
         tool.write_text("#!/bin/sh\n", encoding="utf-8")
         tool.chmod(0o755)
-    cfg = agent.Config("c", {**GOOD, "path": [str(extra)]}, {"PATH": str(first)})
-    assert agent.resolve_program("virsh", None, cfg) == str(first / "virsh")
-    cfg = agent.Config("c", {**GOOD, "path": [str(extra)]}, {"PATH": "/nonexistent"})
-    assert agent.resolve_program("virsh", None, cfg) == str(extra / "virsh")
+    cfg = agent_config.Config("c", {**GOOD, "path": [str(extra)]}, {"PATH": str(first)})
+    assert agent_virsh.resolve_program("virsh", None, cfg) == str(first / "virsh")
+    cfg = agent_config.Config(
+        "c", {**GOOD, "path": [str(extra)]}, {"PATH": "/nonexistent"}
+    )
+    assert agent_virsh.resolve_program("virsh", None, cfg) == str(extra / "virsh")
 
 
 # virsh looks `--domain WORD` up by a running domain's id first, then by UUID,
@@ -216,7 +228,7 @@ def test_names_virsh_reads_as_an_id_or_uuid_are_refused(
     path = write_config(tmp_path / "c.json", **data)
     run = run_agent(["--config", str(path), "check-config"])
     assert run.rc == 1
-    assert run.reply["error"]["code"] == agent.ERR_CONFIG_INVALID
+    assert run.reply["error"]["code"] == wire.ERR_CONFIG_INVALID
     where = "gaming[0]" if key == "gaming" else "gpu_node"
     assert (
         f"{where}: virsh would look {name!r} up as a domain {kind} first, and "
@@ -245,7 +257,7 @@ def test_names_virsh_reads_as_an_id_or_uuid_are_refused(
 def test_names_virsh_reads_only_as_names_are_accepted(
     tmp_path: Path, name: str
 ) -> None:
-    assert agent.virsh_reads_as(name) is None
+    assert wire.virsh_reads_as(name) is None
     path = write_config(tmp_path / "c.json", **{**GOOD, "gaming": [name]})
     run = run_agent(["--config", str(path), "check-config"])
     assert run.rc == 0, run.reply
@@ -279,4 +291,4 @@ def test_the_check_agrees_with_virshs_lookup_as_the_simulator_models_it() -> Non
     ]
     for word in words:
         modelled = domain_id(word) is not None or domain_uuid(word) is not None
-        assert bool(agent.virsh_reads_as(word)) is modelled, repr(word)
+        assert bool(wire.virsh_reads_as(word)) is modelled, repr(word)

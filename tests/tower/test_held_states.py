@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    jobs as agent_jobs,
+    runner as agent_runner,
+    session as agent_session,
+    virsh as agent_virsh,
+    wire,
+)
 from tests.support.simtower import write_agent_config
 from tests.towersim import Tower, realistic_tower
 
@@ -30,14 +37,14 @@ def sim(tmp_path: Path) -> Tower:
 
 
 @pytest.fixture
-def cfg(sim: Tower, tmp_path: Path) -> agent.Config:
+def cfg(sim: Tower, tmp_path: Path) -> agent_config.Config:
     path = write_agent_config(sim, tmp_path / "agent", agent=2.0, shutdown=5.0)
-    return agent.load_config(str(path), dict(os.environ))
+    return agent_config.load_config(str(path), dict(os.environ))
 
 
-def runner(cfg: agent.Config, kind: str, target: str) -> agent.JobRunner:
-    job = agent.create_job(cfg, kind, target, "cli")
-    return agent.JobRunner(cfg, job, agent.Virsh(cfg))
+def runner(cfg: agent_config.Config, kind: str, target: str) -> agent_runner.JobRunner:
+    job = agent_jobs.create_job(cfg, kind, target, "cli")
+    return agent_runner.JobRunner(cfg, job, agent_virsh.Virsh(cfg))
 
 
 @pytest.mark.parametrize(
@@ -48,7 +55,7 @@ def runner(cfg: agent.Config, kind: str, target: str) -> agent.JobRunner:
     ],
 )
 def test_a_held_domain_fails_the_stop_at_once(
-    sim: Tower, cfg: agent.Config, hold: str, state: str, why: str
+    sim: Tower, cfg: agent_config.Config, hold: str, state: str, why: str
 ) -> None:
     if hold == "pause":
         sim.pause("gpu-node")
@@ -56,10 +63,10 @@ def test_a_held_domain_fails_the_stop_at_once(
         sim.crash("gpu-node", preserve=True)
     job = runner(cfg, "stop", "gpu-node")
     began = time.monotonic()
-    with pytest.raises(agent.AgentError) as err:
+    with pytest.raises(wire.AgentError) as err:
         job.run()
     assert time.monotonic() - began < cfg.timeout_agent  # no wait for the agent
-    assert err.value.code == agent.ERR_SHUTDOWN_REFUSED
+    assert err.value.code == wire.ERR_SHUTDOWN_REFUSED
     assert f"'gpu-node' is {state}: " in err.value.message
     assert why in err.value.message
     step = job.job["steps"][0]
@@ -69,20 +76,22 @@ def test_a_held_domain_fails_the_stop_at_once(
 
 
 def test_a_domain_paused_between_ping_and_shutdown(
-    sim: Tower, cfg: agent.Config
+    sim: Tower, cfg: agent_config.Config
 ) -> None:
     """Its guest agent answered; then it was paused: the refused shutdown is
     followed by a look at its state, which says why."""
     job = runner(cfg, "stop", "gpu-node")
     job.step_wait_agent(0, job.job["steps"][0])
     sim.pause("gpu-node")
-    with pytest.raises(agent.AgentError) as err:
+    with pytest.raises(wire.AgentError) as err:
         job.step_shutdown(1, job.job["steps"][1])
     assert "'gpu-node' is paused" in err.value.message
     assert [c.rc for c in sim.calls("shutdown", "gpu-node")] == [1]
 
 
-def test_a_domain_in_shutdown_is_waited_for(sim: Tower, cfg: agent.Config) -> None:
+def test_a_domain_in_shutdown_is_waited_for(
+    sim: Tower, cfg: agent_config.Config
+) -> None:
     """The GPU node powered itself off and libvirt is ending it: no ping, the
     refused shutdown ("domain is not running") counts, it is shut off."""
     sim.set_shutdown_duration("gpu-node", 100.0)  # in shutdown for its last 0.005 s
@@ -99,14 +108,14 @@ def test_a_domain_in_shutdown_is_waited_for(sim: Tower, cfg: agent.Config) -> No
 
 
 def test_in_shutdown_is_seen_by_the_shutdown_step(
-    sim: Tower, cfg: agent.Config, monkeypatch: pytest.MonkeyPatch
+    sim: Tower, cfg: agent_config.Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A refusal that is not one of the agent's, on a domain ``in shutdown``:
     it is going down, so the step waits for shut off."""
     job = runner(cfg, "stop", "gpu-node")
     states = iter(["in_shutdown", "shut_off"])
     monkeypatch.setattr(job, "state_of", lambda domain: next(states))
-    refused = agent.VirshResult(
+    refused = agent_virsh.VirshResult(
         1, "", "error: Requested operation is not valid: domain is not running\n"
     )
     monkeypatch.setattr(job.virsh, "run", lambda args, timeout=0: refused)
@@ -121,9 +130,9 @@ def gpu_node_off(sim: Tower) -> None:
 
 
 def test_a_start_on_a_busy_vfio_group_is_tried_again(
-    sim: Tower, cfg: agent.Config, monkeypatch: pytest.MonkeyPatch
+    sim: Tower, cfg: agent_config.Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(agent, "START_BUSY_RETRIES", (0.05, 0.05))
+    monkeypatch.setattr(agent_runner, "START_BUSY_RETRIES", (0.05, 0.05))
     gpu_node_off(sim)
     sim.fail_next_start("gaming-2", "vfio")
     job = runner(cfg, "start", "gaming-2")
@@ -133,26 +142,26 @@ def test_a_start_on_a_busy_vfio_group_is_tried_again(
 
 
 def test_a_start_busy_every_time_fails_after_the_retries(
-    sim: Tower, cfg: agent.Config, monkeypatch: pytest.MonkeyPatch
+    sim: Tower, cfg: agent_config.Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(agent, "START_BUSY_RETRIES", (0.05, 0.05))
+    monkeypatch.setattr(agent_runner, "START_BUSY_RETRIES", (0.05, 0.05))
     gpu_node_off(sim)
     sim.fail_next_start("gaming-2", "vfio", every=True)
     job = runner(cfg, "start", "gaming-2")
-    with pytest.raises(agent.AgentError) as err:
+    with pytest.raises(wire.AgentError) as err:
         job.step_start(1, job.job["steps"][1])
-    assert err.value.code == agent.ERR_START_FAILED
+    assert err.value.code == wire.ERR_START_FAILED
     assert "Device or resource busy" in err.value.message
     assert len(sim.calls("start", "gaming-2")) == 3
 
 
 def test_a_start_failing_otherwise_is_not_tried_again(
-    sim: Tower, cfg: agent.Config
+    sim: Tower, cfg: agent_config.Config
 ) -> None:
     gpu_node_off(sim)
     sim.fail_next_start("gaming-2", "disk")
     job = runner(cfg, "start", "gaming-2")
-    with pytest.raises(agent.AgentError):
+    with pytest.raises(wire.AgentError):
         job.step_start(1, job.job["steps"][1])
     assert len(sim.calls("start", "gaming-2")) == 1
 
@@ -170,10 +179,10 @@ class Pushes(io.StringIO):
 
 
 def test_session_says_once_and_sees_libvirt_back_at_once(
-    sim: Tower, cfg: agent.Config
+    sim: Tower, cfg: agent_config.Config
 ) -> None:
     out = Pushes()
-    session = agent.Session(cfg, io.StringIO(), out, "test")
+    session = agent_session.Session(cfg, io.StringIO(), out, "test")
     session.jobs.scan()
     assert session.start_events() is None
     session.recompute(force=True, drain=False)
@@ -200,8 +209,8 @@ def test_session_says_once_and_sees_libvirt_back_at_once(
     assert time.monotonic() - back < 2.0
     errors = [m for m in out.messages() if m["type"] == "error"]
     assert [(e["source"], e["error"]["code"]) for e in errors] == [
-        ("events", agent.ERR_LIBVIRT_UNREACHABLE),
-        ("status", agent.ERR_LIBVIRT_UNREACHABLE),
+        ("events", wire.ERR_LIBVIRT_UNREACHABLE),
+        ("status", wire.ERR_LIBVIRT_UNREACHABLE),
     ]
     # "Disconnected from ... due to end of file" when the stream had
     # connected before the restart, else "failed to connect"
@@ -215,26 +224,30 @@ def test_session_says_once_and_sees_libvirt_back_at_once(
     session.stop_events()
 
 
-def test_a_job_waits_for_libvirt_to_come_back(sim: Tower, cfg: agent.Config) -> None:
+def test_a_job_waits_for_libvirt_to_come_back(
+    sim: Tower, cfg: agent_config.Config
+) -> None:
     """libvirtd restarts (no socket activation: its socket is gone) as a stop
     job begins: the job's calls are tried again until it answers, and the
     stop succeeds; a call that may not wait fails at once."""
     sim.restart_libvirtd(100.0)  # 1 s here
-    with pytest.raises(agent.AgentError) as err:
-        agent.Virsh(cfg).run(agent.cmd_domstate("gpu-node"))
-    assert err.value.code == agent.ERR_LIBVIRT_UNREACHABLE
-    job = agent.create_job(cfg, "stop", "gpu-node", "cli")
-    agent.JobRunner(cfg, job, agent.Virsh(cfg, unreachable_wait=10.0)).run()
+    with pytest.raises(wire.AgentError) as err:
+        agent_virsh.Virsh(cfg).run(agent_virsh.cmd_domstate("gpu-node"))
+    assert err.value.code == wire.ERR_LIBVIRT_UNREACHABLE
+    job = agent_jobs.create_job(cfg, "stop", "gpu-node", "cli")
+    agent_runner.JobRunner(
+        cfg, job, agent_virsh.Virsh(cfg, unreachable_wait=10.0)
+    ).run()
     assert [s["result"] for s in job["steps"]] == ["ok", "ok", "ok"]
     assert not sim.is_running("gpu-node")
 
 
 def test_the_runner_waits_for_libvirt(
-    sim: Tower, cfg: agent.Config, monkeypatch: pytest.MonkeyPatch
+    sim: Tower, cfg: agent_config.Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """run_job gives its runner's virsh the wait (JOB_LIBVIRT_WAIT)."""
-    monkeypatch.setattr(agent, "JOB_LIBVIRT_WAIT", 10.0)
-    job = agent.create_job(cfg, "stop", "gpu-node", "cli")
+    monkeypatch.setattr(agent_runner, "JOB_LIBVIRT_WAIT", 10.0)
+    job = agent_jobs.create_job(cfg, "stop", "gpu-node", "cli")
     sim.restart_libvirtd(100.0)  # 1 s here
-    assert agent.run_job(cfg, job["id"]) == 0
-    assert agent.load_job(cfg, job["id"])["state"] == "succeeded"
+    assert agent_runner.run_job(cfg, job["id"]) == 0
+    assert agent_jobs.load_job(cfg, job["id"])["state"] == "succeeded"

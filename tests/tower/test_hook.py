@@ -10,7 +10,10 @@ import subprocess
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    hook as agent_hook,
+    install as agent_install,
+)
 from tests.tower import nodes
 from tests.tower.conftest import FakeTower
 from tests.tower.test_jobs import queue, write_systemd_run
@@ -115,9 +118,8 @@ def test_spawn_failure_is_recorded(fake_tower: FakeTower) -> None:
 def test_old_requests_pruned(
     fake_tower: FakeTower, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from custom_components.gpu_handoff.tower import gpu_handoff as agent
 
-    monkeypatch.setattr(agent, "MAX_HOOK_REQUESTS", 2)
+    monkeypatch.setattr(agent_hook, "MAX_HOOK_REQUESTS", 2)
     hook_tower(fake_tower)
     fake_tower.run("status")
     for _ in range(3):
@@ -225,7 +227,7 @@ def test_the_hook_script_starts_the_agent_only_for_prepare_begin(
     )
     program.chmod(0o755)
     script = tmp_path / "qemu-hook"
-    script.write_text(agent.hook_script(str(program), "/etc/gh/config.json"))
+    script.write_text(agent_install.hook_script(str(program), "/etc/gh/config.json"))
     script.chmod(0o755)
     run = subprocess.run(
         [str(script), "win-1", operation, subop, "-"],

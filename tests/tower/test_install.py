@@ -32,7 +32,14 @@ import zipfile
 import pytest
 
 from custom_components.gpu_handoff import protocol
-from custom_components.gpu_handoff.tower import build, gpu_handoff as agent
+from custom_components.gpu_handoff.tower import build
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    accounts as agent_accounts,
+    config as agent_config,
+    install as agent_install,
+    jobs as agent_jobs,
+    wire,
+)
 from tests.support.account import as_user, give, shared_dir, split_account
 from tests.support.agentbuild import AGENT, agent_bytes, old_agent_bytes
 from tests.support.fresh_tower import private_mounts_argv
@@ -252,15 +259,15 @@ def test_install_into_root(tmp_path: Path) -> None:
         "gaming": ["win-1", "win-2"],
         "state_dir": "/var/lib/gpu-handoff",
         # Every timeout is written, so the file says what applies.
-        "timeouts": agent.TIMEOUT_DEFAULTS,
+        "timeouts": agent_config.TIMEOUT_DEFAULTS,
     }
-    assert agent.validate_config(config) == []
+    assert agent_config.validate_config(config) == []
     assert (root / "var/lib/gpu-handoff").is_dir()
     hook = root / "etc/libvirt/hooks/qemu.d/gpu-handoff"
     assert hook.read_text(encoding="utf-8").splitlines()[-1] == (
         'exec /usr/local/bin/gpu-handoff --config /etc/gpu-handoff/config.json hook "$@"'
     )
-    assert hook.read_text(encoding="utf-8") == agent.hook_script(
+    assert hook.read_text(encoding="utf-8") == agent_install.hook_script(
         "/usr/local/bin/gpu-handoff", "/etc/gpu-handoff/config.json"
     )
     assert os.access(hook, os.X_OK)
@@ -312,14 +319,20 @@ def test_installed_program_runs(tmp_path: Path) -> None:
 
 
 def compiled_from(cache: Path, program: bytes) -> bool:
-    """Whether ``cache`` is the module of the built ``program`` compiled for
-    this Python (the hash of that module's source, PEP 552)."""
+    """Whether ``cache`` is the modules of the built ``program`` compiled for
+    this Python: its header that of a checked hash-based pyc (PEP 552) whose
+    hash is of every module of the package, by name, in name order."""
     with zipfile.ZipFile(io.BytesIO(program)) as zipped:
-        source = zipped.read("gpu_handoff.py")
+        named = sorted(
+            (build.module_name(entry), zipped.read(entry))
+            for entry in zipped.namelist()
+            if entry.startswith(f"{build.PACKAGE}/")
+        )
+    key = b"".join(name.encode() + b"\0" + source + b"\0" for name, source in named)
     data = cache.read_bytes()
-    return data[:4] == importlib.util.MAGIC_NUMBER and data[8:16] == (
-        importlib.util.source_hash(source)
-    )
+    return data[:8] == importlib.util.MAGIC_NUMBER + build.PYC_FLAGS and data[
+        8:16
+    ] == importlib.util.source_hash(key)
 
 
 def test_install_leaves_the_program_compiled_for_this_python(
@@ -455,11 +468,11 @@ def test_install_timeouts(tmp_path: Path) -> None:
         (tmp_path / "etc/gpu-handoff/config.json").read_text(encoding="utf-8")
     )
     assert config["timeouts"] == {
-        **agent.TIMEOUT_DEFAULTS,
+        **agent_config.TIMEOUT_DEFAULTS,
         "agent": 240.0,
         "start": 12.5,
     }
-    assert agent.validate_config(config) == []
+    assert agent_config.validate_config(config) == []
 
 
 def test_install_timeout_errors(tmp_path: Path) -> None:
@@ -488,7 +501,7 @@ def test_install_reply_without_the_guided_options(tmp_path: Path) -> None:
     assert reply["user_created"] is False
     for absent in ("authorized_key", "libvirt_group", "libvirt_restart"):
         assert absent not in reply
-    assert reply["authorized_keys_line"].endswith(agent.PLACEHOLDER_KEY)
+    assert reply["authorized_keys_line"].endswith(agent_install.PLACEHOLDER_KEY)
     assert f"Add this line to ~{me()}/.ssh/authorized_keys:" in reply["notes"]
     assert f"usermod -aG libvirt {me()}" in run.stderr
     assert "systemctl restart libvirtd" in run.stderr
@@ -622,10 +635,10 @@ def test_a_non_root_install_without_write_access_is_undone() -> None:
 def test_undo_reports_what_it_could_not_undo(tmp_path: Path) -> None:
     """A directory the install made and someone filled meanwhile stays, and
     is named; the rest is still undone."""
-    undo = agent.Undo()
+    undo = agent_accounts.Undo()
     made = tmp_path / "made"
-    agent.make_dirs(str(made / "sub"), undo)
-    agent.install_file(str(made / "sub/file"), b"x", 0o644, undo)
+    agent_accounts.make_dirs(str(made / "sub"), undo)
+    agent_accounts.install_file(str(made / "sub/file"), b"x", 0o644, undo)
     (made / "someone-else").write_text("theirs", encoding="utf-8")
     assert undo.rollback() == [str(made)]
     assert sorted(p.name for p in made.iterdir()) == ["someone-else"]
@@ -728,10 +741,10 @@ def test_create_user_runs_useradd_and_undo_runs_userdel(
     stand_ins.add("useradd")
     stand_ins.add("userdel")
     monkeypatch.setattr(
-        agent, "lookup_account", made_by_useradd(stand_ins, tmp_path / "home")
+        agent_accounts, "lookup_account", made_by_useradd(stand_ins, tmp_path / "home")
     )
-    undo = agent.Undo()
-    account = agent.create_user("ha-tower", stand_ins.env, undo)
+    undo = agent_accounts.Undo()
+    account = agent_accounts.create_user("ha-tower", stand_ins.env, undo)
     assert (account.pw_name, account.pw_gid) == ("ha-tower", 54321)
     useradd = ["useradd", "--create-home", "--user-group", "--shell", "/bin/sh"]
     assert stand_ins.calls() == [[*useradd, "--password", "*", "ha-tower"]]
@@ -743,9 +756,9 @@ def test_create_user_runs_useradd_and_undo_runs_userdel(
 
 def test_create_user_failures(stand_ins: StandIns) -> None:
     stand_ins.add("useradd", rc=9, stderr="useradd: user 'ha-tower' already exists\n")
-    undo = agent.Undo()
-    with pytest.raises(agent.StepError) as failed:
-        agent.create_user("ha-tower", stand_ins.env, undo)
+    undo = agent_accounts.Undo()
+    with pytest.raises(agent_accounts.StepError) as failed:
+        agent_accounts.create_user("ha-tower", stand_ins.env, undo)
     assert failed.value.reason == "command"
     assert "exited with 9: useradd: user 'ha-tower' already exists" in str(failed.value)
     # useradd made nothing: nothing to remove.
@@ -754,8 +767,8 @@ def test_create_user_failures(stand_ins: StandIns) -> None:
     # useradd says it made a user nobody can find; and userdel fails too.
     stand_ins.add("useradd")
     stand_ins.add("userdel", rc=6, stderr="userdel: user 'gh-ghost' does not exist")
-    with pytest.raises(agent.StepError, match="there is no user 'gh-ghost'"):
-        agent.create_user("gh-ghost", stand_ins.env, undo)
+    with pytest.raises(agent_accounts.StepError, match="there is no user 'gh-ghost'"):
+        agent_accounts.create_user("gh-ghost", stand_ins.env, undo)
     assert undo.rollback() == ["user gh-ghost"]
     assert stand_ins.calls()[-1] == ["userdel", "--remove", "gh-ghost"]
 
@@ -770,11 +783,11 @@ def test_a_useradd_that_fails_half_way_is_undone(
     )
     stand_ins.add("userdel")
     monkeypatch.setattr(
-        agent, "lookup_account", made_by_useradd(stand_ins, tmp_path / "home")
+        agent_accounts, "lookup_account", made_by_useradd(stand_ins, tmp_path / "home")
     )
-    undo = agent.Undo()
-    with pytest.raises(agent.StepError, match="exited with 12"):
-        agent.create_user("ha-tower", stand_ins.env, undo)
+    undo = agent_accounts.Undo()
+    with pytest.raises(agent_accounts.StepError, match="exited with 12"):
+        agent_accounts.create_user("ha-tower", stand_ins.env, undo)
     assert undo.rollback() == []
     assert stand_ins.calls()[-1] == ["userdel", "--remove", "ha-tower"]
 
@@ -826,10 +839,10 @@ def account(name: str, gid: int) -> pwd.struct_passwd:
 
 def test_libvirt_membership() -> None:
     group = grp.struct_group(("libvirt", "x", 990, ["ha", "other"]))
-    assert agent.libvirt_membership(account("ha", 100), group) == "member"
-    assert agent.libvirt_membership(account("primary", 990), group) == "member"
-    assert agent.libvirt_membership(account("new", 100), group) == "add"
-    assert agent.libvirt_membership(account("ha", 100), None) == "missing"
+    assert agent_accounts.libvirt_membership(account("ha", 100), group) == "member"
+    assert agent_accounts.libvirt_membership(account("primary", 990), group) == "member"
+    assert agent_accounts.libvirt_membership(account("new", 100), group) == "add"
+    assert agent_accounts.libvirt_membership(account("ha", 100), None) == "missing"
 
 
 def test_join_libvirt_group(
@@ -840,25 +853,28 @@ def test_join_libvirt_group(
     assert "ha-tower" not in group.gr_mem
     for name in ("usermod", "gpasswd"):
         stand_ins.add(name)
-    undo = agent.Undo()
-    assert agent.join_libvirt_group(stranger, stand_ins.env, undo) == "added"
+    undo = agent_accounts.Undo()
+    assert agent_accounts.join_libvirt_group(stranger, stand_ins.env, undo) == "added"
     assert stand_ins.calls() == [["usermod", "-aG", "libvirt", "ha-tower"]]
     assert undo.rollback() == []
     assert stand_ins.calls()[1:] == [["gpasswd", "--delete", "ha-tower", "libvirt"]]
     # Already in it (its primary group), or no such group: nothing runs.
     member = account("ha-tower", group.gr_gid)
-    assert agent.join_libvirt_group(member, stand_ins.env, undo) == "member"
-    monkeypatch.setattr(agent, "LIBVIRT_GROUP", "no-such-group-here")
-    assert agent.join_libvirt_group(stranger, stand_ins.env, undo) == "missing"
+    assert agent_accounts.join_libvirt_group(member, stand_ins.env, undo) == "member"
+    monkeypatch.setattr(agent_accounts, "LIBVIRT_GROUP", "no-such-group-here")
+    monkeypatch.setattr(agent_install, "LIBVIRT_GROUP", "no-such-group-here")
+    assert agent_accounts.join_libvirt_group(stranger, stand_ins.env, undo) == "missing"
     assert len(stand_ins.calls()) == 2
 
 
 def test_join_libvirt_group_failure(stand_ins: StandIns) -> None:
     libvirt_group()
     stand_ins.add("usermod", rc=6, stderr="usermod: user 'ha-tower' does not exist\n")
-    undo = agent.Undo()
-    with pytest.raises(agent.StepError, match="exited with 6") as failed:
-        agent.join_libvirt_group(account("ha-tower", 4321), stand_ins.env, undo)
+    undo = agent_accounts.Undo()
+    with pytest.raises(agent_accounts.StepError, match="exited with 6") as failed:
+        agent_accounts.join_libvirt_group(
+            account("ha-tower", 4321), stand_ins.env, undo
+        )
     assert failed.value.reason == "command"
     assert undo.rollback() == []
     assert len(stand_ins.calls()) == 1
@@ -874,13 +890,13 @@ def test_a_failed_install_removes_the_user_it_made(
     libvirt_group()
     for name in ("useradd", "userdel", "usermod", "gpasswd"):
         stand_ins.add(name)
-    monkeypatch.setattr(
-        agent, "lookup_account", made_by_useradd(stand_ins, tmp_path / "home")
-    )
+    made = made_by_useradd(stand_ins, tmp_path / "home")
+    monkeypatch.setattr(agent_accounts, "lookup_account", made)
+    monkeypatch.setattr(agent_install, "lookup_account", made)
     root = tmp_path / "root"
     (root / "etc/libvirt/hooks/qemu.d/gpu-handoff/keep").mkdir(parents=True)
     before = tree(root)
-    opts = agent._install_options(
+    opts = agent_install._install_options(
         [
             *["--user", "ha-tower", "--gpu-node", "n", "--gaming", "g"],
             *["--create-user", "--join-libvirt-group"],
@@ -896,13 +912,13 @@ def test_a_failed_install_removes_the_user_it_made(
         "state": str(root / "var/lib/gpu-handoff"),
         "hook": str(root / "etc/libvirt/hooks/qemu.d/gpu-handoff"),
     }
-    undo = agent.Undo()
+    undo = agent_accounts.Undo()
     with pytest.raises(IsADirectoryError):
-        agent._install_steps(
+        agent_install._install_steps(
             opts=opts,
             account=None,
             files=files,
-            data=agent._install_data(opts),
+            data=agent_install._install_data(opts),
             env=stand_ins.env,
             undo=undo,
         )
@@ -922,40 +938,44 @@ def test_a_failed_install_removes_the_user_it_made(
 
 def test_run_admin(stand_ins: StandIns) -> None:
     stand_ins.add("ok")
-    agent.run_admin(["ok", "--flag", "a b", "*"], stand_ins.env)
+    agent_accounts.run_admin(["ok", "--flag", "a b", "*"], stand_ins.env)
     assert stand_ins.calls() == [["ok", "--flag", "a b", "*"]]
     stand_ins.add("fails", rc=3, stderr="first line\n  second   line\n")
-    with pytest.raises(agent.StepError) as failed:
-        agent.run_admin(["fails"], stand_ins.env)
+    with pytest.raises(agent_accounts.StepError) as failed:
+        agent_accounts.run_admin(["fails"], stand_ins.env)
     assert failed.value.message == "fails exited with 3: first line second line"
     stand_ins.add("chatty", rc=1, stderr="x" * 5000)
-    with pytest.raises(agent.StepError) as failed:
-        agent.run_admin(["chatty"], stand_ins.env)
+    with pytest.raises(agent_accounts.StepError) as failed:
+        agent_accounts.run_admin(["chatty"], stand_ins.env)
     said = failed.value.message.split(": ", 1)[1]
-    assert len(said) == agent.ADMIN_OUTPUT_MAX
+    assert len(said) == agent_accounts.ADMIN_OUTPUT_MAX
     assert said.endswith("...")
     stand_ins.add("mute", rc=1)
-    with pytest.raises(agent.StepError, match=r"exited with 1: \(it said nothing\)"):
-        agent.run_admin(["mute"], stand_ins.env)
+    with pytest.raises(
+        agent_accounts.StepError, match=r"exited with 1: \(it said nothing\)"
+    ):
+        agent_accounts.run_admin(["mute"], stand_ins.env)
     stand_ins.add("slow", sleep=30)
-    with pytest.raises(agent.StepError, match=r"did not finish within 0\.5 s"):
-        agent.run_admin(["slow"], stand_ins.env, timeout=0.5)
+    with pytest.raises(agent_accounts.StepError, match=r"did not finish within 0\.5 s"):
+        agent_accounts.run_admin(["slow"], stand_ins.env, timeout=0.5)
     broken = stand_ins.bin / "broken"
     broken.write_text("#!/nonexistent/interpreter\n", encoding="utf-8")
     broken.chmod(0o755)
-    with pytest.raises(agent.StepError, match="No such file") as failed:
-        agent.run_admin(["broken"], stand_ins.env)
-    with pytest.raises(agent.StepError, match="absent is not on PATH") as failed:
-        agent.run_admin(["absent"], stand_ins.env)
+    with pytest.raises(agent_accounts.StepError, match="No such file") as failed:
+        agent_accounts.run_admin(["broken"], stand_ins.env)
+    with pytest.raises(
+        agent_accounts.StepError, match="absent is not on PATH"
+    ) as failed:
+        agent_accounts.run_admin(["absent"], stand_ins.env)
     assert failed.value.reason == "command"
 
 
 def test_run_admin_without_a_path() -> None:
     """No PATH (a bare environment): the usual one of sudo, where the
     system's own harmless `true` and `false` live."""
-    agent.run_admin(["true"], {})
-    with pytest.raises(agent.StepError, match="false exited with 1"):
-        agent.run_admin(["false"], {})
+    agent_accounts.run_admin(["true"], {})
+    with pytest.raises(agent_accounts.StepError, match="false exited with 1"):
+        agent_accounts.run_admin(["false"], {})
 
 
 def test_restart_libvirt(stand_ins: StandIns) -> None:
@@ -964,7 +984,7 @@ def test_restart_libvirt(stand_ins: StandIns) -> None:
     "unknown" for one that does not run or does not exist, so a tower with
     the monolithic libvirtd never asks for a virqemud it lacks."""
     stand_ins.add("systemctl", stdout="active\nunknown\n")
-    assert agent.restart_libvirt(stand_ins.env) == {
+    assert agent_accounts.restart_libvirt(stand_ins.env) == {
         "done": True,
         "restarted": ["libvirtd.service"],
         "message": "restarted libvirtd.service",
@@ -975,13 +995,13 @@ def test_restart_libvirt(stand_ins: StandIns) -> None:
     ]
     # The modular daemons: virtqemud loads the QEMU hooks.
     stand_ins.add("systemctl", stdout="inactive\nactive\n")
-    assert agent.restart_libvirt(stand_ins.env)["done"] is True
+    assert agent_accounts.restart_libvirt(stand_ins.env)["done"] is True
     assert stand_ins.calls()[-1] == ["systemctl", "restart", "virtqemud.service"]
     # Neither runs (socket activation between uses): nothing to restart,
     # the daemon reads the hook when it starts.
     stand_ins.add("systemctl", rc=3, stdout="inactive\ninactive\n")
     calls = len(stand_ins.calls())
-    restart = agent.restart_libvirt(stand_ins.env)
+    restart = agent_accounts.restart_libvirt(stand_ins.env)
     assert restart["done"] is True
     assert "loads the hook when it starts" in restart["message"]
     assert len(stand_ins.calls()) == calls + 1  # only the question
@@ -991,7 +1011,7 @@ def test_restart_libvirt(stand_ins: StandIns) -> None:
         rc=1,
         stderr="System has not been booted with systemd as init system (PID 1).",
     )
-    restart = agent.restart_libvirt(stand_ins.env)
+    restart = agent_accounts.restart_libvirt(stand_ins.env)
     assert restart == {
         "done": False,
         "message": "systemctl is-active libvirtd.service virtqemud.service "
@@ -999,7 +1019,7 @@ def test_restart_libvirt(stand_ins: StandIns) -> None:
         "(PID 1).",
     }
     (stand_ins.bin / "systemctl").unlink()
-    restart = agent.restart_libvirt(stand_ins.env)
+    restart = agent_accounts.restart_libvirt(stand_ins.env)
     assert restart["done"] is False
     assert "systemctl is not on PATH" in restart["message"]
 
@@ -1045,21 +1065,21 @@ def test_install_notes_follow_what_was_done() -> None:
         "libvirt_group": "added",
         "libvirt_restart": {"done": True, "restarted": ["libvirtd.service"]},
     }
-    assert agent._install_notes(opts, done, "unused") == [
+    assert agent_install._install_notes(opts, done, "unused") == [
         "Made the user ha-tower (key logins only: no password).",
         f"Home Assistant's key is in {key['path']} (added).",
         "Added ha-tower to the libvirt group.",
         "Restarted libvirtd: it loads the new hook.",
     ]
     done["libvirt_restart"] = {"done": True, "restarted": [], "message": "none runs"}
-    assert "libvirtd was not restarted: none runs." in agent._install_notes(
+    assert "libvirtd was not restarted: none runs." in agent_install._install_notes(
         opts, done, "unused"
     )
     done.update(user_created=False, libvirt_group="member")
-    notes = agent._install_notes(opts, done, "unused")
+    notes = agent_install._install_notes(opts, done, "unused")
     assert not any("libvirt group" in note or "Made" in note for note in notes)
     done["libvirt_group"] = "missing"
-    notes = agent._install_notes(opts, done, "unused")
+    notes = agent_install._install_notes(opts, done, "unused")
     assert (
         "This system has no libvirt group: ha-tower needs access to libvirt some "
         "other way (virsh -c qemu:///system must work as ha-tower)." in notes
@@ -1067,8 +1087,8 @@ def test_install_notes_follow_what_was_done() -> None:
 
 
 def test_an_install_failure_names_what_is_left() -> None:
-    failure = agent._install_failed(
-        agent.StepError("command", "install: useradd exited with 1: no"),
+    failure = agent_install._install_failed(
+        agent_accounts.StepError("command", "install: useradd exited with 1: no"),
         ["/etc/gpu-handoff", "user ha-tower"],
     )
     assert failure.code == "install_failed"
@@ -1080,15 +1100,15 @@ def test_an_install_failure_names_what_is_left() -> None:
         "reason": "command",
         "left": ["/etc/gpu-handoff", "user ha-tower"],
     }
-    reply = agent.reply_error(failure.code, failure.message, **failure.extra)
+    reply = wire.reply_error(failure.code, failure.message, **failure.extra)
     assert reply["error"] == {
         "code": "install_failed",
         "message": failure.message,
         "reason": "command",
         "left": ["/etc/gpu-handoff", "user ha-tower"],
     }
-    assert agent.errno_name(OSError(30, "Read-only file system")) == "EROFS"
-    assert agent.errno_name(OSError("no number")) == "unknown"
+    assert agent_accounts.errno_name(OSError(30, "Read-only file system")) == "EROFS"
+    assert agent_accounts.errno_name(OSError("no number")) == "unknown"
 
 
 def test_the_state_directory_has_a_tmpfiles_entry(tmp_path: Path) -> None:
@@ -1141,28 +1161,36 @@ def test_the_ssh_user_lingers_where_systemd_runs(
     linger.mkdir()
     running = tmp_path / "systemd"
     running.mkdir()
-    monkeypatch.setattr(agent, "LINGER_DIR", str(linger))
-    monkeypatch.setattr(agent, "SYSTEMD_RUNTIME_DIR", str(running))
+    monkeypatch.setattr(agent_accounts, "LINGER_DIR", str(linger))
+    monkeypatch.setattr(agent_jobs, "LINGER_DIR", str(linger))
+    monkeypatch.setattr(agent_accounts, "SYSTEMD_RUNTIME_DIR", str(running))
+    monkeypatch.setattr(agent_jobs, "SYSTEMD_RUNTIME_DIR", str(running))
     stand_ins.add("loginctl")
     account = pwd.getpwuid(os.getuid())
-    undo = agent.Undo()
-    assert agent.enable_linger(account, stand_ins.env, undo) == "enabled"
+    undo = agent_accounts.Undo()
+    assert agent_accounts.enable_linger(account, stand_ins.env, undo) == "enabled"
     assert stand_ins.calls() == [["loginctl", "enable-linger", account.pw_name]]
     assert undo.rollback() == []
     assert stand_ins.calls()[-1] == ["loginctl", "disable-linger", account.pw_name]
     (linger / account.pw_name).touch()
-    assert agent.enable_linger(account, stand_ins.env, agent.Undo()) == "already"
-    assert agent.user_lingers()
+    assert (
+        agent_accounts.enable_linger(account, stand_ins.env, agent_accounts.Undo())
+        == "already"
+    )
+    assert agent_jobs.user_lingers()
     (linger / account.pw_name).unlink()
-    assert not agent.user_lingers()
+    assert not agent_jobs.user_lingers()
     running.rmdir()
-    assert agent.enable_linger(account, stand_ins.env, agent.Undo()) == "no_systemd"
+    assert (
+        agent_accounts.enable_linger(account, stand_ins.env, agent_accounts.Undo())
+        == "no_systemd"
+    )
     assert len(stand_ins.calls()) == 2
     stand_ins.add("loginctl", rc=1, stderr="Could not enable linger: Access denied")
     running.mkdir()
-    with pytest.raises(agent.StepError, match="Access denied"):
-        agent.enable_linger(account, stand_ins.env, agent.Undo())
-    notes = agent._install_notes(
+    with pytest.raises(agent_accounts.StepError, match="Access denied"):
+        agent_accounts.enable_linger(account, stand_ins.env, agent_accounts.Undo())
+    notes = agent_install._install_notes(
         {"user": "gpu-handoff", "uri": "qemu:///system"},
         {"user_created": False, "linger": "enabled", "libvirt_restart": None},
         "unused",

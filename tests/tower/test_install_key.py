@@ -17,7 +17,12 @@ from typing import Any
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    accounts as agent_accounts,
+    install as agent_install,
+    keys as agent_keys,
+    state as agent_state,
+)
 from tests.support.account import as_user, give, shared_dir, split_account
 from tests.tower.test_install import (
     StandIns,
@@ -32,7 +37,7 @@ from tests.tower.test_nixos import nix_eval, nixos_root
 
 # The real one: conftest.py makes the agent's refuse to run in this process;
 # here only in children it forks, which become the SSH user and exit.
-REAL_DROP_PRIVILEGES = agent.drop_privileges
+REAL_DROP_PRIVILEGES = agent_state.drop_privileges
 # The test process has idle threads of its own (Home Assistant's test
 # plugin); the child forked here only becomes the user, writes and exits.
 FORK_IN_TESTS = pytest.mark.filterwarnings(
@@ -88,19 +93,19 @@ def test_key_types_ssh_keygen_makes(
 ) -> None:
     line = public_key(tmp_path, kind, "ha@home", bits)
     assert line.startswith(name + " ")
-    normal, blob = agent.parse_public_key(line)
+    normal, blob = agent_keys.parse_public_key(line)
     assert normal == line
     assert blob == blob_of(line)
 
 
 def test_a_fido_key_and_the_line_written() -> None:
     line = sk_ed25519_key("  Home Assistant (kitchen)  ")
-    normal, blob = agent.parse_public_key(line)
+    normal, blob = agent_keys.parse_public_key(line)
     # The comment keeps its words, not its outer blanks.
     assert normal == " ".join(line.split()[:2]) + " Home Assistant (kitchen)"
     assert blob == blob_of(line)
     # No comment at all is fine too.
-    assert agent.parse_public_key(" ".join(line.split()[:2]))[0] == " ".join(
+    assert agent_keys.parse_public_key(" ".join(line.split()[:2]))[0] == " ".join(
         line.split()[:2]
     )
 
@@ -120,7 +125,7 @@ def bad_lines(good: str) -> dict[str, str]:
         "a tab": f"{kind}\t{text}",
         "a double quote": f'{kind} {text} say "hi"',
         "a single quote": f"{kind} {text} it's",
-        "too long": f"{kind} {text} {'x' * agent.KEY_LINE_MAX}",
+        "too long": f"{kind} {text} {'x' * agent_keys.KEY_LINE_MAX}",
         "a control character": f"{kind} {text} a\x1bb",
     }
 
@@ -163,25 +168,25 @@ def test_authorized_keys_content(tmp_path: Path) -> None:
         f'from="10.0.0.0/8" {other}'.encode(),
     ]
     old = b"".join(others)
-    new, action = agent.authorized_keys_content(old, line, blob)
+    new, action = agent_keys.authorized_keys_content(old, line, blob)
     assert action == "added"
     assert new == old + b"\n" + line.encode() + b"\n"
     # The same line again: present, the file unchanged.
-    assert agent.authorized_keys_content(new, line, blob) == (None, "present")
+    assert agent_keys.authorized_keys_content(new, line, blob) == (None, "present")
     # This key under other options and another comment, twice: its first
     # line becomes the line, its second goes; the others stay as they were.
     mine = f'from="192.168.1.2",command="old serve" {key.rsplit(" ", 1)[0]} old\n'
     old = b"".join([others[0], mine.encode(), others[2], mine.encode(), others[3]])
-    new, action = agent.authorized_keys_content(old, line, blob)
+    new, action = agent_keys.authorized_keys_content(old, line, blob)
     assert action == "replaced"
     assert new == b"".join([others[0], line.encode() + b"\n", others[2], others[3]])
     # The line itself, twice: one stays.
     twice = (line + "\n").encode() * 2
-    assert agent.authorized_keys_content(twice, line, blob) == (
+    assert agent_keys.authorized_keys_content(twice, line, blob) == (
         (line + "\n").encode(),
         "replaced",
     )
-    assert agent.authorized_keys_content(b"", line, blob) == (
+    assert agent_keys.authorized_keys_content(b"", line, blob) == (
         (line + "\n").encode(),
         "added",
     )
@@ -190,11 +195,11 @@ def test_authorized_keys_content(tmp_path: Path) -> None:
 def test_authorized_key_of() -> None:
     line = sk_ed25519_key()
     blob = blob_of(line)
-    assert agent.authorized_key_of(line.encode()) == blob
-    assert agent.authorized_key_of(f"no-pty {line}\n".encode()) == blob
-    assert agent.authorized_key_of(f'command="a b" {line}'.encode()) == blob
+    assert agent_keys.authorized_key_of(line.encode()) == blob
+    assert agent_keys.authorized_key_of(f"no-pty {line}\n".encode()) == blob
+    assert agent_keys.authorized_key_of(f'command="a b" {line}'.encode()) == blob
     for nothing in (b"", b"  \n", b"# " + line.encode(), b'command="a b', b"x y"):
-        assert agent.authorized_key_of(nothing) is None
+        assert agent_keys.authorized_key_of(nothing) is None
 
 
 def test_install_authorizes_the_key(tmp_path: Path) -> None:
@@ -241,7 +246,7 @@ def test_an_authorized_keys_that_is_no_file_fails_the_install(
         keys.mkdir(parents=True)
     else:
         keys.parent.mkdir(parents=True)
-        keys.write_bytes(b"#" * (agent.AUTHORIZED_KEYS_MAX + 1))
+        keys.write_bytes(b"#" * (agent_keys.AUTHORIZED_KEYS_MAX + 1))
     before = tree(root)
     run = install_run(root, "--authorize-key", public_key(tmp_path / "keys"))
     error = run.reply["error"]
@@ -261,7 +266,7 @@ def test_a_failed_key_write_leaves_no_ssh_directory(tmp_path: Path) -> None:
     home.mkdir()
     key = sk_ed25519_key("x" * 4000)
     with file_size_limit(1000), pytest.raises(OSError) as failed:
-        agent.write_authorized_key(str(home), f"{SERVE} {key}", blob_of(key))
+        agent_keys.write_authorized_key(str(home), f"{SERVE} {key}", blob_of(key))
     assert failed.value.errno == errno.EFBIG
     assert list(home.iterdir()) == []
 
@@ -331,21 +336,24 @@ def test_the_key_is_written_by_a_child_that_is_the_user(
     """In this process (root): the write happens in a child that became the
     user; what it says comes back to the install, success or failure."""
     account = split_account()
-    monkeypatch.setattr(agent, "drop_privileges", REAL_DROP_PRIVILEGES)
+    monkeypatch.setattr(agent_accounts, "drop_privileges", REAL_DROP_PRIVILEGES)
+    monkeypatch.setattr(agent_state, "drop_privileges", REAL_DROP_PRIVILEGES)
     with shared_dir() as base:
         home = base / "home"
         home.mkdir()
         give(home, account, 0o700)
         key = sk_ed25519_key()
         line = f"{SERVE} {key}"
-        done = agent.authorize_key(account, str(home), line, blob_of(key))
+        done = agent_keys.authorize_key(account, str(home), line, blob_of(key))
         keys = home / ".ssh/authorized_keys"
         assert done == {"path": str(keys), "action": "added"}
         assert keys.stat().st_uid == account.pw_uid
         (home / ".ssh").chmod(0o500)  # the user may no longer write there
         other = sk_ed25519_key()
-        with pytest.raises(agent.StepError) as failed:
-            agent.authorize_key(account, str(home), f"{SERVE} {other}", blob_of(other))
+        with pytest.raises(agent_accounts.StepError) as failed:
+            agent_keys.authorize_key(
+                account, str(home), f"{SERVE} {other}", blob_of(other)
+            )
         assert failed.value.reason == "EACCES"
         assert keys.read_text(encoding="utf-8") == line + "\n"
 
@@ -353,12 +361,13 @@ def test_the_key_is_written_by_a_child_that_is_the_user(
 @FORK_IN_TESTS
 def test_a_child_that_says_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     account = split_account()
-    monkeypatch.setattr(agent, "drop_privileges", REAL_DROP_PRIVILEGES)
+    monkeypatch.setattr(agent_accounts, "drop_privileges", REAL_DROP_PRIVILEGES)
+    monkeypatch.setattr(agent_state, "drop_privileges", REAL_DROP_PRIVILEGES)
 
     def vanish() -> dict[str, Any]:
         os._exit(3)
 
-    reply = agent.as_user(account, vanish, "the work")
+    reply = agent_accounts.as_user(account, vanish, "the work")
     assert reply["error"] == {
         "code": "internal",
         "message": "the work as the SSH user said nothing",
@@ -407,7 +416,7 @@ def test_nixos_takes_the_key_into_its_settings(
     assert stand_ins.calls() == []
     assert sorted(p.name for p in root.rglob("*")) == ["etc", "os-release"]
     snippet = run.reply["nixos_module"]
-    assert agent.PLACEHOLDER_KEY not in snippet
+    assert agent_install.PLACEHOLDER_KEY not in snippet
     settings = tmp_path / "settings.nix"
     settings.write_text(snippet, encoding="utf-8")
     keys = nix_eval(

@@ -14,7 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    observe as agent_observe,
+    runner as agent_runner,
+)
 
 NODE = ["0000:01:00.0", "0000:01:00.1"]  # the GPU node's own card
 CARD_1 = ["0000:03:00.0", "0000:03:00.1"]  # gaming-1's
@@ -57,9 +61,9 @@ def dom(name: str, addresses: list[str], *, running: bool) -> dict[str, Any]:
     }
 
 
-def snapshot(groups: dict[str, int], *, playing: bool = True) -> agent.Snapshot:
+def snapshot(groups: dict[str, int], *, playing: bool = True) -> agent_observe.Snapshot:
     """The GPU node (off) defined with every card; gaming-1 plays."""
-    snap = agent.Snapshot()
+    snap = agent_observe.Snapshot()
     snap.existing = ["gpu-node", "gaming-1", "gaming-2"]
     gpu = dom("gpu-node", NODE + CARD_1 + CARD_2, running=False)
     gpu["defined_hostdevs"] = gpu["hostdevs"]
@@ -72,10 +76,12 @@ def snapshot(groups: dict[str, int], *, playing: bool = True) -> agent.Snapshot:
     return snap
 
 
-def config(tmp_path: Path, **extra: Any) -> agent.Config:
+def config(tmp_path: Path, **extra: Any) -> agent_config.Config:
     data = {"gpu_node": "gpu-node", "gaming": ["gaming-1", "gaming-2"], **extra}
-    assert agent.validate_config(data) == []
-    return agent.Config(str(tmp_path / "config.json"), data, {"HOME": str(tmp_path)})
+    assert agent_config.validate_config(data) == []
+    return agent_config.Config(
+        str(tmp_path / "config.json"), data, {"HOME": str(tmp_path)}
+    )
 
 
 def no_acs() -> dict[str, int]:
@@ -85,7 +91,9 @@ def no_acs() -> dict[str, int]:
 
 def test_the_group_number_is_the_last_component_of_the_link(tmp_path: Path) -> None:
     root = sysfs_tree(tmp_path / "sys", {11: NODE + CARD_1, 14: CARD_2})
-    assert [agent.iommu_group(str(root), a) for a in NODE + CARD_1 + CARD_2] == [
+    assert [
+        agent_observe.iommu_group(str(root), a) for a in NODE + CARD_1 + CARD_2
+    ] == [
         11,
         11,
         11,
@@ -100,10 +108,10 @@ def test_no_group_without_an_iommu_or_for_a_strange_name(tmp_path: Path) -> None
     PCI address (nothing outside the device directories is read)."""
     root = sysfs_tree(tmp_path / "sys", {14: CARD_2})
     (root / "bus" / "pci" / "devices" / "0000:05:00.0").mkdir()
-    assert agent.iommu_group(str(root), "0000:05:00.0") is None
-    assert agent.iommu_group(str(root), "0000:06:00.0") is None
-    assert agent.iommu_group(str(tmp_path / "none"), CARD_2[0]) is None
-    assert agent.iommu_group(str(root), "../../../etc") is None
+    assert agent_observe.iommu_group(str(root), "0000:05:00.0") is None
+    assert agent_observe.iommu_group(str(root), "0000:06:00.0") is None
+    assert agent_observe.iommu_group(str(tmp_path / "none"), CARD_2[0]) is None
+    assert agent_observe.iommu_group(str(root), "../../../etc") is None
 
 
 def test_the_sysfs_root_is_configurable_and_defaults_to_sys(tmp_path: Path) -> None:
@@ -111,25 +119,25 @@ def test_the_sysfs_root_is_configurable_and_defaults_to_sys(tmp_path: Path) -> N
     assert config(tmp_path, sysfs="/srv/sys").as_json()["sysfs"] == "/srv/sys"
     base = {"gpu_node": "gpu-node", "gaming": ["gaming-1"]}
     for bad in ("sys", 3, None):
-        assert agent.validate_config({**base, "sysfs": bad}) == [
+        assert agent_config.validate_config({**base, "sysfs": bad}) == [
             "sysfs: must be an absolute path"
         ]
 
 
 def test_with_a_group_per_card_only_the_players_card_is_busy() -> None:
     snap = snapshot({**dict.fromkeys(NODE, 11), **dict.fromkeys(CARD_1, 13)})
-    assert agent.busy_cards(snap, "gpu-node") == ["0000:03:00"]
+    assert agent_runner.busy_cards(snap, "gpu-node") == ["0000:03:00"]
     # and without any group (no IOMMU): the card is the unit
-    assert agent.busy_cards(snapshot({}), "gpu-node") == ["0000:03:00"]
+    assert agent_runner.busy_cards(snapshot({}), "gpu-node") == ["0000:03:00"]
 
 
 def test_a_players_group_mate_is_busy_too() -> None:
     """gaming-1 holds its card; the GPU node's own card shares its group:
     libvirt would refuse the GPU node with it, so it is left out too."""
     snap = snapshot(no_acs())
-    assert agent.busy_cards(snap, "gpu-node") == ["0000:01:00", "0000:03:00"]
+    assert agent_runner.busy_cards(snap, "gpu-node") == ["0000:01:00", "0000:03:00"]
     # nobody plays: nothing is busy
-    assert agent.busy_cards(snapshot(no_acs(), playing=False), "gpu-node") == []
+    assert agent_runner.busy_cards(snapshot(no_acs(), playing=False), "gpu-node") == []
 
 
 def test_the_live_definition_leaves_the_whole_group_out() -> None:
@@ -143,8 +151,8 @@ def test_the_live_definition_leaves_the_whole_group_out() -> None:
         )
         + "</devices></domain>"
     )
-    busy = agent.busy_cards(snapshot(no_acs()), "gpu-node")
-    live, kept, left = agent.live_definition(xml, busy)
+    busy = agent_runner.busy_cards(snapshot(no_acs()), "gpu-node")
+    live, kept, left = agent_runner.live_definition(xml, busy)
     assert (kept, left) == (["0000:04:00"], ["0000:01:00", "0000:03:00"])
     assert "bus='0x01'" not in live
     assert "bus='0x03'" not in live
@@ -153,18 +161,21 @@ def test_the_live_definition_leaves_the_whole_group_out() -> None:
 
 def test_the_card_table_tells_each_functions_group(tmp_path: Path) -> None:
     snap = snapshot(no_acs())
-    cards = agent.card_table(config(tmp_path), snap)
+    cards = agent_observe.card_table(config(tmp_path), snap)
     assert {c["address"]: c["iommu_group"] for c in cards} == no_acs()
     assert {c["address"]: c["held_by"] for c in cards if c["held_by"]} == dict.fromkeys(
         CARD_1, "gaming-1"
     )
-    assert agent.card_table(config(tmp_path), snapshot({}))[0]["iommu_group"] is None
+    assert (
+        agent_observe.card_table(config(tmp_path), snapshot({}))[0]["iommu_group"]
+        is None
+    )
 
 
 def test_a_group_mixing_two_vms_cards_is_a_finding(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     snap = snapshot(no_acs())
-    found = agent.findings_for(cfg, snap, agent.card_table(cfg, snap))
+    found = agent_observe.findings_for(cfg, snap, agent_observe.card_table(cfg, snap))
     assert [f for f in found if f["code"] == "shared_iommu_group"] == [
         {
             "code": "shared_iommu_group",
@@ -177,7 +188,7 @@ def test_a_group_mixing_two_vms_cards_is_a_finding(tmp_path: Path) -> None:
     # two gaming VMs' cards in one group: named after the first
     both = {**dict.fromkeys(NODE, 11), **dict.fromkeys(CARD_1 + CARD_2, 20)}
     snap = snapshot(both)
-    found = agent.findings_for(cfg, snap, agent.card_table(cfg, snap))
+    found = agent_observe.findings_for(cfg, snap, agent_observe.card_table(cfg, snap))
     assert [(f["domain"], f["detail"]) for f in found] == [
         (
             "gaming-1",
@@ -195,7 +206,9 @@ def test_a_group_mixing_two_vms_cards_is_a_finding(tmp_path: Path) -> None:
         **dict.fromkeys(CARD_2, 14),
     }
     snap = snapshot(per_card)
-    assert agent.findings_for(cfg, snap, agent.card_table(cfg, snap)) == []
+    assert (
+        agent_observe.findings_for(cfg, snap, agent_observe.card_table(cfg, snap)) == []
+    )
 
 
 def test_the_finding_stays_while_the_gpu_node_runs_without_its_card(
@@ -210,7 +223,7 @@ def test_the_finding_stays_while_the_gpu_node_runs_without_its_card(
         **dom("gpu-node", CARD_2, running=True),
         "defined_hostdevs": gpu["defined_hostdevs"],
     }
-    found = agent.findings_for(cfg, snap, agent.card_table(cfg, snap))
+    found = agent_observe.findings_for(cfg, snap, agent_observe.card_table(cfg, snap))
     assert [(f["code"], f["domain"]) for f in found] == [
         ("shared_iommu_group", "gaming-1")
     ]

@@ -17,14 +17,21 @@ import time
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    jobs as agent_jobs,
+    runner as agent_runner,
+    stream as agent_stream,
+    virsh as agent_virsh,
+    wire,
+)
 from tests.tower.conftest import FakeTower
 
 
 def queue(tower: FakeTower, kind: str, target: str | None) -> str:
     """Create a job without starting a runner; its id."""
-    cfg = agent.load_config(str(tower.config), dict(os.environ))
-    return str(agent.create_job(cfg, kind, target, "cli")["id"])
+    cfg = agent_config.load_config(str(tower.config), dict(os.environ))
+    return str(agent_jobs.create_job(cfg, kind, target, "cli")["id"])
 
 
 def run_job(tower: FakeTower, job_id: str) -> dict[str, object]:
@@ -119,9 +126,9 @@ def test_modes_in_order_until_one_is_accepted(fake_tower: FakeTower) -> None:
     """agent refused (the agent vanished after the ping): acpi is tried next."""
     fake_tower.configure(shutdown_modes=["agent", "acpi"])
     fake_tower.set_domain("gpu-node", acpi=True)
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
-    job = agent.create_job(cfg, "stop", "gpu-node", "cli")
-    runner = agent.JobRunner(cfg, job, agent.Virsh(cfg))
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
+    job = agent_jobs.create_job(cfg, "stop", "gpu-node", "cli")
+    runner = agent_runner.JobRunner(cfg, job, agent_virsh.Virsh(cfg))
     runner.step_wait_agent(0, job["steps"][0])
     fake_tower.set_domain("gpu-node", agent_after=5)
     runner.run()
@@ -134,12 +141,12 @@ def test_every_mode_refused(fake_tower: FakeTower) -> None:
     """The agent is gone and the domain stays running for the whole shutdown
     timeout: refused, left running (never destroyed)."""
     fake_tower.configure(timeouts={"shutdown": 0.2})
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
-    job = agent.create_job(cfg, "stop", "gpu-node", "cli")
-    runner = agent.JobRunner(cfg, job, agent.Virsh(cfg))
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
+    job = agent_jobs.create_job(cfg, "stop", "gpu-node", "cli")
+    runner = agent_runner.JobRunner(cfg, job, agent_virsh.Virsh(cfg))
     runner.step_wait_agent(0, job["steps"][0])
     fake_tower.set_domain("gpu-node", agent_after=5)
-    with pytest.raises(agent.AgentError) as err:
+    with pytest.raises(wire.AgentError) as err:
         runner.run()
     assert err.value.code == "shutdown_refused"
     assert "QEMU guest agent is not connected" in err.value.message
@@ -153,20 +160,20 @@ def test_a_refusal_that_is_not_an_agent_one_fails_at_once(
     """ACPI refused for another reason (here: the stand-in's "domain is not
     running" of a domain that then reads running): no waiting."""
     fake_tower.configure(shutdown_modes=["acpi"], timeouts={"shutdown": 30})
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
-    job = agent.create_job(cfg, "stop", "gpu-node", "cli")
-    runner = agent.JobRunner(cfg, job, agent.Virsh(cfg))
-    result = agent.VirshResult(
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
+    job = agent_jobs.create_job(cfg, "stop", "gpu-node", "cli")
+    runner = agent_runner.JobRunner(cfg, job, agent_virsh.Virsh(cfg))
+    result = agent_virsh.VirshResult(
         1, "", "error: Failed to shutdown domain 'x'\nerror: nope\n"
     )
-    assert not agent.may_be_going_down(result)
-    runner.virsh.run = lambda args, timeout=agent.VIRSH_TIMEOUT: (  # type: ignore[method-assign]
+    assert not agent_runner.may_be_going_down(result)
+    runner.virsh.run = lambda args, timeout=agent_virsh.VIRSH_TIMEOUT: (  # type: ignore[method-assign]
         result
         if args[0] == "shutdown"
-        else agent.Virsh.run(runner.virsh, args, timeout)
+        else agent_virsh.Virsh.run(runner.virsh, args, timeout)
     )
     began = time.monotonic()
-    with pytest.raises(agent.AgentError) as err:
+    with pytest.raises(wire.AgentError) as err:
         runner.step_shutdown(1, job["steps"][1])
     assert time.monotonic() - began < 5
     assert err.value.code == "shutdown_refused"
@@ -213,15 +220,17 @@ def test_a_guest_still_going_down_at_the_timeout_fails_the_step(
 
 
 def test_virsh_given_up_on_may_be_going_down() -> None:
-    timed_out = agent.VirshResult(124, "", "error: virsh timed out", timed_out=True)
-    assert agent.may_be_going_down(timed_out)
-    lock = agent.VirshResult(
+    timed_out = agent_virsh.VirshResult(
+        124, "", "error: virsh timed out", timed_out=True
+    )
+    assert agent_runner.may_be_going_down(timed_out)
+    lock = agent_virsh.VirshResult(
         1,
         "",
         "error: Failed to shutdown domain 'g'\nerror: Timed out during operation: "
         "cannot acquire state change lock (held by agent=remoteDispatchDomainShutdownFlags)\n",
     )
-    assert agent.may_be_going_down(lock)
+    assert agent_runner.may_be_going_down(lock)
 
 
 def test_start_waits_until_devices_are_free(fake_tower: FakeTower) -> None:
@@ -248,10 +257,10 @@ def test_start_already_running_and_missing(fake_tower: FakeTower) -> None:
 
 def test_start_refused_by_libvirt(fake_tower: FakeTower) -> None:
     """A start that libvirt refuses although the agent saw the devices free."""
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
-    job = agent.create_job(cfg, "start", "win-1", "cli")
-    runner = agent.JobRunner(cfg, job, agent.Virsh(cfg))
-    with pytest.raises(agent.AgentError) as err:
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
+    job = agent_jobs.create_job(cfg, "start", "win-1", "cli")
+    runner = agent_runner.JobRunner(cfg, job, agent_virsh.Virsh(cfg))
+    with pytest.raises(wire.AgentError) as err:
         runner.step_start(1, job["steps"][1])
     assert err.value.code == "start_failed"
     assert "PCI device 0000:01:00.0 is in use" in err.value.message
@@ -279,10 +288,10 @@ def test_handoff_and_release(fake_tower: FakeTower) -> None:
 def test_runner_exception_is_recorded(
     fake_tower: FakeTower, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def boom(self: agent.JobRunner) -> None:
+    def boom(self: agent_runner.JobRunner) -> None:
         raise RuntimeError("kaput")
 
-    monkeypatch.setattr(agent.JobRunner, "run", boom)
+    monkeypatch.setattr(agent_runner.JobRunner, "run", boom)
     job = run_job(fake_tower, queue(fake_tower, "stop", "gpu-node"))
     # The client learns a code and an incident id; the tower's log the rest.
     assert job["error"]["code"] == "internal"  # type: ignore[index]
@@ -342,7 +351,7 @@ def test_dead_runner_is_reported_failed(fake_tower: FakeTower) -> None:
     job_id = queue(fake_tower, "stop", "gpu-node")
     path = fake_tower.state_dir / "jobs" / f"{job_id}.json"
     job = json.loads(path.read_text(encoding="utf-8"))
-    job["created_epoch"] -= agent.QUEUED_GRACE_SECONDS + 1
+    job["created_epoch"] -= agent_jobs.QUEUED_GRACE_SECONDS + 1
     path.write_text(json.dumps(job), encoding="utf-8")
     assert fake_tower.run("job", job_id).reply["job"]["error"]["code"] == "runner_died"
 
@@ -365,7 +374,8 @@ def test_job_and_jobs_verbs(fake_tower: FakeTower) -> None:
 def test_prune_keeps_last_jobs(
     fake_tower: FakeTower, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(agent, "MAX_JOBS", 3)
+    monkeypatch.setattr(agent_jobs, "MAX_JOBS", 3)
+    monkeypatch.setattr(agent_stream, "MAX_JOBS", 3)
     ids = [queue(fake_tower, "stop", "win-1") for _ in range(3)]
     for job_id in ids:
         run_job(fake_tower, job_id)
@@ -382,7 +392,7 @@ def test_stop_detached(fake_tower: FakeTower) -> None:
     run = fake_tower.run("stop", "gpu-node")
     assert run.rc == 0
     job = run.reply["job"]
-    assert agent.JOB_ID_RE.match(job["id"])
+    assert wire.JOB_ID_RE.match(job["id"])
     assert job["state"] == "queued"
     assert job["runner"]["mode"] == "process"
     finished = fake_tower.wait_job(job["id"])
@@ -482,12 +492,12 @@ def test_systemd_run_failure(fake_tower: FakeTower, tmp_path: Path) -> None:
         detach="auto",
         commands={"virsh": str(fake_tower.virsh), "systemd_run": str(tool)},
     )
-    original = agent.SYSTEMD_RUNTIME_DIR
-    agent.SYSTEMD_RUNTIME_DIR = str(tmp_path)
+    original = agent_jobs.SYSTEMD_RUNTIME_DIR
+    agent_jobs.SYSTEMD_RUNTIME_DIR = str(tmp_path)
     try:
         run = fake_tower.run("stop", "win-1")
     finally:
-        agent.SYSTEMD_RUNTIME_DIR = original
+        agent_jobs.SYSTEMD_RUNTIME_DIR = original
     assert run.reply["job"]["runner"]["mode"] == "process"
     fake_tower.wait_job(run.reply["job"]["id"])
     fake_tower.configure(
@@ -510,9 +520,9 @@ def test_wait_devices_polls_until_free(
     fake_tower: FakeTower, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While waiting, the step says who holds what; it goes on once freed."""
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
-    job = agent.create_job(cfg, "start", "win-1", "cli")
-    runner = agent.JobRunner(cfg, job, agent.Virsh(cfg))
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
+    job = agent_jobs.create_job(cfg, "start", "win-1", "cli")
+    runner = agent_runner.JobRunner(cfg, job, agent_virsh.Virsh(cfg))
     sleeps = []
     real_sleep = time.sleep
 
@@ -545,7 +555,7 @@ def test_jobs_wait_for_tower_lock(fake_tower: FakeTower) -> None:
         job_id = fake_tower.run("stop", "win-1").reply["job"]["id"]
         lockfile = fake_tower.state_dir / "jobs" / f"{job_id}.lock"
         deadline = time.monotonic() + 30
-        while agent._lock_is_free(str(lockfile)) or not lockfile.exists():
+        while agent_jobs._lock_is_free(str(lockfile)) or not lockfile.exists():
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert fake_tower.run("job", job_id).reply["job"]["state"] == "queued"
@@ -573,9 +583,9 @@ def test_jobs_made_in_the_same_microsecond_get_units_of_their_own(
     monkeypatch.setattr(
         secrets, "token_hex", lambda n: next(draws) if n == 3 else real(n)
     )
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
-    first = agent.create_job(cfg, "stop", "win-1", "test")
-    second = agent.create_job(cfg, "stop", "win-2", "test")
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
+    first = agent_jobs.create_job(cfg, "stop", "win-1", "test")
+    second = agent_jobs.create_job(cfg, "stop", "win-2", "test")
     assert first["id"] == "20261201-210000-123456-aaaaaa"
     assert second["id"] == "20261201-210000-123456-bbbbbb"
-    assert agent.load_job(cfg, first["id"])["args"] == {"domain": "win-1"}
+    assert agent_jobs.load_job(cfg, first["id"])["args"] == {"domain": "win-1"}

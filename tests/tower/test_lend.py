@@ -20,7 +20,14 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    jobs as agent_jobs,
+    runner as agent_runner,
+    status as agent_status,
+    virsh as agent_virsh,
+    wire,
+)
 from tests.support.libvirtd import LibvirtTestDriver
 from tests.tower.conftest import require_tool, write_config
 
@@ -76,7 +83,7 @@ def lv(tmp_path: Path) -> Iterator[LibvirtTestDriver]:
 
 
 @pytest.fixture
-def cfg(lv: LibvirtTestDriver, tmp_path: Path) -> agent.Config:
+def cfg(lv: LibvirtTestDriver, tmp_path: Path) -> agent_config.Config:
     config = write_config(
         tmp_path / "agent.json",
         libvirt_uri=lv.test_uri,
@@ -85,14 +92,14 @@ def cfg(lv: LibvirtTestDriver, tmp_path: Path) -> agent.Config:
         state_dir=str(tmp_path / "state"),
         poll_interval=0.05,
     )
-    return agent.load_config(str(config), dict(os.environ))
+    return agent_config.load_config(str(config), dict(os.environ))
 
 
-def _lend(cfg: agent.Config) -> dict[str, object]:
+def _lend(cfg: agent_config.Config) -> dict[str, object]:
     """Run a lend job in this process; its record."""
-    job_id = str(agent.create_job(cfg, "lend", None, "cli")["id"])
-    agent.run_job(cfg, job_id)
-    return dict(agent.load_job(cfg, job_id))
+    job_id = str(agent_jobs.create_job(cfg, "lend", None, "cli")["id"])
+    agent_runner.run_job(cfg, job_id)
+    return dict(agent_jobs.load_job(cfg, job_id))
 
 
 def _buses(xml_text: str) -> list[str]:
@@ -109,7 +116,7 @@ def _persistent(lv: LibvirtTestDriver) -> str:
 
 
 def test_the_gpu_node_runs_without_the_cards_players_hold(
-    lv: LibvirtTestDriver, cfg: agent.Config
+    lv: LibvirtTestDriver, cfg: agent_config.Config
 ) -> None:
     """Gaming station 1 plays (card 02): the GPU node starts with 01 and 03,
     through a live definition; its persistent definition is byte for byte
@@ -134,7 +141,7 @@ def test_the_gpu_node_runs_without_the_cards_players_hold(
     assert "s3cret-vnc" in live  # the live definition kept the password
     assert _persistent(lv) == before
 
-    status = agent.status_body(cfg)
+    status = agent_status.status_body(cfg)
     gpu = next(d for d in status["domains"] if d["name"] == "gpu-node")
     assert {d["address"][:10] for d in gpu["hostdevs"]} == {"0000:01:00", "0000:03:00"}
     assert {d["address"][:10] for d in gpu["defined_hostdevs"]} == {
@@ -155,7 +162,7 @@ def test_the_gpu_node_runs_without_the_cards_players_hold(
 
 
 def test_with_every_card_free_it_is_a_plain_start(
-    lv: LibvirtTestDriver, cfg: agent.Config
+    lv: LibvirtTestDriver, cfg: agent_config.Config
 ) -> None:
     """Nobody plays: the GPU node starts from its own definition."""
     before = _persistent(lv)
@@ -169,7 +176,7 @@ def test_with_every_card_free_it_is_a_plain_start(
 
 
 def test_with_no_card_free_the_gpu_node_stays_off(
-    lv: LibvirtTestDriver, cfg: agent.Config
+    lv: LibvirtTestDriver, cfg: agent_config.Config
 ) -> None:
     """Every card is in use (a domain GPU Handoff does not manage holds the
     one no gaming VM claims): nothing is started, and that is no failure."""
@@ -186,28 +193,28 @@ def test_with_no_card_free_the_gpu_node_stays_off(
 
 
 def test_a_running_gpu_node_is_left_as_it_runs(
-    lv: LibvirtTestDriver, cfg: agent.Config
+    lv: LibvirtTestDriver, cfg: agent_config.Config
 ) -> None:
     """The GPU node already runs (with every card): nothing is created, the
     start step says so (a lend job's stop steps come first: the test driver
     has no guest agent, so this job starts at its last step)."""
     lv.virsh("start", "gpu-node", check=True)
-    job = agent.create_job(cfg, "lend", None, "cli")
-    runner = agent.JobRunner(cfg, job, agent.Virsh(cfg))
+    job = agent_jobs.create_job(cfg, "lend", None, "cli")
+    runner = agent_runner.JobRunner(cfg, job, agent_virsh.Virsh(cfg))
     runner.step_start_free(3, job["steps"][3])
     assert job["steps"][3]["detail"] == "already running"
 
 
 def test_a_failed_create_leaves_the_definition_and_says_why(
-    lv: LibvirtTestDriver, cfg: agent.Config, tmp_path: Path
+    lv: LibvirtTestDriver, cfg: agent_config.Config, tmp_path: Path
 ) -> None:
     """The persistent definition's UUID changed under the agent (someone
     redefined the GPU node between the read and the create, as a stand-in
     for any refusal of `virsh create`): the job fails with libvirt's reason
     and the definition is the one the operator wrote."""
     lv.virsh("start", "gaming-1", check=True)
-    job = agent.create_job(cfg, "lend", None, "cli")
-    runner = agent.JobRunner(cfg, job, agent.Virsh(cfg))
+    job = agent_jobs.create_job(cfg, "lend", None, "cli")
+    runner = agent_runner.JobRunner(cfg, job, agent_virsh.Virsh(cfg))
     real_run = runner.virsh.run
 
     def redefine_before_create(args: list[str], timeout: float = 120.0) -> object:
@@ -217,7 +224,7 @@ def test_a_failed_create_leaves_the_definition_and_says_why(
         return real_run(args, timeout)
 
     runner.virsh.run = redefine_before_create  # type: ignore[method-assign,assignment]
-    with pytest.raises(agent.AgentError) as failed:
+    with pytest.raises(wire.AgentError) as failed:
         runner.step_start_free(3, job["steps"][3])
     assert failed.value.code == "start_failed"
     assert "already exists with uuid" in failed.value.message
@@ -240,7 +247,7 @@ def test_live_definition_keeps_everything_but_the_busy_cards() -> None:
   </devices>
   <qemu:commandline><qemu:arg value='-no-hpet'/></qemu:commandline>
 </domain>"""
-    live, kept, left = agent.live_definition(xml_text, ["0000:02:00"])
+    live, kept, left = agent_runner.live_definition(xml_text, ["0000:02:00"])
     assert (kept, left) == (["0000:01:00"], ["0000:02:00"])
     assert _buses(live) == ["0x01"]
     assert "0x02" not in live
@@ -253,9 +260,9 @@ def test_live_definition_keeps_everything_but_the_busy_cards() -> None:
 
 def test_lend_is_a_verb_home_assistant_may_ask_for(tmp_path: Path) -> None:
     """`lend` takes no argument through serve, like `release` without one."""
-    assert agent.SERVE_VERBS["lend"] == (0, 0)
-    assert "lend" in agent.SESSION_VERBS
-    assert "lend" in agent.JOB_KINDS
+    assert wire.SERVE_VERBS["lend"] == (0, 0)
+    assert "lend" in wire.SESSION_VERBS
+    assert "lend" in wire.JOB_KINDS
     config = write_config(
         tmp_path / "agent.json",
         libvirt_uri="test:///default",
@@ -263,13 +270,13 @@ def test_lend_is_a_verb_home_assistant_may_ask_for(tmp_path: Path) -> None:
         gaming=["gaming-1"],
         state_dir=str(tmp_path / "state"),
     )
-    cfg = agent.load_config(str(config), dict(os.environ))
-    assert [s["name"] for s in agent.plan_job(cfg, "lend", None)] == [
+    cfg = agent_config.load_config(str(config), dict(os.environ))
+    assert [s["name"] for s in agent_jobs.plan_job(cfg, "lend", None)] == [
         "wait_agent",
         "shutdown",
         "wait_shut_off",
         "start_free",
     ]
-    with pytest.raises(agent.AgentError):
-        agent.check_work(cfg, "lend", "gaming-1")
-    assert json.dumps(agent.plan_job(cfg, "lend", None))
+    with pytest.raises(wire.AgentError):
+        agent_jobs.check_work(cfg, "lend", "gaming-1")
+    assert json.dumps(agent_jobs.plan_job(cfg, "lend", None))

@@ -13,7 +13,12 @@ from typing import IO
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    jobs as agent_jobs,
+    stream as agent_stream,
+    wire,
+)
 from tests.tower.conftest import FakeTower, run_agent, write_config
 from tests.tower.split import WIN1_XML
 
@@ -45,7 +50,7 @@ def tower_lock(tower: FakeTower) -> Iterator[None]:
 
 def live_runners(tower: FakeTower) -> list[int]:
     """This tower's runner processes (not zombies)."""
-    agent.reap_runners()
+    agent_jobs.reap_runners()
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -92,7 +97,7 @@ def test_a_full_queue_is_refused(fake_tower: FakeTower) -> None:
             assert fake_tower.run("stop", domain).reply["existing"] is False
         refused = fake_tower.run("start", "gpu-node")
         assert refused.rc == 1
-        assert refused.reply["error"]["code"] == agent.ERR_QUEUE_FULL
+        assert refused.reply["error"]["code"] == wire.ERR_QUEUE_FULL
         assert "max_queued_jobs = 2" in refused.reply["error"]["message"]
         assert len(list((fake_tower.state_dir / "jobs").glob("*.json"))) == 2
         assert runners_settle(fake_tower) == 2
@@ -102,7 +107,7 @@ def test_a_full_queue_is_refused(fake_tower: FakeTower) -> None:
         assert (hook.rc, hook.lines, hook.stderr) == (0, [], "")
         (request,) = fake_tower.run("status").reply["hook_requests"]
         assert request["job"] is None
-        assert request["error"]["code"] == agent.ERR_QUEUE_FULL
+        assert request["error"]["code"] == wire.ERR_QUEUE_FULL
     for job in fake_tower.run("jobs").reply["jobs"]:
         fake_tower.wait_job(job["id"])
     assert fake_tower.run("start", "gpu-node").reply["ok"] is True
@@ -126,14 +131,14 @@ def test_a_running_job_is_not_joined(fake_tower: FakeTower) -> None:
 
 def test_streams_take_a_slot_each(fake_tower: FakeTower) -> None:
     fake_tower.configure(max_streams=2)
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
-    with agent.stream_slot(cfg), agent.stream_slot(cfg):
-        with pytest.raises(agent.AgentError) as refused, agent.stream_slot(cfg):
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
+    with agent_stream.stream_slot(cfg), agent_stream.stream_slot(cfg):
+        with pytest.raises(wire.AgentError) as refused, agent_stream.stream_slot(cfg):
             pass
-        assert refused.value.code == agent.ERR_TOO_MANY_STREAMS
+        assert refused.value.code == wire.ERR_TOO_MANY_STREAMS
         run = fake_tower.run("session")
-        assert run.reply["error"]["code"] == agent.ERR_TOO_MANY_STREAMS
-    with agent.stream_slot(cfg):  # freed with the stream
+        assert run.reply["error"]["code"] == wire.ERR_TOO_MANY_STREAMS
+    with agent_stream.stream_slot(cfg):  # freed with the stream
         pass
 
 
@@ -142,13 +147,13 @@ def test_a_write_waits_write_timeout_at_most() -> None:
 
     def flood(stream: IO[str]) -> None:
         for _ in range(10_000):  # far more than a pipe holds
-            agent._emit(stream, {"pad": "x" * 4096}, timeout=0.3)
+            agent_stream._emit(stream, {"pad": "x" * 4096}, timeout=0.3)
 
     read_fd, write_fd = os.pipe()
     try:
         with os.fdopen(os.dup(write_fd), "w") as stream:
             started = time.monotonic()
-            with pytest.raises(agent.StreamClosedError, match="took nothing"):
+            with pytest.raises(agent_stream.StreamClosedError, match="took nothing"):
                 flood(stream)
             assert 0.3 <= time.monotonic() - started < 10
             assert os.get_blocking(write_fd)  # left as it was found

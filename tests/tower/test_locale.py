@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from custom_components.gpu_handoff.sensor import VM_STATES
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import virsh as agent_virsh, wire
 from tests.tower.conftest import FakeTower
 
 # What virsh prints for each virDomainState (tools/virsh-domain-monitor.c,
@@ -38,17 +38,17 @@ GERMAN = {
 def test_every_state_virsh_prints_is_one_home_assistant_accepts(
     text: str, state: str
 ) -> None:
-    assert agent.parse_domstate(f"{text} (unknown)\n\n") == (state, "unknown")
-    assert agent.parse_domstate(text) == (state, None)
+    assert agent_virsh.parse_domstate(f"{text} (unknown)\n\n") == (state, "unknown")
+    assert agent_virsh.parse_domstate(text) == (state, None)
     assert state in VM_STATES
 
 
 def test_a_state_virsh_does_not_know_is_no_state() -> None:
-    assert agent.parse_domstate("ausgeschaltet (heruntergefahren)") == (
+    assert agent_virsh.parse_domstate("ausgeschaltet (heruntergefahren)") == (
         "no_state",
         "heruntergefahren",
     )
-    assert set(agent.DOMAIN_STATES.values()) <= set(VM_STATES)
+    assert set(wire.DOMAIN_STATES.values()) <= set(VM_STATES)
 
 
 def test_status_reports_each_state_as_home_assistant_accepts(
@@ -75,7 +75,7 @@ def test_a_german_tower_reads_states_and_stops(fake_tower: FakeTower) -> None:
 
 
 def test_virsh_gets_the_c_locale_and_nothing_of_the_callers() -> None:
-    env = agent.virsh_environment(
+    env = agent_virsh.virsh_environment(
         {"PATH": "/bin", "LANG": "de_DE.UTF-8", "LANGUAGE": "de", "LC_TIME": "x"}
     )
     assert env == {"PATH": "/bin", "LC_ALL": "C"}

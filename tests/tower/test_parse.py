@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    virsh as agent_virsh,
+)
 from tests.tower.conftest import FIXTURES, require_tool
 
 
@@ -16,7 +19,7 @@ def fixture(name: str) -> str:
 
 
 def test_domain_xml_hostdevs_and_channel() -> None:
-    gpu = agent.parse_domain_xml(fixture("dumpxml-gpu-node.xml"))
+    gpu = agent_virsh.parse_domain_xml(fixture("dumpxml-gpu-node.xml"))
     assert gpu["name"] == "gpu-node"
     assert gpu["agent_channel"] is True
     assert gpu["hostdevs"] == [
@@ -26,11 +29,11 @@ def test_domain_xml_hostdevs_and_channel() -> None:
         {"address": "0000:02:00.1", "rom_bar": None, "managed": True},
     ]
     assert gpu["title"] is None
-    win1 = agent.parse_domain_xml(fixture("dumpxml-win-1.xml"))
+    win1 = agent_virsh.parse_domain_xml(fixture("dumpxml-win-1.xml"))
     assert win1["title"] == "Gaming station 1"
     assert win1["hostdevs"][0]["rom_bar"] == "on"
     assert win1["hostdevs"][1]["managed"] is False
-    win2 = agent.parse_domain_xml(fixture("dumpxml-win-2.xml"))
+    win2 = agent_virsh.parse_domain_xml(fixture("dumpxml-win-2.xml"))
     assert win2["agent_channel"] is False
 
 
@@ -44,7 +47,7 @@ def test_domain_xml_ignores_non_pci_and_decimal_addresses() -> None:
         "<channel type='unix'><target type='virtio' name='other'/></channel>"
         "</devices></domain>"
     )
-    parsed = agent.parse_domain_xml(xml)
+    parsed = agent_virsh.parse_domain_xml(xml)
     assert parsed["hostdevs"] == [
         {"address": "0000:0a:00.1", "rom_bar": None, "managed": False}
     ]
@@ -59,19 +62,19 @@ def test_domain_xml_ignores_non_pci_and_decimal_addresses() -> None:
     ],
 )
 def test_domstate(name: str, expected: tuple[str, str]) -> None:
-    assert agent.parse_domstate(fixture(name)) == expected
+    assert agent_virsh.parse_domstate(fixture(name)) == expected
 
 
 def test_domstate_variants() -> None:
-    assert agent.parse_domstate("running (booted)\n\n") == ("running", "booted")
-    assert agent.parse_domstate("shut off (shutdown)") == ("shut_off", "shutdown")
-    assert agent.parse_domstate("in shutdown") == ("in_shutdown", None)
-    assert agent.parse_domstate("") == ("no_state", None)
+    assert agent_virsh.parse_domstate("running (booted)\n\n") == ("running", "booted")
+    assert agent_virsh.parse_domstate("shut off (shutdown)") == ("shut_off", "shutdown")
+    assert agent_virsh.parse_domstate("in shutdown") == ("in_shutdown", None)
+    assert agent_virsh.parse_domstate("") == ("no_state", None)
 
 
 def test_batch_output_with_a_failed_command() -> None:
     """Real virsh goes on after a failed command; its output is just missing."""
-    outs = agent.split_batch_output(fixture("batch.stdout"), "fixture", 5)
+    outs = agent_virsh.split_batch_output(fixture("batch.stdout"), "fixture", 5)
     assert outs[0].split() == ["gpu-node", "other-vm", "win-1", "win-2"]
     assert outs[1] == ""  # dumpxml of a missing domain failed
     assert outs[2] == "shut off (unknown)"
@@ -88,7 +91,9 @@ def test_batch_needs_one_argument() -> None:
 
 
 def test_events_from_real_virsh() -> None:
-    events = [agent.parse_event(line) for line in fixture("events.txt").splitlines()]
+    events = [
+        agent_virsh.parse_event(line) for line in fixture("events.txt").splitlines()
+    ]
     assert all(e is not None for e in events)
     kinds = [(e["action"], e["detail"]) for e in events if e]
     assert kinds == [
@@ -116,7 +121,7 @@ def test_agent_lifecycle_event() -> None:
         "2026-11-29 12:05:22.665+0000: event 'agent-lifecycle' for domain "
         "'gpu-node': state: 'connected' reason: 'channel event'"
     )
-    event = agent.parse_event(line)
+    event = agent_virsh.parse_event(line)
     assert event == {
         "time": "2026-11-29 12:05:22.665+0000",
         "domain": "gpu-node",
@@ -124,30 +129,32 @@ def test_agent_lifecycle_event() -> None:
         "state": "connected",
         "reason": "channel event",
     }
-    odd = agent.parse_event("event 'agent-lifecycle' for domain 'a': garbled")
+    odd = agent_virsh.parse_event("event 'agent-lifecycle' for domain 'a': garbled")
     assert odd is not None
     assert odd["state"] is None
-    other = agent.parse_event("event 'reboot' for domain 'a': ")
+    other = agent_virsh.parse_event("event 'reboot' for domain 'a': ")
     assert other is not None
     assert other["detail"] == ""
-    assert agent.parse_event("events: 3") is None
+    assert agent_virsh.parse_event("events: 3") is None
 
 
 def test_error_text() -> None:
-    result = agent.VirshResult(1, "", fixture("unreachable.stderr"))
+    result = agent_virsh.VirshResult(1, "", fixture("unreachable.stderr"))
     assert result.error_text().startswith("failed to connect to the hypervisor / ")
-    assert agent.VirshResult(3, "", "").error_text() == "virsh exited with status 3"
+    assert (
+        agent_virsh.VirshResult(3, "", "").error_text() == "virsh exited with status 3"
+    )
 
 
 def test_virsh_quote_round_trip_through_real_virsh(tmp_path: Path) -> None:
     """virsh's own parser reads back what virsh_quote writes."""
     require_tool("virsh")
-    cfg = agent.Config(
+    cfg = agent_config.Config(
         str(tmp_path / "c.json"),
         {"libvirt_uri": "test:///default", "gpu_node": "test", "gaming": ["x"]},
         dict(os.environ),
     )
-    virsh = agent.Virsh(cfg)
+    virsh = agent_virsh.Virsh(cfg)
     outs = virsh.batch(
         [["domstate", "--reason", "it's"], ["domstate", "--reason", "test"]]
     )

@@ -19,7 +19,11 @@ import os
 from pathlib import Path
 import threading
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    jobs as agent_jobs,
+    wire,
+)
 from tests.tower.conftest import FakeTower
 
 JOBS = 60
@@ -40,15 +44,15 @@ def test_probes_never_strand_a_starting_runner(fake_tower: FakeTower) -> None:
     """`job ID`, `jobs` and `status` one-shot probes in a tight loop, and a
     session's `job` probe (the agent's load_job, the config loaded once) in a
     tighter one beside them."""
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
     batch: dict[str, int] = {}
     stop = threading.Event()
 
     def session_probes() -> None:
         while not stop.is_set():
             for job_id in list(batch):
-                with contextlib.suppress(agent.AgentError):
-                    agent.load_job(cfg, job_id)
+                with contextlib.suppress(wire.AgentError):
+                    agent_jobs.load_job(cfg, job_id)
 
     prober = threading.Thread(target=session_probes, daemon=True)
     prober.start()

@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    jobs as agent_jobs,
+    state as agent_state,
+    stream as agent_stream,
+    wire,
+)
 from tests.support.agentbuild import AGENT
 from tests.tower.conftest import FakeTower
 
@@ -74,7 +80,7 @@ def test_request_verb(fake_tower: FakeTower) -> None:
     assert reply["job"]["id"] == job_id
     missing = fake_tower.run("request", "nobody-asked-this")
     assert missing.rc == 1
-    assert missing.reply["error"]["code"] == agent.ERR_UNKNOWN_REQUEST
+    assert missing.reply["error"]["code"] == wire.ERR_UNKNOWN_REQUEST
     assert fake_tower.run("request", "x").reply["error"]["code"] == "bad_request"
 
 
@@ -159,16 +165,19 @@ def test_concurrent_submits_make_one_job(fake_tower: FakeTower) -> None:
 def test_prune_keeps_young_request_records(
     fake_tower: FakeTower, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(agent, "MAX_JOBS", 2)
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
+    monkeypatch.setattr(agent_jobs, "MAX_JOBS", 2)
+    monkeypatch.setattr(agent_stream, "MAX_JOBS", 2)
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
 
     def finished(request_id: str | None, age: float = 0.0) -> str:
-        job = agent.create_job(cfg, "stop", "win-1", "ssh", request_id)
+        job = agent_jobs.create_job(cfg, "stop", "win-1", "ssh", request_id)
         job.update(state="succeeded", created_epoch=time.time() - age)
-        agent.write_json_atomic(agent.job_path(cfg, job["id"]), job, cfg.state_dir)
+        agent_state.write_json_atomic(
+            agent_jobs.job_path(cfg, job["id"]), job, cfg.state_dir
+        )
         return str(job["id"])
 
-    old_request = finished("old-request-1", age=agent.REQUEST_KEEP_SECONDS + 60)
+    old_request = finished("old-request-1", age=agent_jobs.REQUEST_KEEP_SECONDS + 60)
     young_request = finished("young-request-1")
     plain = finished(None)
     newest = [finished(None), finished(None)]
@@ -186,10 +195,12 @@ def test_prune_keeps_young_request_records(
 
 def test_records_without_request_id(fake_tower: FakeTower) -> None:
     """Records written by protocol 1 have no request_id: summarised as None."""
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
-    job = agent.create_job(cfg, "stop", "win-1", "ssh")
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
+    job = agent_jobs.create_job(cfg, "stop", "win-1", "ssh")
     del job["request_id"]
-    agent.write_json_atomic(agent.job_path(cfg, job["id"]), job, cfg.state_dir)
+    agent_state.write_json_atomic(
+        agent_jobs.job_path(cfg, job["id"]), job, cfg.state_dir
+    )
     assert fake_tower.run("jobs").reply["jobs"][0]["request_id"] is None
     reply = fake_tower.run("request", "abcdefgh").reply
     assert reply["error"]["code"] == "unknown_request"

@@ -30,7 +30,12 @@ from typing import Any
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    jobs as agent_jobs,
+    runner as agent_runner,
+    wire,
+)
 from tests.support.testdriver import AGENT
 from tests.support.waiting import wait_until
 from tests.tower.conftest import FakeTower
@@ -40,8 +45,8 @@ TIMEOUT = 30.0
 
 def queue(tower: FakeTower, kind: str, target: str | None) -> str:
     """Create a job without starting a runner; its id."""
-    cfg = agent.load_config(str(tower.config), dict(os.environ))
-    return str(agent.create_job(cfg, kind, target, "cli")["id"])
+    cfg = agent_config.load_config(str(tower.config), dict(os.environ))
+    return str(agent_jobs.create_job(cfg, kind, target, "cli")["id"])
 
 
 def record(tower: FakeTower, job_id: str) -> dict[str, Any]:
@@ -140,12 +145,12 @@ def check_stopped(
     _, stderr = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == -sig, (proc.returncode, stderr)
     job = record(tower, job_id)
-    reason = agent.RUNNER_STOP_SIGNALS[sig]
+    reason = agent_runner.RUNNER_STOP_SIGNALS[sig]
     message = (
         f"the job's runner was stopped ({sig.name}) before the job finished: {reason}"
     )
     assert job["state"] == "failed", job
-    assert job["error"] == {"code": agent.ERR_RUNNER_DIED, "message": message}
+    assert job["error"] == {"code": wire.ERR_RUNNER_DIED, "message": message}
     assert job["finished"]
     assert f"job {job_id}: {message}" in stderr
     reported = tower.run("job", job_id).reply["job"]
@@ -270,26 +275,32 @@ def test_the_signals_in_this_process() -> None:
     """RunnerSignals itself: the first signal raises RunnerStopped, any later
     one is only kept; held, a signal raises nothing; the handlers before it
     are back afterwards."""
-    before = {sig: signal.getsignal(sig) for sig in agent.RUNNER_STOP_SIGNALS}
-    with agent.RunnerSignals() as signals:
-        with pytest.raises(agent.RunnerStopped) as stopped:
+    before = {sig: signal.getsignal(sig) for sig in agent_runner.RUNNER_STOP_SIGNALS}
+    with agent_runner.RunnerSignals() as signals:
+        with pytest.raises(agent_runner.RunnerStopped) as stopped:
             signal_self(signal.SIGHUP)
         assert stopped.value.signum == signal.SIGHUP
         signal_self(signal.SIGTERM)  # kept, not raised
         assert signals.received == signal.SIGHUP
-    assert {sig: signal.getsignal(sig) for sig in agent.RUNNER_STOP_SIGNALS} == before
-    with agent.RunnerSignals() as signals:
+    assert {
+        sig: signal.getsignal(sig) for sig in agent_runner.RUNNER_STOP_SIGNALS
+    } == before
+    with agent_runner.RunnerSignals() as signals:
         signals.hold()
         signal_self(signal.SIGTERM)
         assert signals.received == signal.SIGTERM
-    assert {sig: signal.getsignal(sig) for sig in agent.RUNNER_STOP_SIGNALS} == before
+    assert {
+        sig: signal.getsignal(sig) for sig in agent_runner.RUNNER_STOP_SIGNALS
+    } == before
 
 
 def test_a_runner_in_this_process_keeps_the_handlers(fake_tower: FakeTower) -> None:
     """run_job called in a process that has handlers of its own (the test
     runner's) gives them back; a job's run is as before."""
-    before = {sig: signal.getsignal(sig) for sig in agent.RUNNER_STOP_SIGNALS}
+    before = {sig: signal.getsignal(sig) for sig in agent_runner.RUNNER_STOP_SIGNALS}
     job_id = queue(fake_tower, "stop", "gpu-node")
     assert fake_tower.run("run-job", job_id).rc == 0
     assert record(fake_tower, job_id)["state"] == "succeeded"
-    assert {sig: signal.getsignal(sig) for sig in agent.RUNNER_STOP_SIGNALS} == before
+    assert {
+        sig: signal.getsignal(sig) for sig in agent_runner.RUNNER_STOP_SIGNALS
+    } == before

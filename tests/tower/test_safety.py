@@ -12,16 +12,25 @@ import subprocess
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
-from tests.support.agentbuild import AGENT, SOURCE
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    virsh as agent_virsh,
+    wire,
+)
+from tests.support.agentbuild import AGENT, MODULES, SOURCE
 from tests.support.oldpython import oldest_python
 from tests.tower.conftest import FakeTower, run_agent, write_config
 
 
 def test_no_destroy_anywhere_in_the_agent() -> None:
     """No string constant in the agent names the destroy command, in any form."""
-    tree = ast.parse(SOURCE.read_text(encoding="utf-8"))
-    for node in ast.walk(tree):
+    assert len(MODULES) > 10
+    nodes = (
+        node
+        for module in MODULES
+        for node in ast.walk(ast.parse(module.read_text(encoding="utf-8")))
+    )
+    for node in nodes:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             for word in re.findall(r"[a-z-]+", node.value.lower()):
                 assert word != "destroy", f"line {node.lineno}: {node.value!r}"
@@ -30,18 +39,18 @@ def test_no_destroy_anywhere_in_the_agent() -> None:
             name = node.id if isinstance(node, ast.Name) else node.attr
             assert "destroy" not in name.lower()
     # Built from pieces (e.g. "des" + "troy") cannot pass the allow-list either.
-    assert "destroy" not in agent.VIRSH_COMMANDS
-    with pytest.raises(agent.AgentError):
-        agent.Virsh.check(["des" + "troy", "gpu-node"])
+    assert "destroy" not in agent_virsh.VIRSH_COMMANDS
+    with pytest.raises(wire.AgentError):
+        agent_virsh.Virsh.check(["des" + "troy", "gpu-node"])
 
 
 def test_virsh_refuses_commands_outside_the_contract(fake_tower: FakeTower) -> None:
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
-    virsh = agent.Virsh(cfg)
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
+    virsh = agent_virsh.Virsh(cfg)
     for args in (["undefine", "x"], [], ["destroy", "gpu-node"]):
-        with pytest.raises(agent.AgentError):
+        with pytest.raises(wire.AgentError):
             virsh.run(args)
-    with pytest.raises(agent.AgentError):
+    with pytest.raises(wire.AgentError):
         virsh.batch([["list", "--all", "--name"], ["destroy", "gpu-node"]])
     assert fake_tower.log() == []
 
@@ -66,19 +75,19 @@ def test_every_path_against_recording_virsh(fake_tower: FakeTower) -> None:
 
 
 def test_protocol_constants() -> None:
-    assert agent.PROTOCOL == 2
-    assert agent.VERSION == "0.3.6"
-    codes = {v for k, v in vars(agent).items() if k.startswith("ERR_")}
-    assert codes == agent.ERROR_CODES
+    assert wire.PROTOCOL == 2
+    assert wire.VERSION == "0.3.6"
+    codes = {v for k, v in vars(wire).items() if k.startswith("ERR_")}
+    assert codes == wire.ERROR_CODES
     assert all(re.fullmatch(r"[a-z]+(_[a-z]+)*", code) for code in codes)
     run = run_agent(["version"])
     assert run.rc == 0
-    assert run.reply["version"] == agent.VERSION
+    assert run.reply["version"] == wire.VERSION
     assert "run-job" not in run.reply["verbs"]
     assert {"session", "request", "watch"} <= set(run.reply["verbs"])
-    assert set(agent.SESSION_VERBS) < set(agent.SERVE_VERBS)
-    assert not {"watch", "session"} & agent.SESSION_VERBS
-    assert agent.REQUEST_ID_RE.match("ha-0123456789")
+    assert set(wire.SESSION_VERBS) < set(wire.SERVE_VERBS)
+    assert not {"watch", "session"} & wire.SESSION_VERBS
+    assert wire.REQUEST_ID_RE.match("ha-0123456789")
 
 
 def old_python() -> tuple[str, dict[str, str]]:
@@ -96,7 +105,9 @@ def test_python39(tmp_path: Path) -> None:
         check=True,
     )
     assert version.stdout.strip() == "(3, 9)"
-    subprocess.run([python, "-m", "py_compile", str(SOURCE)], env=env, check=True)
+    # Every module, and the build, compiles on 3.9.
+    for module in (*MODULES, SOURCE.parent / "build.py"):
+        subprocess.run([python, "-m", "py_compile", str(module)], env=env, check=True)
 
     def run(*argv: str) -> dict[str, object]:
         proc = subprocess.run(
@@ -112,10 +123,10 @@ def test_python39(tmp_path: Path) -> None:
 
     reply = run("version")
     assert reply == {
-        "protocol": agent.PROTOCOL,
+        "protocol": wire.PROTOCOL,
         "ok": True,
-        "version": agent.VERSION,
-        "verbs": sorted(agent.SERVE_VERBS),
+        "version": wire.VERSION,
+        "verbs": sorted(wire.SERVE_VERBS),
         "host_name": socket.gethostname(),
     }
     good = write_config(

@@ -28,7 +28,10 @@ import zlib
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    screenshot as agent_screenshot,
+    wire,
+)
 from tests.realvm.test_screenshot import RECORDED_FRAME
 from tests.support.agentbuild import AGENT
 from tests.support.oldpython import oldest_python
@@ -47,15 +50,15 @@ def recorded_frame() -> bytes:
 
 
 def convert(ppm: bytes, limit: int = LIMIT) -> tuple[bytes, int, int]:
-    return agent.png_from_ppm(io.BytesIO(ppm), len(ppm), limit)
+    return agent_screenshot.png_from_ppm(io.BytesIO(ppm), len(ppm), limit)
 
 
 def ppm_of(width: int, height: int, pixels: bytes, maxval: int = 255) -> bytes:
     return f"P6\n{width} {height}\n{maxval}\n".encode() + pixels
 
 
-def refused(ppm: bytes) -> agent.AgentError:
-    with pytest.raises(agent.AgentError) as caught:
+def refused(ppm: bytes) -> wire.AgentError:
+    with pytest.raises(wire.AgentError) as caught:
         convert(ppm)
     return caught.value
 
@@ -162,7 +165,7 @@ def test_the_png_must_fit_the_limit() -> None:
     noise = NOISE.randbytes(64 * 64 * 3)
     ppm = ppm_of(64, 64, noise)
     png, _, _ = convert(ppm, limit=len(ppm) * 2)
-    with pytest.raises(agent.AgentError) as caught:
+    with pytest.raises(wire.AgentError) as caught:
         convert(ppm, limit=len(png) - 1)
     assert caught.value.code == "too_large"
     assert f"screenshot is {len(png)} bytes as PNG, more than" in caught.value.message
@@ -174,11 +177,13 @@ def test_a_png_over_the_limit_stops_the_work_early(
 ) -> None:
     """Noise does not compress: the conversion gives up after the block that
     passed the limit, without reading the rest."""
-    monkeypatch.setattr(agent, "PPM_BLOCK_BYTES", 512 * 3 * 8)  # 8 rows a block
+    monkeypatch.setattr(
+        agent_screenshot, "PPM_BLOCK_BYTES", 512 * 3 * 8
+    )  # 8 rows a block
     ppm = ppm_of(512, 512, NOISE.randbytes(512 * 512 * 3))
     handle = io.BytesIO(ppm)
-    with pytest.raises(agent.AgentError) as caught:
-        agent.png_from_ppm(handle, len(ppm), 100_000)
+    with pytest.raises(wire.AgentError) as caught:
+        agent_screenshot.png_from_ppm(handle, len(ppm), 100_000)
     assert caught.value.code == "too_large"
     assert "as PNG before its end" in caught.value.message
     assert handle.tell() < len(ppm) // 2
@@ -187,11 +192,11 @@ def test_a_png_over_the_limit_stops_the_work_early(
 def test_a_ppm_larger_than_any_screen_is_not_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(agent, "PPM_MAX_BYTES", 1000)
+    monkeypatch.setattr(agent_screenshot, "PPM_MAX_BYTES", 1000)
     ppm = ppm_of(20, 20, bytes(1200))
     handle = io.BytesIO(ppm)
-    with pytest.raises(agent.AgentError) as caught:
-        agent.png_from_ppm(handle, len(ppm), LIMIT)
+    with pytest.raises(wire.AgentError) as caught:
+        agent_screenshot.png_from_ppm(handle, len(ppm), LIMIT)
     assert caught.value.code == "too_large"
     assert "at most 1000 are converted" in caught.value.message
     assert handle.tell() == 0
@@ -199,8 +204,8 @@ def test_a_ppm_larger_than_any_screen_is_not_read(
 
 def test_a_ppm_that_shrinks_while_read_is_refused() -> None:
     ppm = ppm_of(4, 4, bytes(48))
-    with pytest.raises(agent.AgentError) as caught:
-        agent.png_from_ppm(io.BytesIO(ppm[:-3]), len(ppm), LIMIT)
+    with pytest.raises(wire.AgentError) as caught:
+        agent_screenshot.png_from_ppm(io.BytesIO(ppm[:-3]), len(ppm), LIMIT)
     assert caught.value.code == "screenshot_failed"
     assert "ended early" in caught.value.message
 

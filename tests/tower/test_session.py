@@ -23,7 +23,15 @@ from typing import Any
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    cli as agent_cli,
+    config as agent_config,
+    requests as agent_requests,
+    screenshot as agent_screenshot,
+    session as agent_session,
+    status as agent_status,
+    wire,
+)
 from tests.support.agentbuild import AGENT
 from tests.support.simtower import write_agent_config
 from tests.support.waiting import wait_until
@@ -67,7 +75,7 @@ class Client:
 
     def got(self, raw: str | bytes) -> None:
         message: Message = json.loads(raw)
-        assert message["protocol"] == agent.PROTOCOL == 2
+        assert message["protocol"] == wire.PROTOCOL == 2
         self.queue.put(message)
 
     def send(self, request: Message | str | bytes) -> None:
@@ -196,8 +204,8 @@ def opened(session: Client) -> Message:
         "protocol": 2,
         "type": "hello",
         "ok": True,
-        "version": agent.VERSION,
-        "verbs": sorted(agent.SESSION_VERBS),
+        "version": wire.VERSION,
+        "verbs": sorted(wire.SESSION_VERBS),
         "host_name": socket.gethostname(),
     }
     status = session.next()
@@ -251,7 +259,7 @@ def test_status_request_from_kept_state(
     assert reply == body
     # Other verbs answer as their one-shot forms do.
     version = session.call("v", "version")
-    assert version["version"] == agent.VERSION
+    assert version["version"] == wire.VERSION
     assert "session" in version["verbs"]
     shot = session.call(2, "screenshot", "gpu-node")
     assert (shot["ok"], shot["mime"]) == (True, "image/png")
@@ -500,14 +508,14 @@ def test_event_child_dies_and_comes_back(
     """libvirt's event stream cannot connect: the error is pushed once for
     the outage while the child is tried again; once a child stays up the
     outage is over, and the next loss is pushed again."""
-    monkeypatch.setattr(agent, "EVENT_RESTART_SECONDS", 0.2)
+    monkeypatch.setattr(agent_session, "EVENT_RESTART_SECONDS", 0.2)
     fake_tower.configure(session_refresh=60)
     state = fake_tower.load()
     state["event_fails"] = True
     fake_tower.save(state)
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
     client = Collector()
-    session = agent.Session(cfg, client.stdin, client, "cli")  # type: ignore[arg-type]
+    session = agent_session.Session(cfg, client.stdin, client, "cli")  # type: ignore[arg-type]
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(session.run()))
     thread.start()
@@ -578,9 +586,9 @@ def test_status_failure_reported_then_recovered(
     fake_tower: FakeTower, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake_tower.configure(session_refresh=0.2)
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
     client = Collector()
-    session = agent.Session(cfg, client.stdin, client, "cli")  # type: ignore[arg-type]
+    session = agent_session.Session(cfg, client.stdin, client, "cli")  # type: ignore[arg-type]
     thread = threading.Thread(target=session.run)
     thread.start()
     try:
@@ -608,10 +616,11 @@ def test_requests_from_a_file_and_internal_errors(
 ) -> None:
     """A stdin that cannot be selected is read to its end; a crash is answered."""
 
-    def boom(cfg: agent.Config, name: str) -> agent.JsonObj:
+    def boom(cfg: agent_config.Config, name: str) -> wire.JsonObj:
         raise RuntimeError("kaput")
 
-    monkeypatch.setattr(agent, "verb_screenshot", boom)
+    monkeypatch.setattr(agent_requests, "verb_screenshot", boom)
+    monkeypatch.setattr(agent_screenshot, "verb_screenshot", boom)
     lines = [
         {"id": 1, "verb": "screenshot", "args": ["win-1"]},
         {"id": 2, "verb": "status"},
@@ -639,13 +648,14 @@ def test_virsh_missing_is_a_plain_error(fake_tower: FakeTower, tmp_path: Path) -
 
 
 def test_status_body_is_the_one_shot_status(fake_tower: FakeTower) -> None:
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
-    body = agent.status_body(cfg)
-    reply = agent.verb_status(cfg)
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
+    body = agent_status.status_body(cfg)
+    reply = agent_status.verb_status(cfg)
     assert reply == {"protocol": 2, "ok": True, **body}
     stdout = io.StringIO()
     assert (
-        agent.main(["--config", str(fake_tower.config), "status"], stdout=stdout) == 0
+        agent_cli.main(["--config", str(fake_tower.config), "status"], stdout=stdout)
+        == 0
     )
 
 

@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    jobs as agent_jobs,
+    observe as agent_observe,
+    session as agent_session,
+    state as agent_state,
+    status as agent_status,
+    virsh as agent_virsh,
+    wire,
+)
 from tests.tower import nodes
 from tests.tower.conftest import FakeTower, require_tool, run_agent, write_config
 
@@ -158,12 +167,14 @@ def test_screenshot_limits_and_cleanup(
 def _running_shutdown_job(tower: FakeTower, domain: str) -> Iterator[None]:
     """A job record of ours at its `shutdown` step of `domain`, its runner alive
     (the test holds the job's lock as a runner does)."""
-    cfg = agent.load_config(str(tower.config), {})
-    job = agent.create_job(cfg, "stop", domain, "cli")
+    cfg = agent_config.load_config(str(tower.config), {})
+    job = agent_jobs.create_job(cfg, "stop", domain, "cli")
     job.update(state="running", step=1)
     job["steps"][0].update(result="ok")
-    agent.write_json_atomic(agent.job_path(cfg, job["id"]), job, cfg.state_dir)
-    lock = Path(agent.jobs_dir(cfg)) / f"{job['id']}.lock"
+    agent_state.write_json_atomic(
+        agent_jobs.job_path(cfg, job["id"]), job, cfg.state_dir
+    )
+    lock = Path(agent_jobs.jobs_dir(cfg)) / f"{job['id']}.lock"
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -206,8 +217,8 @@ def test_a_session_status_asked_for_sees_a_shutdown_begun_since(
     guest agent) is a change, even before the session's own scan saw it: the
     answer is computed again, the GPU node not pinged (agent_ready None)."""
     fake_tower.configure(session_refresh=60)
-    cfg = agent.load_config(str(fake_tower.config), {})
-    session = agent.Session(cfg, io.StringIO(), io.StringIO(), "test")
+    cfg = agent_config.load_config(str(fake_tower.config), {})
+    session = agent_session.Session(cfg, io.StringIO(), io.StringIO(), "test")
     session.jobs.scan()
     session.recompute(force=True, drain=False)
     assert session.status_reply()["domains"][0]["agent_ready"] is True
@@ -219,14 +230,14 @@ def test_a_session_status_asked_for_sees_a_shutdown_begun_since(
 
 
 def test_shutting_down_reads_only_a_running_shutdown_step() -> None:
-    steps = [{"name": n, "domain": "g", "result": None} for n in agent.STOP_STEPS]
+    steps = [{"name": n, "domain": "g", "result": None} for n in wire.STOP_STEPS]
     job = {"state": "running", "step": 1, "steps": steps}
-    assert agent.shutting_down(job) == ["g"]
-    assert agent.shutting_down({**job, "step": 2}) == []
-    assert agent.shutting_down({**job, "state": "queued"}) == []
-    assert agent.shutting_down({**job, "step": 7}) == []
-    assert agent.shutting_down({**job, "step": None}) == []
-    assert agent.shutting_down({**job, "steps": None}) == []
+    assert agent_status.shutting_down(job) == ["g"]
+    assert agent_status.shutting_down({**job, "step": 2}) == []
+    assert agent_status.shutting_down({**job, "state": "queued"}) == []
+    assert agent_status.shutting_down({**job, "step": 7}) == []
+    assert agent_status.shutting_down({**job, "step": None}) == []
+    assert agent_status.shutting_down({**job, "steps": None}) == []
 
 
 def test_a_status_whose_pings_wait_is_read_again_without_them(
@@ -235,7 +246,7 @@ def test_a_status_whose_pings_wait_is_read_again_without_them(
     """A ping that waits anyway (someone else's agent shutdown holds the
     job): past STATUS_BATCH_TIMEOUT the batch is read again without pings;
     every running domain's agent_ready is then None."""
-    monkeypatch.setattr(agent, "STATUS_BATCH_TIMEOUT", 1.0)
+    monkeypatch.setattr(agent_observe, "STATUS_BATCH_TIMEOUT", 1.0)
     fake_tower.set_domain("gpu-node", ping_sleep=5)
     reply = fake_tower.run("status").reply
     domains = {d["name"]: d for d in reply["domains"]}
@@ -250,10 +261,14 @@ def test_a_status_whose_pings_wait_is_read_again_without_them(
 def test_a_status_without_pings_that_times_out_fails(
     fake_tower: FakeTower, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def slow(self: agent.Virsh, args: list[str], timeout: float) -> agent.VirshResult:
-        return agent.VirshResult(124, "", "error: virsh timed out", timed_out=True)
+    def slow(
+        self: agent_virsh.Virsh, args: list[str], timeout: float
+    ) -> agent_virsh.VirshResult:
+        return agent_virsh.VirshResult(
+            124, "", "error: virsh timed out", timed_out=True
+        )
 
-    monkeypatch.setattr(agent.Virsh, "_run", slow)
-    cfg = agent.load_config(str(fake_tower.config), {})
-    with pytest.raises(agent.VirshTimeoutError):
-        agent.observe(cfg, agent.Virsh(cfg), ping=False)
+    monkeypatch.setattr(agent_virsh.Virsh, "_run", slow)
+    cfg = agent_config.load_config(str(fake_tower.config), {})
+    with pytest.raises(agent_virsh.VirshTimeoutError):
+        agent_observe.observe(cfg, agent_virsh.Virsh(cfg), ping=False)

@@ -23,7 +23,13 @@ from typing import Any
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    jobs as agent_jobs,
+    state as agent_state,
+    status as agent_status,
+    wire,
+)
 from tests.support.account import user_env
 from tests.support.agentbuild import AGENT, SOURCE
 from tests.support.waiting import wait_until
@@ -145,7 +151,7 @@ def test_root_never_makes_a_file_through_a_planted_lock_link(
     assert not preload.exists()
     (job,) = split.job_records()
     assert job["state"] == "failed"
-    assert job["error"]["code"] == agent.ERR_STATE_DIR_UNSAFE
+    assert job["error"]["code"] == wire.ERR_STATE_DIR_UNSAFE
     assert "tower.lock" in job["error"]["message"]
 
 
@@ -157,7 +163,7 @@ def _queued_record(job_id: str) -> dict[str, Any]:
         "state": "queued",
         "step": None,
         "steps": [],
-        "created": agent.now_iso(),
+        "created": wire.now_iso(),
         "created_epoch": time.time(),
         "started": None,
         "finished": None,
@@ -182,11 +188,11 @@ def test_root_never_opens_a_runner_log_through_a_link(split: SplitTower) -> None
         str(victim / "made-by-root"),
         job_id,
     )
-    cfg = agent.load_config(str(split.config), {"PATH": os.environ["PATH"]})
+    cfg = agent_config.load_config(str(split.config), {"PATH": os.environ["PATH"]})
     job = _queued_record(job_id)
-    with pytest.raises(agent.AgentError) as refused:
-        agent.spawn_runner(cfg, job)  # as root, in this process: no drop
-    assert refused.value.code == agent.ERR_STATE_DIR_UNSAFE
+    with pytest.raises(wire.AgentError) as refused:
+        agent_jobs.spawn_runner(cfg, job)  # as root, in this process: no drop
+    assert refused.value.code == wire.ERR_STATE_DIR_UNSAFE
     assert not (victim / "made-by-root").exists()
     # A state directory of root's own, with a link in it: not followed either.
     own = split.base / "root-state"
@@ -194,9 +200,9 @@ def test_root_never_opens_a_runner_log_through_a_link(split: SplitTower) -> None
     own.chmod(0o700)
     (own / "jobs" / f"{job_id}.log").symlink_to(victim / "made-by-root")
     cfg.state_dir = str(own)
-    with pytest.raises(agent.AgentError) as refused:
-        agent.spawn_runner(cfg, job)
-    assert refused.value.code == agent.ERR_STATE_DIR_UNSAFE
+    with pytest.raises(wire.AgentError) as refused:
+        agent_jobs.spawn_runner(cfg, job)
+    assert refused.value.code == wire.ERR_STATE_DIR_UNSAFE
     assert "symbolic link" in refused.value.message
     assert not (victim / "made-by-root").exists()
 
@@ -211,10 +217,12 @@ def test_state_files_get_their_mode_on_the_descriptor(
 
     for name in ("chmod", "chown", "lchown"):
         monkeypatch.setattr(os, name, by_path)
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
-    job = agent.create_job(cfg, "stop", "win-1", "cli")
-    agent.write_json_atomic(agent.job_path(cfg, job["id"]), job, cfg.state_dir)
-    agent.status_body(cfg)
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
+    job = agent_jobs.create_job(cfg, "stop", "win-1", "cli")
+    agent_state.write_json_atomic(
+        agent_jobs.job_path(cfg, job["id"]), job, cfg.state_dir
+    )
+    agent_status.status_body(cfg)
     for path in fake_tower.state_dir.rglob("*"):
         assert stat.S_IMODE(path.stat().st_mode) in (0o600, 0o700), path
     assert not list(fake_tower.state_dir.rglob(".tmp-*"))
@@ -232,7 +240,7 @@ def test_a_state_directory_others_may_write_to_is_refused(
     for command in ("stop win-1", "status", "jobs", "session"):
         reply = split.ssh(command)
         assert reply["ok"] is False, (command, reply)
-        assert reply["error"]["code"] == agent.ERR_STATE_DIR_UNSAFE, reply
+        assert reply["error"]["code"] == wire.ERR_STATE_DIR_UNSAFE, reply
         assert "writable by its group or by others" in reply["error"]["message"]
     # Nor does the hook (root) work there.
     split.state_dir.chmod(0o700)
@@ -249,7 +257,7 @@ def test_a_state_directory_of_someone_else_is_refused(split: SplitTower) -> None
     os.chown(split.state_dir, 0, 0)
     split.state_dir.chmod(0o755)
     reply = split.ssh("stop win-1")
-    assert reply["error"]["code"] == agent.ERR_STATE_DIR_UNSAFE, reply
+    assert reply["error"]["code"] == wire.ERR_STATE_DIR_UNSAFE, reply
     assert f"not to uid {split.account.pw_uid}" in reply["error"]["message"]
     assert split.fake.log() == []
 
@@ -261,7 +269,7 @@ def test_a_subdirectory_others_may_write_to_is_refused(split: SplitTower) -> Non
         str(split.state_dir / "jobs"),
     )
     reply = split.ssh("stop win-1")
-    assert reply["error"]["code"] == agent.ERR_STATE_DIR_UNSAFE, reply
+    assert reply["error"]["code"] == wire.ERR_STATE_DIR_UNSAFE, reply
     assert "jobs" in reply["error"]["message"]
 
 
@@ -275,12 +283,12 @@ def test_a_rewritten_record_never_redirects_roots_runner(split: SplitTower) -> N
     made = split.as_user(
         "import json, os, sys\n"
         "sys.path.insert(0, os.path.dirname(sys.argv[1]))\n"
-        "import gpu_handoff as agent\n"
-        "cfg = agent.load_config(sys.argv[2], dict(os.environ))\n"
-        "job = agent.create_job(cfg, 'stop', 'win-1', 'hook')\n"
+        "from gpu_handoff import config as agent_config, jobs as agent_jobs, state as agent_state\n"
+        "cfg = agent_config.load_config(sys.argv[2], dict(os.environ))\n"
+        "job = agent_jobs.create_job(cfg, 'stop', 'win-1', 'hook')\n"
         "for step in job['steps']:\n"
         "    step['domain'] = 'other-vm'\n"
-        "agent.write_json_atomic(agent.job_path(cfg, job['id']), job, cfg.state_dir)\n"
+        "agent_state.write_json_atomic(agent_jobs.job_path(cfg, job['id']), job, cfg.state_dir)\n"
         "print(job['id'])\n",
         str(SOURCE),
         str(split.config),
@@ -321,10 +329,12 @@ def test_a_runner_refuses_work_the_configuration_does_not_allow(
     state = fake_tower.load()
     state["domains"]["other-vm"] = dict(state["domains"]["gpu-node"])
     fake_tower.save(state)
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
-    job = agent.create_job(cfg, "stop", "win-1", "cli")
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
+    job = agent_jobs.create_job(cfg, "stop", "win-1", "cli")
     job.update(change)
-    agent.write_json_atomic(agent.job_path(cfg, job["id"]), job, cfg.state_dir)
+    agent_state.write_json_atomic(
+        agent_jobs.job_path(cfg, job["id"]), job, cfg.state_dir
+    )
     run = fake_tower.run("run-job", job["id"])
     assert run.rc == 1
     done = fake_tower.run("job", job["id"]).reply["job"]
@@ -424,7 +434,7 @@ def test_forty_requests_make_at_most_max_queued_jobs_runners(
         for i in range(40):
             work = WORKS[i % len(WORKS)]
             reply = replies[i]
-            if WORKS.index(work) < agent.MAX_QUEUED_JOBS_DEFAULT:
+            if WORKS.index(work) < agent_config.MAX_QUEUED_JOBS_DEFAULT:
                 assert reply["ok"], reply
                 if work in made:
                     assert reply["existing"] is True
@@ -433,9 +443,9 @@ def test_forty_requests_make_at_most_max_queued_jobs_runners(
                     assert reply["existing"] is False
                     made[work] = reply["job"]["id"]
             else:
-                assert reply["error"]["code"] == agent.ERR_QUEUE_FULL, reply
+                assert reply["error"]["code"] == wire.ERR_QUEUE_FULL, reply
                 assert "max_queued_jobs" in reply["error"]["message"]
-        assert len(made) == agent.MAX_QUEUED_JOBS_DEFAULT
+        assert len(made) == agent_config.MAX_QUEUED_JOBS_DEFAULT
         wait_until(
             lambda: len(split.runners()) == len(made), timeout=30, what="runners"
         )
@@ -447,7 +457,7 @@ def test_forty_requests_make_at_most_max_queued_jobs_runners(
     finally:
         lock.release()
     split.wait_idle(timeout=120)
-    assert len(split.job_records()) == agent.MAX_QUEUED_JOBS_DEFAULT
+    assert len(split.job_records()) == agent_config.MAX_QUEUED_JOBS_DEFAULT
 
 
 def test_streams_are_capped(split: SplitTower) -> None:
@@ -460,9 +470,9 @@ def test_streams_are_capped(split: SplitTower) -> None:
             assert json.loads(proc.stdout.readline())["ok"] is True
         refused = split.ssh("session")
         assert refused["ok"] is False
-        assert refused["error"]["code"] == agent.ERR_TOO_MANY_STREAMS
+        assert refused["error"]["code"] == wire.ERR_TOO_MANY_STREAMS
         assert "max_streams" in refused["error"]["message"]
-        assert split.ssh("watch")["error"]["code"] == agent.ERR_TOO_MANY_STREAMS
+        assert split.ssh("watch")["error"]["code"] == wire.ERR_TOO_MANY_STREAMS
         assert split.ssh("version")["ok"] is True  # one-shot verbs go on
     finally:
         assert first.stdin is not None
@@ -599,8 +609,8 @@ def test_a_closed_client_gets_no_traceback(split: SplitTower, verb: str) -> None
     split.as_user(
         "import os, sys\n"
         "sys.path.insert(0, os.path.dirname(sys.argv[1]))\n"
-        "import gpu_handoff as agent\n"
-        "agent.create_job(agent.load_config(sys.argv[2], dict(os.environ)), 'stop', 'win-1', 'cli')\n",
+        "from gpu_handoff import config as agent_config, jobs as agent_jobs, state as agent_state\n"
+        "agent_jobs.create_job(agent_config.load_config(sys.argv[2], dict(os.environ)), 'stop', 'win-1', 'cli')\n",
         str(SOURCE),
         str(split.config),
     )
@@ -623,10 +633,10 @@ def test_version_says_protocol_agent_version_and_name_only(split: SplitTower) ->
     split.start_sshd()
     reply = split.ssh("version")
     assert reply == {
-        "protocol": agent.PROTOCOL,
+        "protocol": wire.PROTOCOL,
         "ok": True,
-        "version": agent.VERSION,
-        "verbs": sorted(agent.SERVE_VERBS),
+        "version": wire.VERSION,
+        "verbs": sorted(wire.SERVE_VERBS),
         "host_name": "Tower in the attic",
     }
 
@@ -640,7 +650,7 @@ def test_internal_errors_are_logged_on_the_tower_not_told(split: SplitTower) -> 
     reply = split.ssh("screenshot win-1")
     assert reply["ok"] is False
     error = reply["error"]
-    assert error["code"] == agent.ERR_INTERNAL
+    assert error["code"] == wire.ERR_INTERNAL
     assert "/" not in error["message"]
     assert "Error" not in error["message"]
     incident = error["message"].split()[2].rstrip(";")

@@ -9,7 +9,11 @@ import sys
 
 import pytest
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower import build, gpu_handoff
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    install as agent_install,
+    wire,
+)
 from tests.support.agentbuild import agent_bytes, old_agent_bytes
 from tests.tower.conftest import run_agent
 from tests.tower.test_install import (
@@ -48,7 +52,7 @@ def test_update_replaces_a_previous_agent(tmp_path: Path) -> None:
     assert run.rc == 0, run.reply
     assert run.reply["updated"] == str(program)
     assert run.reply["previous"] == "0.2.0"
-    assert run.reply["version"] == agent.VERSION
+    assert run.reply["version"] == wire.VERSION
     assert program.read_bytes() == agent_bytes()
     assert stat.S_IMODE(program.stat().st_mode) == 0o755
     # The program compiled for this Python beside it, as install leaves it.
@@ -98,9 +102,7 @@ def test_update_under_another_prefix(tmp_path: Path) -> None:
     assert install_run(root, "--prefix", "/opt/gh").rc == 0
     program = root / "opt/gh/bin/gpu-handoff"
     program.write_bytes(
-        old_agent_bytes(
-            replace=[(f'VERSION = "{agent.VERSION}"\n', "VERSION = None\n")]
-        )
+        old_agent_bytes(replace=[(f'VERSION = "{wire.VERSION}"\n', "VERSION = None\n")])
     )
     run = run_agent(["update", f"--root={root}", "--prefix=/opt/gh"])
     assert run.rc == 0, run.reply
@@ -114,7 +116,7 @@ def test_update_under_another_prefix(tmp_path: Path) -> None:
     [
         b"#!/bin/sh\necho something else\n",
         # The agent's first line, past the first 4 KiB: not this agent's file.
-        b"#" * agent.AGENT_HEAD + agent.AGENT_MARKER,
+        b"#" * agent_install.AGENT_HEAD + agent_install.AGENT_MARKER,
         None,
     ],
     ids=["another program", "marker too late", "a directory"],
@@ -210,7 +212,9 @@ def test_a_read_only_update_leaves_the_old_program(tmp_path: Path) -> None:
 
 
 def test_the_marker_is_the_agents_first_line() -> None:
-    """update knows the agent by its docstring's first line."""
-    assert agent.__doc__ is not None
-    assert agent.AGENT_MARKER.decode() == agent.__doc__.splitlines()[0]
-    assert agent.AGENT_MARKER in agent_bytes()[: agent.AGENT_HEAD]
+    """update knows the agent by the marker line of the built file's prefix,
+    the first line of the package's docstring, as a 0.3 agent's was."""
+    assert gpu_handoff.__doc__ is not None
+    assert agent_install.AGENT_MARKER.decode() == gpu_handoff.__doc__.splitlines()[0]
+    assert f"# {agent_install.AGENT_MARKER.decode()}" == build.MARKER
+    assert agent_install.AGENT_MARKER in agent_bytes()[: agent_install.AGENT_HEAD]

@@ -8,7 +8,11 @@ from pathlib import Path
 import subprocess
 from typing import Any
 
-from custom_components.gpu_handoff.tower import gpu_handoff as agent
+from custom_components.gpu_handoff.tower.gpu_handoff import (
+    config as agent_config,
+    jobs as agent_jobs,
+    stream as agent_stream,
+)
 from tests.support.libvirtd import LibvirtTestDriver
 from tests.tower import nodes
 from tests.tower.conftest import FakeTower, require_tool, write_config
@@ -17,7 +21,9 @@ from tests.tower.conftest import FakeTower, require_tool, write_config
 class Client:
     """The watching client: reacts to lines, and disconnects when done."""
 
-    def __init__(self, lv: LibvirtTestDriver, cfg: agent.Config, stdin_w: int) -> None:
+    def __init__(
+        self, lv: LibvirtTestDriver, cfg: agent_config.Config, stdin_w: int
+    ) -> None:
         self.lv = lv
         self.cfg = cfg
         self.stdin_w = stdin_w
@@ -62,7 +68,7 @@ class Client:
             os.close(self.stdin_w)  # the client disconnects
 
     def new_job(self) -> None:
-        job_id = agent.create_job(self.cfg, "stop", "gpu-node", "cli")["id"]
+        job_id = agent_jobs.create_job(self.cfg, "stop", "gpu-node", "cli")["id"]
         self.job_ids.append(job_id)
 
     def toggle(self, name: str) -> None:
@@ -88,11 +94,11 @@ def test_watch_streams_events_and_jobs(tmp_path: Path) -> None:
             state_dir=str(tmp_path / "state"),
             poll_interval=0.05,
         )
-        cfg = agent.load_config(str(config), dict(os.environ))
+        cfg = agent_config.load_config(str(config), dict(os.environ))
         read_fd, write_fd = os.pipe()
         client = Client(lv, cfg, write_fd)
         with os.fdopen(read_fd, "r") as stdin:
-            rc = agent.verb_watch(cfg, stdin, client)  # type: ignore[arg-type]
+            rc = agent_stream.verb_watch(cfg, stdin, client)  # type: ignore[arg-type]
     assert rc == 0
     assert client.lines[0]["ok"] is True
     events = [line for line in client.lines if line["type"] == "event"]
@@ -122,25 +128,25 @@ class BrokenStdout:
 
 
 def test_watch_ends_on_broken_pipe(fake_tower: FakeTower) -> None:
-    cfg = agent.load_config(str(fake_tower.config), dict(os.environ))
-    agent.create_job(cfg, "stop", "win-1", "cli")  # seen at start: not re-emitted
+    cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
+    agent_jobs.create_job(cfg, "stop", "win-1", "cli")  # seen at start: not re-emitted
     stdout = BrokenStdout()
     read_fd, write_fd = os.pipe()
     with os.fdopen(read_fd, "r") as stdin:
-        orig = agent.list_job_ids
+        orig = agent_stream.list_job_ids
         calls = []
 
-        def list_ids(c: agent.Config) -> list[str]:
+        def list_ids(c: agent_config.Config) -> list[str]:
             calls.append(1)
             if len(calls) == 2:  # after the greeting: a new job appears
-                agent.create_job(cfg, "stop", "win-2", "cli")
+                agent_jobs.create_job(cfg, "stop", "win-2", "cli")
             return orig(c)
 
-        agent.list_job_ids = list_ids  # type: ignore[assignment]
+        agent_stream.list_job_ids = list_ids  # type: ignore[assignment]
         try:
-            rc = agent.verb_watch(cfg, stdin, stdout)  # type: ignore[arg-type]
+            rc = agent_stream.verb_watch(cfg, stdin, stdout)  # type: ignore[arg-type]
         finally:
-            agent.list_job_ids = orig  # type: ignore[assignment]
+            agent_stream.list_job_ids = orig  # type: ignore[assignment]
             os.close(write_fd)
     assert rc == 0
     assert stdout.lines == 1
@@ -163,7 +169,7 @@ def test_watch_libvirt_unreachable(tmp_path: Path) -> None:
         gaming=["win-1"],
         state_dir=str(tmp_path / "state"),
     )
-    cfg = agent.load_config(str(config), dict(os.environ))
+    cfg = agent_config.load_config(str(config), dict(os.environ))
     lines: list[str] = []
 
     class Out:
@@ -174,7 +180,7 @@ def test_watch_libvirt_unreachable(tmp_path: Path) -> None:
         def flush(self) -> None:
             pass
 
-    rc = agent.verb_watch(cfg, None, Out())  # type: ignore[arg-type]
+    rc = agent_stream.verb_watch(cfg, None, Out())  # type: ignore[arg-type]
     assert rc == 1
     last = json.loads(lines[-1])
     assert last["type"] == "error"

@@ -1,7 +1,7 @@
 """Build the tower agent into the one executable file a tower runs.
 
-The agent is written as Python sources (today the one module
-``gpu_handoff.py`` beside this file); a tower gets them as ONE file,
+The agent is written as a package of Python sources (``gpu_handoff/`` beside
+this file, one module per concern); a tower gets them as ONE file,
 ``gpu-handoff``: a zip archive of the sources behind a short text prefix, which
 any Python >= 3.9 runs (``python3 gpu-handoff ...``, or as an executable
 through its ``#!`` line), as yt-dlp and other programs that ship to a host's
@@ -30,9 +30,9 @@ guided install builds the file it uploads with it. As a command::
     python3 build.py --header FILE       # print a built file's version and hash
     python3 build.py --cache FILE        # compile a built file for this Python
 
-A built file compiles its module at each start (about 60 ms) unless the
-module compiled for the Python running it is beside it (``cache_path``):
-``install`` and ``update`` write it, as ``--cache`` does.
+A built file compiles its modules as it imports them (about 60 ms in all)
+unless they are compiled for the Python running it beside it
+(``cache_path``): ``install`` and ``update`` write that, as ``--cache`` does.
 """
 
 from __future__ import annotations
@@ -49,79 +49,116 @@ from typing import List, Optional, Tuple
 import zipfile
 
 SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
-# The archive's modules, beside this file (the package split adds to these);
-# the agent reads this one from its archive to compile itself for the
-# tower's Python at install and update (``compiled``).
-MODULES = ("build.py", "gpu_handoff.py")
+# The agent's package, beside this file: every module of it goes in (but its
+# __main__.py, which runs it from a checkout), and this file, which the agent
+# reads from its archive to compile itself for the tower's Python at install
+# and update (``compiled``).
+PACKAGE = "gpu_handoff"
+BUILDER = "build.py"
+# The module whose VERSION line is the agent's version.
+VERSION_MODULE = f"{PACKAGE}/wire.py"
 INTERPRETER = "/usr/bin/env python3"
 MARKER = "# gpu-handoff: the tower agent of GPU Handoff."
 # Run by ``python3 ARCHIVE`` (its ``__loader__`` is the archive's zipimporter).
-# It loads the agent's module itself, compiled once: an ``import`` through
-# zipimport compiles a source twice (its find_spec asks get_filename, which
-# compiles the module to learn its name, then exec_module compiles it again).
-# And it need not compile it at all: ``install`` and ``update`` (and the
-# NixOS package) write the module compiled for the tower's Python beside the
-# program (``cache_path``), which saves the 60 ms compile of every start.
-# The compiled code is used only if it was made from these very sources (a
-# hash-based pyc, PEP 552, checked against the source's hash) for this
-# Python, and if only the program's owner can have written it.
+# It imports the agent's package through a finder of its own, placed first:
+# an ``import`` through zipimport compiles a source twice (its find_spec asks
+# get_filename, which compiles the module to learn its name, then
+# exec_module compiles it again). And it need not compile at all: ``install``
+# and ``update`` (and the NixOS package) write the modules compiled for the
+# tower's Python beside the program (``cache_path``), which saves the 60 ms
+# compile of every start. The compiled code is used only if it was made from
+# these very sources (checked against their hash, as a hash-based pyc is,
+# PEP 552) for this Python, and if only the program's owner can have written
+# it. Each module's loader is this finder, which answers ``archive`` and
+# ``get_data`` as the zipimporter does.
 ENTRY = r'''"""gpu-handoff: run the tower agent of GPU Handoff from this archive."""
+import importlib.machinery
+import importlib.util
+import marshal
 import os
 import stat
 import sys
-import types
+
+# The agent's modules in this archive, by name (written by the build).
+MODULES = __MODULES__
 
 
-def cached(program, source):
-    """The module compiled beside the program for this Python, if it is that
-    of ``source`` and nobody but the program's owner can have written it."""
+def cached(program, key):
+    """The modules compiled beside the program for this Python, by name, if
+    they are those of the sources hashed in ``key`` and nobody but the
+    program's owner can have written them."""
     tag = sys.implementation.cache_tag
     if tag is None:
-        return None
+        return {}
     directory, name = os.path.split(program)
     pyc = os.path.join(directory, "__pycache__", "%s.%s.pyc" % (name, tag))
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(pyc, flags)
     except OSError:
-        return None
+        return {}
     with os.fdopen(fd, "rb") as handle:
         found = (os.fstat(fd), os.stat(os.path.dirname(pyc)))
         owner = os.stat(program).st_uid
         if not stat.S_ISREG(found[0].st_mode) or any(
             item.st_uid != owner or item.st_mode & 0o022 for item in found
         ):
-            return None
+            return {}
         data = handle.read()
-    import importlib.util
-
     header = importlib.util.MAGIC_NUMBER + b"\x03\x00\x00\x00"
-    if data[:8] != header or data[8:16] != importlib.util.source_hash(source):
-        return None
-    import marshal
-
+    if data[:8] != header or data[8:16] != importlib.util.source_hash(key):
+        return {}
     try:
-        return marshal.loads(data[16:])
+        codes = marshal.loads(data[16:])
     except (EOFError, ValueError, TypeError):
+        return {}
+    return codes if isinstance(codes, dict) else {}
+
+
+class Agent:
+    """Finds and loads the agent's modules in this archive."""
+
+    def __init__(self, archive):
+        self.archive = os.path.realpath(archive.archive)
+        self._zip = archive
+        self.sources = dict(MODULES)
+        key = b"".join(
+            name.encode() + b"\0" + self.get_data(entry) + b"\0"
+            for name, entry in MODULES
+        )
+        self.codes = cached(self.archive, key)
+
+    def get_data(self, name):
+        return self._zip.get_data(name)
+
+    def find_spec(self, name, path=None, target=None):
+        entry = self.sources.get(name)
+        if entry is None:
+            return None
+        spec = importlib.machinery.ModuleSpec(
+            name,
+            self,
+            origin=self.archive + "/" + entry,
+            is_package=entry.endswith("/__init__.py"),
+        )
+        spec.has_location = True
+        return spec
+
+    def create_module(self, spec):
         return None
 
-
-def load(name):
-    program = os.path.realpath(__loader__.archive)
-    path = program + "/" + name + ".py"
-    source = __loader__.get_data(name + ".py")
-    module = types.ModuleType(name)
-    module.__file__ = path
-    module.__loader__ = __loader__
-    sys.modules[name] = module
-    code = cached(program, source)
-    if code is None:
-        code = compile(source, path, "exec", dont_inherit=True)
-    exec(code, module.__dict__)
-    return module
+    def exec_module(self, module):
+        code = self.codes.get(module.__name__)
+        if code is None:
+            source = self.get_data(self.sources[module.__name__])
+            code = compile(source, module.__file__, "exec", dont_inherit=True)
+        exec(code, module.__dict__)
 
 
-sys.exit(load("gpu_handoff").main())
+sys.meta_path.insert(0, Agent(__loader__))
+from gpu_handoff.cli import main
+
+sys.exit(main())
 '''
 VERSION_RE = re.compile(r'^VERSION = "([0-9A-Za-z.+-]{1,40})"$', re.MULTILINE)
 HASH_LINE = "# sha256 of the archive below: "
@@ -144,11 +181,42 @@ class BuildError(Exception):
     """The sources cannot be built (a module missing, no version line)."""
 
 
+def package_modules(source_dir: Optional[str] = None) -> List[str]:
+    """The archive's entries of the agent's package, in name order."""
+    directory = os.path.join(source_dir or SOURCE_DIR, PACKAGE)
+    try:
+        names = os.listdir(directory)
+    except OSError as error:
+        raise BuildError(f"cannot read {directory}: {error.strerror}") from None
+    found = sorted(
+        f"{PACKAGE}/{name}"
+        for name in names
+        if name.endswith(".py") and name != "__main__.py"
+    )
+    if f"{PACKAGE}/__init__.py" not in found:
+        raise BuildError(f"{directory} is not the agent's package")
+    return found
+
+
+def module_name(entry: str) -> str:
+    """The module an entry of the package holds (``gpu_handoff/jobs.py``:
+    ``gpu_handoff.jobs``; its ``__init__.py``: ``gpu_handoff``)."""
+    name = entry[: -len(".py")].replace("/", ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def entry_source(modules: List[str]) -> bytes:
+    """The archive's ``__main__.py``: ENTRY, with the package's modules."""
+    table = tuple(sorted((module_name(entry), entry) for entry in modules))
+    return ENTRY.replace("__MODULES__", repr(table), 1).encode()
+
+
 def sources(source_dir: Optional[str] = None) -> List[Tuple[str, bytes]]:
     """The archive's entries, (name, bytes), in the order they are stored."""
     directory = source_dir or SOURCE_DIR
-    entries = [("__main__.py", ENTRY.encode())]
-    for name in MODULES:
+    modules = package_modules(directory)
+    entries = [("__main__.py", entry_source(modules))]
+    for name in [BUILDER, *modules]:
         path = os.path.join(directory, name)
         try:
             with open(path, "rb") as handle:
@@ -161,11 +229,11 @@ def sources(source_dir: Optional[str] = None) -> List[Tuple[str, bytes]]:
 def source_version(entries: List[Tuple[str, bytes]]) -> str:
     """The agent's VERSION, read from its sources (not by running them)."""
     for name, data in entries:
-        if name == "gpu_handoff.py":
+        if name == VERSION_MODULE:
             found = VERSION_RE.search(data.decode("utf-8"))
             if found:
                 return found.group(1)
-    raise BuildError("no VERSION line in gpu_handoff.py")
+    raise BuildError(f"no VERSION line in {VERSION_MODULE}")
 
 
 def archive(entries: List[Tuple[str, bytes]]) -> bytes:
@@ -225,7 +293,7 @@ def write(path: str, data: Optional[bytes] = None) -> None:
 
 
 def cache_path(program: str) -> str:
-    """Where the entry of the built file ``program`` looks for its module
+    """Where the entry of the built file ``program`` looks for its modules
     compiled for this Python: ``__pycache__/<name>.<tag>.pyc`` beside it, as
     Python keeps a module's own."""
     tag = sys.implementation.cache_tag
@@ -236,20 +304,33 @@ def cache_path(program: str) -> str:
 
 
 def compiled(data: bytes, program: str) -> bytes:
-    """The agent's module in the built file ``data`` compiled for this
-    Python, as the file's entry takes it when run as ``program`` (its real
-    path): a hash-based pyc of the module's source."""
+    """The agent's modules in the built file ``data`` compiled for this
+    Python, as the file's entry takes them when run as ``program`` (its real
+    path): the code of each module by its name (marshal), behind a checked
+    hash-based pyc's header whose hash is that of all their sources."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as zipped:
-            source = zipped.read("gpu_handoff.py")
-    except (zipfile.BadZipFile, KeyError):
+            modules = [
+                name
+                for name in sorted(zipped.namelist())
+                if name.startswith(f"{PACKAGE}/") and name.endswith(".py")
+            ]
+            texts = [(entry, zipped.read(entry)) for entry in modules]
+    except zipfile.BadZipFile:
         raise BuildError("not a built GPU Handoff agent") from None
-    code = compile(source, f"{program}/gpu_handoff.py", "exec", dont_inherit=True)
+    if f"{PACKAGE}/__init__.py" not in modules:
+        raise BuildError("not a built GPU Handoff agent")
+    named = sorted((module_name(entry), entry, text) for entry, text in texts)
+    key = b"".join(name.encode() + b"\0" + text + b"\0" for name, _, text in named)
+    codes = {
+        name: compile(text, f"{program}/{entry}", "exec", dont_inherit=True)
+        for name, entry, text in named
+    }
     return (
         importlib.util.MAGIC_NUMBER
         + PYC_FLAGS
-        + importlib.util.source_hash(source)
-        + marshal.dumps(code)
+        + importlib.util.source_hash(key)
+        + marshal.dumps(codes)
     )
 
 
