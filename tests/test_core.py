@@ -1083,3 +1083,22 @@ async def test_home_assistant_migrates_the_stored_file(
     assert hass_storage["gpu_handoff.ENTRY_ID"]["version"] == STORE_VERSION
     # A current store is read as it is.
     assert migrate_store(STORE_VERSION, data) == data
+
+
+def test_a_stop_reads_whether_the_gpu_node_ran_once_before_its_first_job() -> None:
+    """Whether the GPU node ran when a stop began is read as it begins and
+    kept once a job of it was created: a stop begun again after a restart
+    (its job done) keeps what it found, and the operator's shutdown of the
+    GPU node since is not taken for it (the depth-6 lending race)."""
+    fresh = JobFacts()
+    assert fresh.stop_began(gpu_running=True).gpu_was_running is True
+    assert fresh.stop_began(gpu_running=False).gpu_was_running is False
+    began = fresh.stop_began(gpu_running=True)
+    # Before any job, a new beginning reads it again (nothing was done yet).
+    assert began.stop_began(gpu_running=False).gpu_was_running is False
+    ran = replace(
+        began, first_created="2026-12-02T05:03:00.000+00:00", shut_down=frozenset({"g"})
+    )
+    assert ran.stop_began(gpu_running=False) == ran
+    stored = JobFacts.from_dict(json.loads(json.dumps(ran.as_dict())))
+    assert stored.stop_began(gpu_running=False).gpu_was_running is True

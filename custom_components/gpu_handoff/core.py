@@ -170,6 +170,16 @@ class JobFacts:
     # else while the stop ran).
     gpu_was_running: bool = False
 
+    def stop_began(self, gpu_running: bool) -> JobFacts:
+        """These facts, with whether the GPU node runs as the stop (re)begins:
+        read before its first job, and kept once a job of it was created. A
+        stop begun again after a restart must not take a later shutdown of
+        the GPU node by someone else for how the stop found it (it would
+        return the cards to the GPU node the operator shut down)."""
+        if self.first_created is not None:
+            return self
+        return replace(self, gpu_was_running=gpu_running)
+
     def with_record(self, record: JobRecord, gpu_node: str) -> JobFacts:
         """These facts and what ``record`` says its job did, step by step."""
         facts = replace(self, first_created=self.first_created or record.job.created)

@@ -333,9 +333,7 @@ class OperationRunner:
             return await self._node_back(done)
         status = await self.tower.status()
         gpu = status.domains.get(self.gpu_node)
-        self.facts = replace(
-            self.facts, gpu_was_running=gpu is not None and gpu.state == RUNNING
-        )
+        self.facts = self.facts.stop_began(gpu is not None and gpu.state == RUNNING)
         named = stop_names(status, vm)
         if not stop_releases(status, vm, settings, gpu_stopped_by_us=gpu_stopped_by_us):
             if named is not None:

@@ -373,7 +373,7 @@ class Model:
                 return State(world, replace(ctl, stage="drain"))
             return _submit(world, ctl, JobKind.START, vm)
         if request.kind is Kind.STOP:
-            facts = replace(ctl.facts, gpu_was_running=world.gpu == RUNNING)
+            facts = ctl.facts.stop_began(world.gpu == RUNNING)
             ctl = replace(ctl, facts=facts)
             releases = self.stop_releases(
                 world.tower_status(),

@@ -206,6 +206,42 @@ FIXED_RACES = {
             "operator_stops_gpu_node",
         ],
     ),
+    # Depth 6, lending (scripts/explore --lend --depth 6 --jobs 2, on
+    # f8d3105): while a return lends the free cards, the operator shuts the
+    # GPU node down and a player starts gaming-1 by hand; the lend starts
+    # the GPU node with the other card. A stop of gaming-1 begins (the GPU
+    # node runs) and shuts it down; the operator shuts the GPU node down
+    # again; Home Assistant restarts before the stop's end. The stop began
+    # again and read the GPU node anew: off, as if it had been off when the
+    # stop began, so it returned the cards to the operator's GPU node.
+    # Whether the GPU node ran is now read once, before the stop's first
+    # job, and kept (core.JobFacts.stop_began).
+    "restarted_stop_took_the_operators_shutdown_for_its_start": (
+        LENDING,
+        [
+            "turn_off gaming-1",
+            "controller",
+            "controller",
+            "controller",
+            "turn_off gaming-1",
+            "operator_stops_gpu_node",
+            "start_by_hand gaming-1",
+            "node_not_ready",
+            "hook_stop",
+            "controller",
+            "tower_job",
+            "node_ready",
+            "controller",
+            "controller",
+            "controller",
+            "controller",
+            "controller",
+            "tower_job",
+            "operator_stops_gpu_node",
+            "controller",
+            "home_assistant_restarts",
+        ],
+    ),
     # Depth 4: a stop of gaming-1 (off), the operator shuts the GPU node
     # down, a player starts gaming-1 by hand (the hook's stop finds the GPU
     # node off) and quits while the stop runs. The stop released (started

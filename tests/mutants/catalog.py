@@ -407,6 +407,26 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "restarted_stop_reads_the_gpu_node_again",
+        "a stop begun again after a restart keeps whether the GPU node ran when "
+        "it first began: the operator's shutdown since is not undone",
+        (
+            Patch(
+                CORE,
+                "        if self.first_created is not None:\n            return self\n"
+                "        return replace(self, gpu_was_running=gpu_running)\n",
+                "        return replace(self, gpu_was_running=gpu_running)\n",
+            ),
+        ),
+        (
+            (
+                "tests/test_core.py::"
+                "test_a_stop_reads_whether_the_gpu_node_ran_once_before_its_first_job"
+            ),
+            "tests/explorer/test_explorer.py::test_a_fixed_race_stays_fixed",
+        ),
+    ),
+    Mutant(
         "no_second_look_before_a_level_return",
         "a return decided because the GPU node was seen running looks again "
         "when it acts: the operator's GPU node shut down since stays off",
