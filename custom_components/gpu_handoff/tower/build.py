@@ -122,9 +122,11 @@ class Agent:
         self.archive = os.path.realpath(archive.archive)
         self._zip = archive
         self.sources = dict(MODULES)
+        # Each source read once: for the cache's key, and to compile it if
+        # the cache is not this program's.
+        self.texts = {name: self.get_data(entry) for name, entry in MODULES}
         key = b"".join(
-            name.encode() + b"\0" + self.get_data(entry) + b"\0"
-            for name, entry in MODULES
+            name.encode() + b"\0" + self.texts[name] + b"\0" for name, _ in MODULES
         )
         self.codes = cached(self.archive, key)
 
@@ -150,7 +152,7 @@ class Agent:
     def exec_module(self, module):
         code = self.codes.get(module.__name__)
         if code is None:
-            source = self.get_data(self.sources[module.__name__])
+            source = self.texts[module.__name__]
             code = compile(source, module.__file__, "exec", dont_inherit=True)
         exec(code, module.__dict__)
 
@@ -321,6 +323,7 @@ def compiled(data: bytes, program: str) -> bytes:
     if f"{PACKAGE}/__init__.py" not in modules:
         raise BuildError("not a built GPU Handoff agent")
     named = sorted((module_name(entry), entry, text) for entry, text in texts)
+    # The key ENTRY computes as it starts (it cannot import this module).
     key = b"".join(name.encode() + b"\0" + text + b"\0" for name, _, text in named)
     codes = {
         name: compile(text, f"{program}/{entry}", "exec", dont_inherit=True)
