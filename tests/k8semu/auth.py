@@ -45,7 +45,8 @@ def rule(
     )
 
 
-# What the GPU Handoff integration's ServiceAccount is granted: nothing more.
+# What the GPU Handoff integration's ServiceAccount is granted: nothing more
+# (docs/cluster-setup.md's ClusterRole; tests/test_docs.py compares them).
 PRODUCT_RULES: tuple[Rule, ...] = (
     rule(["get", "list", "watch", "patch"], ["nodes"]),
     rule(["get", "list"], ["pods"]),
@@ -54,6 +55,7 @@ PRODUCT_RULES: tuple[Rule, ...] = (
     rule(["get"], ["leases"], ["coordination.k8s.io"]),
     rule(["list"], ["events"]),
     rule(["list"], ["poddisruptionbudgets"], ["policy"]),
+    rule(["create", "patch"], ["events"], ["events.k8s.io"]),
 )
 
 ALL_RULES: tuple[Rule, ...] = (rule(["*"], ["*"], ["*"]),)

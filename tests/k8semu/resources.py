@@ -39,11 +39,21 @@ class ResourceType:
         return f"{self.plural}.{self.group}" if self.group else self.plural
 
 
+CORE_EVENTS = ResourceType("", "v1", "events", "event", "Event", True, ("ev",))
+# The same Events again: pkg/registry/events/rest/storage_events.go serves
+# them from the core registry's storage (pkg/registry/core/event/storage),
+# one etcd key and one resourceVersion per Event, converted on the way in
+# and out (pkg/apis/events/v1/conversion.go). See STORED_AS.
+EVENTS_V1 = ResourceType(
+    "events.k8s.io", "v1", "events", "event", "Event", True, ("ev",)
+)
+
 RESOURCES: tuple[ResourceType, ...] = (
     ResourceType("", "v1", "namespaces", "namespace", "Namespace", False, ("ns",)),
     ResourceType("", "v1", "nodes", "node", "Node", False, ("no",)),
     ResourceType("", "v1", "pods", "pod", "Pod", True, ("po",)),
-    ResourceType("", "v1", "events", "event", "Event", True, ("ev",)),
+    CORE_EVENTS,
+    EVENTS_V1,
     ResourceType("apps", "v1", "daemonsets", "daemonset", "DaemonSet", True, ("ds",)),
     ResourceType(
         "apps", "v1", "replicasets", "replicaset", "ReplicaSet", True, ("rs",)
@@ -79,11 +89,25 @@ SUBRESOURCES: dict[tuple[str, str], tuple[str, str, str, tuple[str, ...]]] = {
     ),
 }
 
+# In kube-apiserver's order, by group priority (pkg/controlplane/apiserver/
+# aggregator.go DefaultGenericAPIServicePriorities and the kube-apiserver's
+# additions: apps 17800, events.k8s.io 17750, policy 17600,
+# coordination.k8s.io 16500).
 GROUPS: tuple[tuple[str, str], ...] = (
     ("apps", "v1"),
+    ("events.k8s.io", "v1"),
     ("policy", "v1"),
     ("coordination.k8s.io", "v1"),
 )
+
+
+# A resource served from another one's storage.
+STORED_AS: dict[ResourceType, ResourceType] = {EVENTS_V1: CORE_EVENTS}
+
+
+def stored_resource(rt: ResourceType) -> ResourceType:
+    """The resource whose storage holds ``rt``'s objects (itself mostly)."""
+    return STORED_AS.get(rt, rt)
 
 
 def find_resource(group: str, version: str, plural: str) -> ResourceType | None:

@@ -30,6 +30,7 @@ async def test_discovery(api: client.ApiClient) -> None:
     groups = await client.ApisApi(api).get_api_versions(_request_timeout=T)
     assert {g.name: g.preferred_version.group_version for g in groups.groups} == {
         "apps": "apps/v1",
+        "events.k8s.io": "events.k8s.io/v1",
         "policy": "policy/v1",
         "coordination.k8s.io": "coordination.k8s.io/v1",
     }
