@@ -9,6 +9,9 @@ from pathlib import Path
 import re
 
 import pytest
+import yaml
+
+from tests.k8semu.auth import PRODUCT_RULES
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -145,3 +148,33 @@ def test_the_rules_notice_breakage(tmp_path: Path) -> None:
         "a.md#not-a-heading: no heading #not-a-heading",
         "pic.png: no such file",
     ]
+
+
+def test_the_cluster_role_is_what_the_emulator_grants() -> None:
+    """docs/cluster-setup.md's ClusterRole grants exactly what the tests'
+    emulator gives the product's token (PRODUCT_RULES): a rule the product
+    needs and the docs forget would pass every test and fail on a cluster."""
+    text = (REPO / "docs" / "cluster-setup.md").read_text(encoding="utf-8")
+    block = re.search(r"```yaml\n(.*?)```", text, re.DOTALL)
+    assert block is not None
+    role = next(
+        doc
+        for doc in yaml.safe_load_all(block.group(1))
+        if doc["kind"] == "ClusterRole"
+    )
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    expected = {
+        (group, resource, verb)
+        for rule in PRODUCT_RULES
+        for group in rule.api_groups
+        for resource in rule.resources
+        for verb in rule.verbs
+    }
+    assert granted == expected
+    assert ("events.k8s.io", "events", "create") in granted

@@ -29,6 +29,7 @@ from kubernetes_asyncio.client import (
     Configuration,
     CoordinationV1Api,
     CoreV1Api,
+    EventsV1Api,
     PolicyV1Api,
     rest,
 )
@@ -157,9 +158,14 @@ class EvictionRefusedError(ClusterError):
     """429 with a DisruptionBudget cause: a PodDisruptionBudget forbids the
     eviction now (or is still being processed)."""
 
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    def __init__(
+        self, message: str, retry_after: float | None = None, cause: str = ""
+    ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        # The cause's message, naming the budget (eviction.go: "The
+        # disruption budget NAME needs 1 healthy pods and has 1 currently").
+        self.cause = cause
 
 
 class DrainError(ClusterError):
@@ -751,10 +757,11 @@ def _status_of(err: ApiException) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
-def _causes(status: dict[str, Any]) -> set[str]:
+def _causes(status: dict[str, Any]) -> dict[str, str]:
+    """Each cause's reason and message."""
     details = status.get("details") or {}
     return {
-        str(cause.get("reason"))
+        str(cause.get("reason")): str(cause.get("message") or "")
         for cause in details.get("causes") or []
         if isinstance(cause, dict)
     }
@@ -791,7 +798,9 @@ def _api_error(err: ApiException) -> ClusterError:
         # A budget's refusal carries its cause; API Priority and Fairness
         # throttling does not, and is transient like a server error.
         if CAUSE_DISRUPTION_BUDGET in causes:
-            return EvictionRefusedError(message, _retry_after(err, status))
+            return EvictionRefusedError(
+                message, _retry_after(err, status), causes[CAUSE_DISRUPTION_BUDGET]
+            )
         return ClusterConnectionError(f"{code} {message}", _retry_after(err, status))
     if code == HTTP_SERVER_ERROR and message == MULTIPLE_BUDGETS_MESSAGE:
         return BudgetOverlapError(f"{code} {message}")
@@ -839,6 +848,7 @@ class ClusterClient:
         self.apps = AppsV1Api(api)
         self._coordination = CoordinationV1Api(api)
         self.policy = PolicyV1Api(api)
+        self.events = EventsV1Api(api)
 
     @classmethod
     async def create(cls, kubeconfig_text: str) -> ClusterClient:

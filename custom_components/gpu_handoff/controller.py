@@ -23,6 +23,7 @@ from homeassistant.core import HomeAssistant, callback
 from homeassistant.exceptions import HomeAssistantError, ServiceValidationError
 
 from .cluster_client import ClusterError
+from .cluster_events import NodeEvents
 from .const import (
     CONF_GPU_NODE,
     DOMAIN,
@@ -78,12 +79,16 @@ class HandoffController:
             job=lambda: self.plan.job if self.plan is not None else None,
             save_job=self._save_job,
         )
+        # What the operations do to the GPU node's Kubernetes node, told to
+        # the cluster as Events (posted by a task of the entry's: async_start).
+        self.events = NodeEvents(coordinator.cluster, coordinator.k8s_node)
         self.runner = OperationRunner(
             coordinator.tower,
             coordinator.cluster,
             gpu_node=entry.data[CONF_GPU_NODE],
             k8s_node=coordinator.k8s_node,
             host=self.progress,
+            events=self.events,
         )
         self.operations = Operations(
             self.state,
@@ -124,6 +129,9 @@ class HandoffController:
 
     async def async_start(self) -> None:
         """Load the desired state and resume what an earlier run left."""
+        self._entry.async_create_background_task(
+            self.hass, self.events.run(), f"{DOMAIN} Kubernetes events"
+        )
         owned = await self.state.load()
         status = self.coordinator.data.tower
         self.state.forget_unknown_vms()

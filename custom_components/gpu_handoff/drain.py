@@ -46,6 +46,7 @@ from .cluster_client import (
     selects,
     tolerates_cordon,
 )
+from .cluster_events import NodeEvents
 from .cluster_model import SKIP_WAIT_FOR_DELETE, DrainProgress
 
 _LOGGER = logging.getLogger(__name__)
@@ -157,9 +158,11 @@ def _eviction(pod: PodRef) -> V1Eviction:
 class NodeDrain:
     """The drain of a node through one cluster's client."""
 
-    def __init__(self, client: ClusterClient) -> None:
-        """Nothing is evicted until ``run``."""
+    def __init__(self, client: ClusterClient, events: NodeEvents | None = None) -> None:
+        """Nothing is evicted until ``run``; ``events`` tells the cluster
+        what the drain did (cluster_events)."""
         self.client = client
+        self.events = events
 
     async def run(
         self,
@@ -189,18 +192,43 @@ class NodeDrain:
         deadline = self.client.deadline(timeout)
         pace = _Pace(deadline, skip_after, retry_interval, poll_interval)
         state = _DrainState(report=progress)
+        first_round = True
         while True:
             pods = state.chased(await self._pods_on(name, deadline))
             evict, refused = await self._to_evict(
                 pods, force=force, skip_after=skip_after, deadline=deadline
             )
             if refused:
-                raise UnmanagedPodsError(name, tuple(refused), state.progress())
+                error = UnmanagedPodsError(name, tuple(refused), state.progress())
+                self._warn("DrainRefused", "Drain", f"Not drained: {error}")
+                raise error
             if not evict:
                 break
-            await self._evict_round(name, evict, state, pace, timeout)
+            if first_round and self.events is not None:
+                self.events.normal(
+                    "Draining",
+                    "Drain",
+                    f"Evicting {len(evict)} pod(s): "
+                    + ", ".join(pod.label for pod in evict),
+                )
+            first_round = False
+            try:
+                await self._evict_round(name, evict, state, pace, timeout)
+            except DrainError as err:
+                self._warn("DrainFailed", "Drain", str(err))
+                raise
         state.announce()
+        if self.events is not None:
+            self.events.normal(
+                "Drained", "Drain", f"Drained: {state.evicted} pod(s) evicted"
+            )
         return state.progress()
+
+    def _warn(
+        self, reason: str, action: str, note: str, related: PodRef | None = None
+    ) -> None:
+        if self.events is not None:
+            self.events.warning(reason, action, note, related)
 
     async def _evict_round(
         self,
@@ -329,6 +357,13 @@ class NodeDrain:
                 ) from None
             except EvictionRefusedError as err:
                 state.set(pod, _REFUSED)
+                self._warn(
+                    "EvictionRefused",
+                    "Evict",
+                    f"Cannot evict pod {pod.label}: {err.cause or err}; tried again "
+                    "until the drain's timeout",
+                    pod,
+                )
                 wait = max(pace.retry_interval, err.retry_after or 0.0)
             except NamespaceTerminatingError:
                 if pod.deletion is not None:
@@ -340,6 +375,10 @@ class NodeDrain:
                 wait = err.retry_after if err.retry_after is not None else delay
                 delay = min(delay * 2, RETRY_MAX)
             else:
+                if self.events is not None:
+                    self.events.normal(
+                        "Evicted", "Evict", f"Evicted pod {pod.label}", pod
+                    )
                 return pod
             await asyncio.sleep(max(0.0, min(wait, deadline - loop.time())))
             fresh = await self._current(pod, state)

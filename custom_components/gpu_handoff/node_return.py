@@ -28,6 +28,7 @@ from typing import Final, Protocol
 
 from . import health
 from .cluster_client import ClusterClient, ClusterError, gpus_short
+from .cluster_events import NodeEvents
 from .cluster_model import NodeView
 from .const import PHASE_RETURNING
 from .core import gpu_node_disturbed
@@ -81,8 +82,11 @@ class NodeReturn:
         gpu_node: str,
         k8s_node: str,
         host: ReturnHost,
+        events: NodeEvents | None = None,
     ) -> None:
-        """Nothing is waited for until ``wait`` is called."""
+        """Nothing is waited for until ``wait`` is called; ``events`` tells
+        the cluster the node is back (cluster_events)."""
+        self.events = events
         self.tower = tower
         self.cluster = cluster
         self.jobs = jobs
@@ -113,11 +117,25 @@ class NodeReturn:
             if found is None:
                 return self._overtaken()
             self._host.show_node(found)
+            view = found
         if await self._disturbed():
             return self._overtaken()
         self._host.step("uncordoning")
-        if await self.cluster.uncordon(self.k8s_node):
+        lifted = await self.cluster.uncordon(self.k8s_node)
+        if lifted:
             self._host.show_cordon(None)
+        if self.events is not None:
+            back = f"The GPU node is back, {view.gpu_allocatable} GPU(s) allocatable"
+            if lifted:
+                self.events.normal(
+                    "Uncordoned", "Uncordon", f"{back}; GPU Handoff lifted its cordon"
+                )
+            elif view.unschedulable:
+                self.events.normal(
+                    "Returned", "Return", f"{back}; a cordon not GPU Handoff's stays"
+                )
+            else:
+                self.events.normal("Returned", "Return", back)
         return True
 
     async def _gpus_held(self) -> int:

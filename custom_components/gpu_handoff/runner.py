@@ -17,7 +17,8 @@ import logging
 from typing import Protocol
 
 from .cluster_client import ClusterClient, ClusterError
-from .cluster_model import CORDON_OWNER_OTHER, DrainProgress
+from .cluster_events import NodeEvents
+from .cluster_model import CORDON_OWNER_OTHER, CORDON_OWNER_US, DrainProgress
 from .const import PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
 from .core import (
     JobFacts,
@@ -153,16 +154,25 @@ class OperationRunner:
         gpu_node: str,
         k8s_node: str,
         host: RunnerHost,
+        events: NodeEvents | None = None,
     ) -> None:
-        """Nothing runs until an operation is called."""
+        """Nothing runs until an operation is called; ``events`` tells the
+        cluster what is done to its node and why (cluster_events)."""
         self.tower = tower
         self.cluster = cluster
         self.gpu_node = gpu_node
         self.k8s_node = k8s_node
         self._host = host
+        self.events = events
         self.jobs = TowerJobs(tower, gpu_node=gpu_node, host=host)
         self.node_return = NodeReturn(
-            tower, cluster, self.jobs, gpu_node=gpu_node, k8s_node=k8s_node, host=host
+            tower,
+            cluster,
+            self.jobs,
+            gpu_node=gpu_node,
+            k8s_node=k8s_node,
+            host=host,
+            events=events,
         )
 
     @property
@@ -200,6 +210,12 @@ class OperationRunner:
         if node_holds:
             await self._drain(f"handoff to {vm}", settings)
             self._host.phase(PHASE_STOPPING)
+            self._event(
+                "ShuttingDown",
+                "Shutdown",
+                f"Shutting the GPU node's VM {self.gpu_node} down through its "
+                f"guest agent: its cards go to the gaming VM {vm}",
+            )
         await self._job(JobKind.HANDOFF if node_holds else JobKind.START, vm)
 
     async def read_hook_jobs(self, job_ids: Iterable[str]) -> None:
@@ -284,8 +300,10 @@ class OperationRunner:
         owner = await self.cluster.cordon(self.k8s_node, reason)
         self._host.show_cordon(owner)
         check_operator_cordon(owner, settings, self.k8s_node)
+        if owner == CORDON_OWNER_US:
+            self._event("Cordoned", "Cordon", f"Cordoned by GPU Handoff: {reason}")
         progress = await first_of(
-            NodeDrain(self.cluster).run(
+            NodeDrain(self.cluster, self.events).run(
                 self.k8s_node,
                 settings.drain_timeout,
                 self._host.drain_progress,
@@ -409,6 +427,13 @@ class OperationRunner:
         elif if_running or not free:
             return False, None
         check_agent_lends(self.tower)
+        if gpu.state == RUNNING:
+            self._event(
+                "ShuttingDown",
+                "Shutdown",
+                f"Shutting the GPU node's VM {self.gpu_node} down through its "
+                "guest agent, to start it again with every card nobody plays with",
+            )
         done = await self._job(JobKind.LEND, None)
         return bool(free), done
 
@@ -434,8 +459,19 @@ class OperationRunner:
                 self.tower, self.cluster, self.k8s_node
             ):
                 self._host.show_cordon(None)
+                self._event(
+                    "Uncordoned",
+                    "Uncordon",
+                    "The handoff did not stop the GPU node; GPU Handoff lifted its "
+                    "cordon",
+                )
         except (TowerConnectionError, AgentCommandError, ClusterError) as err:
             _LOGGER.warning("Could not lift the cordon after a failed handoff: %s", err)
+
+    def _event(self, reason: str, action: str, note: str) -> None:
+        """A Normal event about the node, when events are told."""
+        if self.events is not None:
+            self.events.normal(reason, action, note)
 
     # --- tower jobs ----------------------------------------------------------
 

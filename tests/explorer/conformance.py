@@ -242,7 +242,7 @@ def _drain_of(stand: Stand) -> Callable[[Any], Any]:
     unless forced; anything else is evicted at once."""
 
     class Drain:
-        def __init__(self, cluster: Any) -> None:
+        def __init__(self, cluster: Any, events: Any = None) -> None:
             pass
 
         async def run(self, name: str, timeout: float, progress: Any, **kw: Any) -> Any:

@@ -29,6 +29,7 @@ CORE = "custom_components/gpu_handoff/core.py"
 COORDINATOR = "custom_components/gpu_handoff/coordinator.py"
 CLUSTER = "custom_components/gpu_handoff/cluster_client.py"
 DRAIN = "custom_components/gpu_handoff/drain.py"
+CLUSTER_EVENTS = "custom_components/gpu_handoff/cluster_events.py"
 CONFIG_FLOW = "custom_components/gpu_handoff/config_flow.py"
 CONFIG_FLOW_INSTALL = "custom_components/gpu_handoff/config_flow_install.py"
 SENSOR = "custom_components/gpu_handoff/sensor.py"
@@ -64,12 +65,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 NODE_RETURN,
-                "        if await self.cluster.uncordon(self.k8s_node):\n"
-                "            self._host.show_cordon(None)\n"
-                "        return True\n",
-                "        if False:\n"
-                "            self._host.show_cordon(None)\n"
-                "        return True\n",
+                "        lifted = await self.cluster.uncordon(self.k8s_node)\n",
+                "        lifted = False\n",
             ),
         ),
         (
@@ -636,6 +633,40 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/test_installer.py::test_names_and_uris",
             "tests/tower/test_install.py::test_install_takes_only_this_machines_libvirt",
+        ),
+    ),
+    Mutant(
+        "node_events_never_posted",
+        "a handoff and a return leave their trail in the node's Kubernetes events",
+        (
+            Patch(
+                CLUSTER_EVENTS,
+                "            self._queue.put_nowait(post)\n",
+                "            del post\n",
+            ),
+        ),
+        (
+            (
+                "tests/test_cluster_events.py::"
+                "test_a_handoff_and_a_return_leave_a_readable_trail"
+            ),
+        ),
+    ),
+    Mutant(
+        "event_series_never_patched",
+        "a repeated event becomes a series, as client-go's recorder makes it",
+        (
+            Patch(
+                CLUSTER_EVENTS,
+                "            if seen.count > 2:\n",
+                "            if seen.count > 1:\n",
+            ),
+        ),
+        (
+            (
+                "tests/test_cluster_events.py::"
+                "test_a_budget_refusing_again_and_again_is_one_series_naming_it"
+            ),
         ),
     ),
 )
