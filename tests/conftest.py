@@ -15,6 +15,7 @@ import pytest
 from pytest_homeassistant_custom_component.common import MockConfigEntry
 import yaml
 
+from custom_components.gpu_handoff.cluster_client import ClusterClient
 from custom_components.gpu_handoff.const import (
     CONF_AUTO_RETURN,
     CONF_DOMAIN_NAME,
@@ -123,6 +124,14 @@ def cluster(k8s_emulator: K8sEmulator) -> K8sEmulator:
 def kubeconfig_text(emulator: K8sEmulator, token: str | None = None) -> str:
     """The emulator's kubeconfig as a user would paste it."""
     return yaml.safe_dump(emulator.kubeconfig(token), sort_keys=False)
+
+
+@pytest.fixture
+async def cluster_client(cluster: K8sEmulator) -> AsyncIterator[ClusterClient]:
+    """The product's cluster client, with the product's token."""
+    api = await ClusterClient.create(kubeconfig_text(cluster))
+    yield api
+    await api.close()
 
 
 def add_tower_entry(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import AsyncIterator
 from pathlib import Path
 import ssl
 from typing import Any
@@ -50,11 +49,9 @@ from tests.k8semu.tls import make_tls
 
 
 @pytest.fixture
-async def client(cluster: K8sEmulator) -> AsyncIterator[ClusterClient]:
-    """A client with the product's token."""
-    api = await ClusterClient.create(kubeconfig_text(cluster))
-    yield api
-    await api.close()
+def client(cluster_client: ClusterClient) -> ClusterClient:
+    """The product's client (tests/conftest.py), by its short name here."""
+    return cluster_client
 
 
 def _kubeconfig(cluster: dict[str, object], user: dict[str, object]) -> str:

@@ -31,7 +31,6 @@ prometheus-community/helm-charts' prometheus-node-exporter chart puts it
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 import datetime as dt
 import re
 import time
@@ -51,7 +50,6 @@ from custom_components.gpu_handoff import health
 from custom_components.gpu_handoff.cluster_client import ClusterClient
 from custom_components.gpu_handoff.const import DOMAIN, EVENT_CARDS_RETURNED
 from custom_components.gpu_handoff.health import CONTAINERS_NOT_STARTING, judge
-from tests.conftest import kubeconfig_text
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.k8semu.recorder import COMBINED_PREFIX
 from tests.support.kubelet import SANDBOX_FAILURE, Kubelet
@@ -312,15 +310,8 @@ async def test_the_burst_after_a_reboot_never_raises_the_problem(
 # --- the repair's words, on the emulator's data -----------------------------------------
 
 
-@pytest.fixture
-async def client(cluster: K8sEmulator) -> AsyncIterator[ClusterClient]:
-    api = await ClusterClient.create(kubeconfig_text(cluster))
-    yield api
-    await api.close()
-
-
 async def test_the_repair_reads_combined_events_as_the_failures_they_count(
-    client: ClusterClient, cluster: K8sEmulator
+    cluster_client: ClusterClient, cluster: K8sEmulator
 ) -> None:
     """Twelve sandbox failures of one pod, as the kubelet's recorder writes
     them: nine Events and one combined Event counting three. Judged ten
@@ -343,7 +334,7 @@ async def test_the_repair_reads_combined_events_as_the_failures_they_count(
             message=SANDBOX_FAILURE.format(sandbox=sandbox),
             host=GPU_NODE,
         )
-    reading = await client.node_reading(GPU_NODE)
+    reading = await cluster_client.node_reading(GPU_NODE)
     later = dt.datetime.now(dt.UTC) + dt.timedelta(minutes=10)
     verdict = judge(reading, tower(cards=reading.view.gpu_allocatable), later)
     [stuck] = [p for p in verdict.stuck_pods if p.name == "llm-stuck"]

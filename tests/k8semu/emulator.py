@@ -2545,14 +2545,7 @@ class K8sEmulator:
                     ],
                 },
             )
-        for key in (
-            "uid",
-            "resourceVersion",
-            "creationTimestamp",
-            "deletionTimestamp",
-            "generation",
-        ):
-            meta.pop(key, None)
+        _drop_server_fields(meta)
         if self.store.get(target.rt, target.namespace or "", meta["name"]) is not None:
             raise ApiError(
                 409,
@@ -2793,14 +2786,7 @@ class K8sEmulator:
         meta = obj["metadata"]
         name = meta.get("name") or ""
         self._admit_create(target, name or meta.get("generateName") or "Unknown")
-        for key in (
-            "uid",
-            "resourceVersion",
-            "creationTimestamp",
-            "deletionTimestamp",
-            "generation",
-        ):
-            meta.pop(key, None)
+        _drop_server_fields(meta)
         event.metadata = copy.deepcopy(meta)
         errors = validate_event_create(event, target.rt.api_version)
         if not errors and not name:
@@ -3279,3 +3265,15 @@ def _event_invalid(name: str, errors: list[FieldError]) -> ApiError:
     """rest.BeforeCreate / BeforeUpdate: NewInvalid with the internal
     object's kind, core ``Event`` whichever group the request went to."""
     return _invalid_status("Event", name, errors)
+
+
+def _drop_server_fields(meta: JsonObj) -> None:
+    """What a create's body may not set: the server fills it in."""
+    for key in (
+        "uid",
+        "resourceVersion",
+        "creationTimestamp",
+        "deletionTimestamp",
+        "generation",
+    ):
+        meta.pop(key, None)
