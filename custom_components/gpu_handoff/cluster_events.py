@@ -114,7 +114,6 @@ class _Seen:
 class _Post:
     """One post for the worker: a create, or a series patch."""
 
-    key: _Key
     body: dict[str, Any]
     series: tuple[int, float] | None = None
 
@@ -175,11 +174,11 @@ class NodeEvents:
             seen.count += 1
             if seen.count > 2:
                 return  # counted; posted when the series finishes
-            self._queue_post(_Post(key, seen.body, (seen.count, now)))
+            self._queue_post(_Post(seen.body, (seen.count, now)))
             return
         body = self._body(type_, reason, action, note, related=related, now=now)
         self._seen[key] = _Seen(body, now)
-        self._queue_post(_Post(key, body))
+        self._queue_post(_Post(body))
 
     def _queue_post(self, post: _Post) -> None:
         try:
@@ -252,7 +251,7 @@ class NodeEvents:
         horizon = self.clock() - FINISH_TIME
         for key, seen in list(self._seen.items()):
             if seen.count >= 2 and seen.last_observed < horizon:
-                await self.post(_Post(key, seen.body, (seen.count, seen.last_observed)))
+                await self.post(_Post(seen.body, (seen.count, seen.last_observed)))
                 self._seen.pop(key, None)
             elif seen.count < 2 and seen.event_time < horizon:
                 self._seen.pop(key, None)
