@@ -12,6 +12,7 @@ docs/chaos-and-mutants.md quotes the deepest run made."""
 from __future__ import annotations
 
 from dataclasses import replace
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +37,17 @@ LENDING = Model(replace(BASE, lend_free=True))
 KNOWN: dict[bool, set[str]] = {False: set(), True: set()}
 
 
-@pytest.fixture(scope="module")
-def explored() -> dict[bool, Any]:
-    return {
-        lend: explore(LENDING if lend else MODEL, CI_DEPTH[lend])
-        for lend in (False, True)
-    }
+@functools.cache
+def explored(lend: bool) -> Any:
+    """The CI search of one model, once per test process: the depth-4 search
+    without lending (about 35 s of a core) is made only by the test that
+    checks it; the tests of the deep search need only the lending one (3 s)."""
+    return explore(LENDING if lend else MODEL, CI_DEPTH[lend])
 
 
 @pytest.mark.parametrize("lend", [False, True], ids=["base", "lending"])
-def test_every_interleaving(explored: dict[bool, Any], lend: bool) -> None:
-    result = explored[lend]
+def test_every_interleaving(lend: bool) -> None:
+    result = explored(lend)
     print(
         f"explorer {'lending' if lend else 'base'}: depth {result.depth}, "
         f"{result.states} states, {result.seconds:.1f} s, "
@@ -729,14 +730,12 @@ def test_a_runner_that_differs_from_its_model_is_caught(
 # --- the deep search: the same states in less memory, on both cores ------------------
 
 
-def test_the_deep_search_reaches_the_states_explore_does(
-    explored: dict[bool, Any],
-) -> None:
+def test_the_deep_search_reaches_the_states_explore_does() -> None:
     """deep.py (the compact table shared by two processes, depth first below
     depth - 2) reaches exactly the states explore reaches (depth 3 with
     lending, the fixture's: 4 s)."""
     shared = deep(LENDING, CI_DEPTH[True], jobs=2)
-    assert shared.states == explored[True].states
+    assert shared.states == explored(True).states
     assert shared.explored >= shared.states
     assert set(shared.found) == KNOWN[True]
 
@@ -776,9 +775,7 @@ def test_the_table_keeps_the_fewest_events() -> None:
         table.close()
 
 
-def test_a_kept_run_goes_on_where_it_stopped(
-    explored: dict[bool, Any], tmp_path: Path
-) -> None:
+def test_a_kept_run_goes_on_where_it_stopped(tmp_path: Path) -> None:
     """A deep run stopped part way (a depth-6 run takes hours) is kept, and
     goes on from there to the same states as a run in one go; a kept run is
     refused to another model, and once complete."""
@@ -787,13 +784,13 @@ def test_a_kept_run_goes_on_where_it_stopped(
     assert not first.complete
     assert first.progress[0] == 5
     assert first.progress[1] > 5
-    assert first.states < explored[True].states
+    assert first.states < explored(True).states
     with pytest.raises(RuntimeError, match="another run"):
         deep(MODEL, CI_DEPTH[True], jobs=1, keep=keep)
     rest = deep(LENDING, CI_DEPTH[True], jobs=2, keep=keep)
     assert rest.complete
     assert rest.progress == (first.progress[1], first.progress[1])
-    assert rest.states == explored[True].states
+    assert rest.states == explored(True).states
     assert rest.explored >= rest.states
     assert not (tmp_path / "run.table").exists()
     with pytest.raises(RuntimeError, match="complete run"):
