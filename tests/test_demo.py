@@ -26,9 +26,9 @@ import time
 from typing import Any
 
 from homeassistant.core import HomeAssistant
+from homeassistant.util.yaml import load_yaml_dict
 import pytest
 from pytest_homeassistant_custom_component.common import MockConfigEntry
-import yaml
 
 from custom_components.gpu_handoff.const import DOMAIN
 from custom_components.gpu_handoff.health import CONTAINERS_NOT_STARTING, NO_PROBLEM
@@ -320,8 +320,16 @@ def _check_kept(work: Path) -> None:
     config = work / "home-assistant"
     # No YAML Home Assistant deprecates or keeps in storage: http and the
     # general settings are in .storage, as a current installation has them.
-    configuration = yaml.safe_load((config / "configuration.yaml").read_text())
+    configuration = load_yaml_dict(config / "configuration.yaml")
     assert not {"http", "homeassistant"} & set(configuration)
+    # The automation made from the failure blueprint, where the automation
+    # editor keeps a user's (automations.yaml, included), and the blueprint
+    # where its import puts it.
+    [failures] = configuration["automation"]
+    assert failures["use_blueprint"]["path"] == "gpu_handoff/notify_on_failure.yaml"
+    assert (
+        config / "blueprints" / "automation" / failures["use_blueprint"]["path"]
+    ).is_file()
     http = _store(config, "http")
     assert http["stable"]["server_host"] == ["127.0.0.1"]
     assert http["pending"] is None

@@ -336,7 +336,8 @@ class Demo:
     async def health(self, *, ghosts: bool = False) -> list[str]:
         """What a user would see as wrong: repairs (but, with ``ghosts``, the
         GPU nodes' health repairs a ghost raises, and the repairs of the
-        findings the guided install showed), integrations not loaded."""
+        findings the guided install showed), integrations not loaded, the
+        failure blueprint's automation not on."""
         ha = self.ha
         if ha is None:
             return ["Home Assistant is not started"]
@@ -353,6 +354,14 @@ class Demo:
             for entry in await ha.config_entries()
             if entry["state"] != "loaded"
         ]
+        # The automation made from the failure blueprint loaded (a blueprint
+        # Home Assistant cannot read leaves it unavailable).
+        failures = await ha.state(home_assistant.FAILURE_AUTOMATION_ENTITY)
+        if failures is None or failures["state"] != "on":
+            problems.append(
+                f"{home_assistant.FAILURE_AUTOMATION_ENTITY}: "
+                f"{failures['state'] if failures else 'missing'}"
+            )
         return problems
 
     async def scripted(self) -> list[str]:

@@ -28,6 +28,7 @@ import json
 import os
 from pathlib import Path
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,6 +47,19 @@ from custom_components.gpu_handoff.const import DOMAIN
 from .places import REPO
 
 HOST = "127.0.0.1"
+
+BLUEPRINTS = REPO / "blueprints" / "automation" / DOMAIN
+# The automation the demo makes from the failure blueprint: a failed
+# handoff or return shows in Home Assistant's notifications.
+FAILURE_AUTOMATION: dict[str, Any] = {
+    "id": "gpu_handoff_failures",
+    "alias": "Tell me when a handoff or a return fails",
+    "use_blueprint": {
+        "path": f"{DOMAIN}/notify_on_failure.yaml",
+        "input": {"notify_action": "notify.persistent_notification"},
+    },
+}
+FAILURE_AUTOMATION_ENTITY = "automation.tell_me_when_a_handoff_or_a_return_fails"
 
 # What the onboarding page sends for its general settings step.
 CORE_CONFIG: dict[str, Any] = {
@@ -100,8 +114,18 @@ def prepare_config(config: Path, port: int) -> None:
             "logs": {f"custom_components.{DOMAIN}": "info"},
         },
     }
+    # Automations as the automation editor keeps them (automations.yaml,
+    # included): one made from GPU Handoff's failure blueprint, imported
+    # into the configuration's blueprints as the import dialog puts it.
     (config / "configuration.yaml").write_text(
-        yaml.safe_dump(integrations, sort_keys=False), encoding="utf-8"
+        yaml.safe_dump(integrations, sort_keys=False)
+        + "automation: !include automations.yaml\n",
+        encoding="utf-8",
+    )
+    imported = config / "blueprints" / "automation" / DOMAIN
+    shutil.copytree(BLUEPRINTS, imported, dirs_exist_ok=True)
+    (config / "automations.yaml").write_text(
+        yaml.safe_dump([FAILURE_AUTOMATION], sort_keys=False), encoding="utf-8"
     )
     storage = config / ".storage"
     stable = http_config.HTTP_STORAGE_SCHEMA(
