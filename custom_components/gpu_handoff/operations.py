@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+import logging
+from typing import Final
 
 from .cluster_client import UnmanagedPodsError
 from .const import EVENT_HANDOFF_STARTED
@@ -27,8 +29,62 @@ from .jobs import JobFailedError
 from .owned import OwnedState
 from .progress import OperationProgress
 from .protocol import RUNNING
-from .report import Reporter
+from .report import Reporter, transient
 from .runner import OperationRunner
+
+_LOGGER = logging.getLogger(__name__)
+
+# Retries of a passing failure: the first after this many seconds, then
+# twice as long each time, at most RETRY_MAX apart.
+RETRY_START: Final = 0.5
+RETRY_MAX: Final = 10.0
+
+
+class Retry:
+    """An operation's retries of failures the world heals by itself
+    (report.transient: the SSH connection, the agent's session, the API
+    server or libvirt away for a moment): with backoff, until ``bound``
+    seconds (the drain timeout) after the first one; the last try is made
+    at the bound, so an outage that ends within it is always seen ended."""
+
+    def __init__(self, bound: float) -> None:
+        """Nothing is tried again until a failure is."""
+        self.bound = bound
+        self.deadline: float | None = None
+        self.delay = RETRY_START
+        self.tries = 0
+
+    async def again(self, request: Request, err: Exception) -> bool:
+        """After ``err``: wait and say True when the work should be tried
+        again, or say False at once (not transient, or the bound passed)."""
+        if not transient(err):
+            return False
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self.deadline is None:
+            self.deadline = now + self.bound
+        if now >= self.deadline:
+            _LOGGER.warning(
+                "The %s of %s still fails after %d tries in %.0f s: %s",
+                request.kind,
+                request.vm,
+                self.tries + 1,
+                self.bound,
+                err,
+            )
+            return False
+        wait = min(self.delay, self.deadline - now)
+        _LOGGER.info(
+            "The %s of %s met a passing failure (%s); trying again in %.1f s",
+            request.kind,
+            request.vm,
+            err,
+            wait,
+        )
+        await asyncio.sleep(wait)
+        self.delay = min(self.delay * 2, RETRY_MAX)
+        self.tries += 1
+        return True
 
 
 class Operations:
@@ -180,32 +236,46 @@ class Operations:
 
     async def _attempt(self, request: Request) -> tuple[bool, bool, bool]:
         """Do the operation's work: whether it succeeded, whether the cards
-        went back to the cluster, and whether they must go back after it."""
+        went back to the cluster, and whether they must go back after it.
+        A failure the world heals by itself is tried again (``Retry``)."""
         vm, kind = request.vm, request.kind
-        returned = False
-        try:
-            settings = self.state.settings
-            if kind is Kind.HANDOFF:
-                await self.runner.handoff(vm, settings, hook_job=request.hook_job)
-            elif kind is Kind.STOP:
-                returned = await self.runner.stop(
-                    vm, settings, gpu_stopped_by_us=self.state.gpu_stopped_by_us
-                )
-            else:
-                returned = await self.runner.return_cards(
-                    settings, if_running=request.if_running
-                )
-        except Exception as err:  # noqa: BLE001 - every failure must end the operation
-            await self.failed(vm, kind, err)
-            if kind is Kind.RETURN:
-                # A return that drained a lending GPU node and then failed:
-                # our cordon goes if the GPU node still serves.
-                await self.runner.uncordon_if_serving()
-            if kind is not Kind.HANDOFF:
-                return False, False, False
-            self.state.desired.discard(vm)
-            return False, False, await self._settle(request, None, err)
-        return True, returned, False
+        retry = Retry(self.state.settings.drain_timeout)
+        while True:
+            try:
+                returned = await self._work(request)
+            except Exception as err:  # noqa: BLE001 - every failure must end the operation
+                if self._wanted(request) and await retry.again(request, err):
+                    continue
+                await self.failed(vm, kind, err)
+                if kind is Kind.RETURN:
+                    # A return that drained a lending GPU node and then failed:
+                    # our cordon goes if the GPU node still serves.
+                    await self.runner.uncordon_if_serving()
+                if kind is not Kind.HANDOFF:
+                    return False, False, False
+                self.state.desired.discard(vm)
+                return False, False, await self._settle(request, None, err)
+            return True, returned, False
+
+    async def _work(self, request: Request) -> bool:
+        """The runner's part of the operation (resumed from the stored plan
+        when tried again: a tower job already asked for is followed, not
+        asked for twice); whether the cards went back to the cluster."""
+        settings = self.state.settings
+        if request.kind is Kind.HANDOFF:
+            await self.runner.handoff(request.vm, settings, hook_job=request.hook_job)
+            return False
+        if request.kind is Kind.STOP:
+            return await self.runner.stop(
+                request.vm, settings, gpu_stopped_by_us=self.state.gpu_stopped_by_us
+            )
+        return await self.runner.return_cards(settings, if_running=request.if_running)
+
+    def _wanted(self, request: Request) -> bool:
+        """Whether the request still stands: its gaming VM is still one of
+        GPU Handoff's (a return always is). No other request for the VM can
+        be accepted while it runs."""
+        return request.kind is Kind.RETURN or request.vm in self.state.configured_vms
 
     async def _settle(
         self, request: Request, settle: Settle | None, err: Exception | None = None

@@ -14,7 +14,7 @@ from homeassistant.core import HomeAssistant
 from homeassistant.exceptions import HomeAssistantError
 from homeassistant.helpers import device_registry as dr, issue_registry as ir
 
-from .cluster_client import ClusterError, UnmanagedPodsError
+from .cluster_client import ClusterConnectionError, ClusterError, UnmanagedPodsError
 from .const import (
     DOMAIN,
     EVENT_CARDS_RETURNED,
@@ -29,7 +29,8 @@ from .health import UnhealthyReturn
 from .jobs import JobFailedError
 from .models import domain_identifier
 from .runner import RunnerError
-from .tower_client import TowerError
+from .tower.gpu_handoff import wire
+from .tower_client import AgentCommandError, TowerConnectionError, TowerError
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -49,6 +50,35 @@ SUCCEEDED_EVENTS: Final = {
     Kind.STOP: EVENT_STOP_SUCCEEDED,
     Kind.RETURN: EVENT_RETURN_SUCCEEDED,
 }
+# Failures the world heals by itself: the SSH connection or the agent's
+# session dropped, the API server unreachable (or answering 5xx or 429),
+# libvirt away for a moment (libvirtd restarting). An operation that meets
+# one tries again (operations.Retry); reported, their codes are these.
+TRANSIENT_CODES: Final = frozenset(
+    {
+        TowerConnectionError.__name__,
+        ClusterConnectionError.__name__,
+        wire.ERR_LIBVIRT_UNREACHABLE,
+    }
+)
+
+
+def failure_code(err: Exception) -> str:
+    """The code a failure is reported with (the ``code`` of the failed
+    event): the agent's or the job's error code, else the error's type."""
+    return getattr(err, "code", None) or type(err).__name__
+
+
+def transient(err: Exception) -> bool:
+    """Whether ``err`` is a failure the world heals by itself."""
+    if isinstance(err, TowerConnectionError | ClusterConnectionError):
+        return True
+    return (
+        isinstance(err, AgentCommandError | JobFailedError)
+        and err.code == wire.ERR_LIBVIRT_UNREACHABLE
+    )
+
+
 # Failures that are the world's, not a bug: a warning, not a traceback.
 EXPECTED: Final = (
     HomeAssistantError,
@@ -83,7 +113,7 @@ class Reporter:
 
     def failed(self, vm: str, kind: Kind, err: Exception) -> str:
         """Log, fire and raise the repair of a failure; its message."""
-        code = getattr(err, "code", None) or type(err).__name__
+        code = failure_code(err)
         message = str(err) or type(err).__name__
         if isinstance(err, EXPECTED):
             _LOGGER.warning("The %s of %s failed: %s", kind, vm, message)

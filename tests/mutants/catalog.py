@@ -669,6 +669,23 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "passing_failure_not_retried",
+        "an operation that meets a failure the world heals by itself tries again",
+        (
+            Patch(
+                OPERATIONS,
+                "        if not transient(err):\n",
+                "        if True:\n",
+            ),
+        ),
+        (
+            (
+                "tests/test_passing_failures.py::"
+                "test_a_stop_that_meets_libvirt_away_is_tried_again_and_done"
+            ),
+        ),
+    ),
 )
 
 
