@@ -124,6 +124,12 @@ Invariants and how they are observed:
   the GPU node serving; a request not fulfilled must have been reported (a
   ``handoff_failed`` event, ``last_error``, and a repair where the user must
   act); a switch never shows a request nothing works on.
+- ``passing_failure_reported``: a request reported failed with a passing
+  failure's code (``report.TRANSIENT_CODES``: the tower, its agent session,
+  libvirt or the API server away) must have met outages (``OUTAGES``, each
+  its ``seconds`` and RECONNECT more) longer in all than the bound of the
+  product's retries, the drain timeout. The summary counts such failures as
+  ``failed_transient``, the others as ``failed_by_the_world``.
 - ``leaked_process``, ``leaked_runner``, ``lock_held``, ``leaked_task``: once
   settled, no agent process but the session (and its ``virsh event``), no job
   runner or loaded unit, no job lock held, no operation task of Home Assistant.
@@ -245,6 +251,7 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_SUCCEEDED,
     EVENT_RETURN_UNHEALTHY,
 )
+from custom_components.gpu_handoff.report import TRANSIENT_CODES
 from tests.conftest import gaming_subentries, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.k8semu.objects import UNREACHABLE_NO_EXECUTE, UNSCHEDULABLE_TAINT
@@ -385,6 +392,16 @@ LIBVIRT_OUTAGES: Final = frozenset({"libvirt_down", "libvirtd_restart"})
 SESSION_FAULTS: Final = frozenset(
     {"ssh_cut", "agent_killed", "ha_reload", "ha_restart", "libvirt_down", "vm_removed"}
 )
+
+# Faults that take the tower or the API server away for a while: a request
+# that fails with a passing failure's code (report.TRANSIENT_CODES) must have
+# met outages longer in all than the bound of its retries (the drain
+# timeout). Each lasts its ``seconds`` (if it has them) and RECONNECT more:
+# a new SSH connection and agent session, a new libvirt connection.
+OUTAGES: Final = frozenset(
+    {"ssh_cut", "agent_killed", "libvirt_down", "libvirtd_restart", "api_down"}
+)
+RECONNECT: Final = 2.0
 
 # Failures the user must act on get a repair issue (operations.failed).
 USER_ACTS: Final = frozenset(
@@ -2511,11 +2528,40 @@ class ChaosRig:
             why = self._reported(ask.vm)
             if why is None:
                 ask.detail = (ask.detail + " failed, reported").strip()
+                self._judge_passing(ask)
                 continue
             self._violate(
                 "silent_failure",
                 f"{ask.how} {ask.vm} ({ask.want}) was accepted, is not done, and "
                 f"was not reported: {why}",
+            )
+
+    def _judge_passing(self, ask: Ask) -> None:
+        """A reported failure with a passing failure's code (the product
+        tried again until the drain timeout) is marked ``transient``; one
+        whose cycle's outages all ended within that bound is a violation:
+        the product gave up on a request it could have carried out."""
+        last = [
+            seen
+            for seen in self._events
+            if seen.type == EVENT_HANDOFF_FAILED and seen.data.get("vm") == ask.vm
+        ][-1]
+        code = str(last.data.get("code"))
+        if code not in TRANSIENT_CODES:
+            return
+        ask.detail += ", transient"
+        record = self.records[-1]
+        outage = sum(
+            float(fault.get("seconds") or 0.0) + RECONNECT
+            for fault in record.plan.faults
+            if fault.kind in OUTAGES and fault.kind in record.fired
+        )
+        if outage < DRAIN_TIMEOUT:
+            self._violate(
+                "passing_failure_reported",
+                f"{ask.how} {ask.vm} failed with {code} after outages of "
+                f"{outage:.1f} s at most, within the retries' bound of "
+                f"{DRAIN_TIMEOUT} s: {last.data.get('error')}",
             )
 
     async def _check_switches(self) -> None:
@@ -3254,7 +3300,15 @@ class ChaosRig:
                 if "superseded" in ask.detail:
                     status = "superseded"
                 elif ask.status in ("accepted", "cancelled"):
-                    status = "fulfilled" if "fulfilled" in ask.detail else "failed"
+                    # A failure the world made certain, or a passing one
+                    # (tried again until the drain timeout, in vain).
+                    status = (
+                        "fulfilled"
+                        if "fulfilled" in ask.detail
+                        else "failed_transient"
+                        if "transient" in ask.detail
+                        else "failed_by_the_world"
+                    )
                 asks[status] += 1
         seconds = [record.seconds for record in self.records]
         lags = [record.lag_max for record in self.records]
