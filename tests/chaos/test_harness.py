@@ -20,6 +20,7 @@ from homeassistant.core import HomeAssistant
 from kubernetes_asyncio.client import CoreV1Api, V1Eviction, V1ObjectMeta
 import pytest
 
+from custom_components.gpu_handoff import operations
 from custom_components.gpu_handoff.cluster_client import ClusterClient
 from custom_components.gpu_handoff.cluster_model import DrainProgress
 from custom_components.gpu_handoff.drain import NodeDrain
@@ -297,6 +298,39 @@ def _agent_without_wait(directory: Path) -> Path:
     """A copy of the agent whose stop does not wait for the guest agent."""
     waits = "            if self.agent_ready(domain):\n"
     return agent_variant(directory, replace=[(waits, "            if True:\n")])
+
+
+@pytest.mark.parametrize("gives_up", [True, False], ids=["gives_up", "product"])
+async def test_a_product_that_gives_up_at_a_passing_failure_is_caught(
+    hass: HomeAssistant,
+    k8s_emulator: K8sEmulator,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    gives_up: bool,
+) -> None:
+    """libvirt is away for a second just as Gaming station 1's stop is
+    asked for. A product that never tries again fails the stop with
+    libvirt_unreachable, an outage well within the drain timeout: caught.
+    The product tries again and carries the stop out."""
+    if gives_up:
+        monkeypatch.setattr(operations, "transient", lambda err: False)
+    plans = [
+        Plan(0, 1, "on", "gaming-1"),
+        Plan(
+            0,
+            2,
+            "off",
+            "gaming-1",
+            (Fault("libvirt_down", "before", (("seconds", 1.0),)),),
+        ),
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
+    if gives_up:
+        assert (2, "passing_failure_reported") in _invariants(summary)
+        assert summary["requests_ended"]["failed_transient"] == 1
+    else:
+        assert _invariants(summary) == []
+        assert summary["requests_ended"] == {"fulfilled": 2}
 
 
 async def test_an_agent_that_stops_before_the_guest_agent_answers_is_caught(
