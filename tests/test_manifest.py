@@ -88,6 +88,7 @@ def test_every_step_a_switch_can_show_is_translated() -> None:
     """The switch's ``step`` attribute shows translated words, never a code:
     every step the controller and the runner can name has a translation."""
     from custom_components.gpu_handoff.jobs import AGENT_STEPS
+    from custom_components.gpu_handoff.operations import STEP_RETRYING
     from custom_components.gpu_handoff.switch import STEP_IDLE
 
     strings = _load(COMPONENT / "strings.json")
@@ -101,6 +102,7 @@ def test_every_step_a_switch_can_show_is_translated() -> None:
         "waiting_for_node",
         "waiting_for_gpus",
         "uncordoning",
+        STEP_RETRYING,
     }
     assert steps == set(shown["state"])
 

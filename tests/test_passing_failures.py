@@ -29,8 +29,10 @@ from pytest_homeassistant_custom_component.common import (
 from custom_components.gpu_handoff import operations
 from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_FAILED,
+    EVENT_HANDOFF_STEP,
     EVENT_STOP_SUCCEEDED,
 )
+from custom_components.gpu_handoff.operations import STEP_RETRYING
 from custom_components.gpu_handoff.report import TRANSIENT_CODES
 from tests.k8semu import K8sEmulator
 from tests.support.sshd import Sshd
@@ -82,6 +84,7 @@ async def test_a_stop_that_meets_libvirt_away_is_tried_again_and_done(
     failure reported, the cards back in the cluster."""
     failed, stopped = await _playing(hass, entry, sim)
     caplog.set_level(logging.INFO, logger=operations.__name__)
+    steps = async_capture_events(hass, EVENT_HANDOFF_STEP)
 
     async with behind_another_operation(entry):
         await switch(hass, "turn_off", SWITCH_1)  # accepted
@@ -94,6 +97,11 @@ async def test_a_stop_that_meets_libvirt_away_is_tried_again_and_done(
     assert [e.data["vm"] for e in stopped] == ["gaming-1"]
     assert "met a passing failure" in caplog.text
     assert "libvirt_unreachable" in caplog.text
+    # The switch showed the wait ("Waiting to try again"), then the stop's
+    # own steps.
+    shown = [e.data["step"] for e in steps]
+    assert shown[0] == STEP_RETRYING
+    assert shown[-1] == "uncordoning"
     assert not sim.is_running("gaming-1")
     assert sim.is_running("gpu-node")
     await until(lambda: not cordoned(cluster))

@@ -36,6 +36,7 @@ STEPS: Final = {
     "waiting_for_node": "waiting for the GPU node to join the cluster",
     "waiting_for_gpus": "waiting for the GPU node's GPUs",
     "uncordoning": "giving the GPU node back to the cluster",
+    "retrying": "waiting to try again: the tower or the cluster did not answer",
 }
 
 

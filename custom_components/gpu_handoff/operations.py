@@ -5,6 +5,7 @@ those of ``core`` with what the operation's jobs did."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 import logging
 from typing import Final
@@ -38,6 +39,8 @@ _LOGGER = logging.getLogger(__name__)
 # twice as long each time, at most RETRY_MAX apart.
 RETRY_START: Final = 0.5
 RETRY_MAX: Final = 10.0
+# The step an operation shows while it waits to try again (translated).
+STEP_RETRYING: Final = "retrying"
 
 
 class Retry:
@@ -54,9 +57,12 @@ class Retry:
         self.delay = RETRY_START
         self.tries = 0
 
-    async def again(self, request: Request, err: Exception) -> bool:
+    async def again(
+        self, request: Request, err: Exception, waiting: Callable[[], None]
+    ) -> bool:
         """After ``err``: wait and say True when the work should be tried
-        again, or say False at once (not transient, or the bound passed)."""
+        again (``waiting`` is told first), or say False at once (not
+        transient, or the bound passed)."""
         if not transient(err):
             return False
         loop = asyncio.get_running_loop()
@@ -81,6 +87,7 @@ class Retry:
             err,
             wait,
         )
+        waiting()
         await asyncio.sleep(wait)
         self.delay = min(self.delay * 2, RETRY_MAX)
         self.tries += 1
@@ -244,7 +251,9 @@ class Operations:
             try:
                 returned = await self._work(request)
             except Exception as err:  # noqa: BLE001 - every failure must end the operation
-                if self._wanted(request) and await retry.again(request, err):
+                if self._wanted(request) and await retry.again(
+                    request, err, lambda: self.progress.step(STEP_RETRYING)
+                ):
                     continue
                 await self.failed(vm, kind, err)
                 if kind is Kind.RETURN:
