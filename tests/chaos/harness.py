@@ -251,6 +251,7 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_SUCCEEDED,
     EVENT_RETURN_UNHEALTHY,
 )
+from custom_components.gpu_handoff.operations import STEP_RETRYING
 from custom_components.gpu_handoff.report import TRANSIENT_CODES
 from tests.conftest import gaming_subentries, tower_entry_data
 from tests.k8semu import GPU_NODE, K8sEmulator
@@ -1332,7 +1333,9 @@ class ChaosRig:
             elif step == "waiting_for_gpus":
                 self._gpu_waits += 1
                 self._moment("gpu_wait")
-            elif step != "uncordoning":
+            elif step not in ("uncordoning", STEP_RETRYING):
+                # (Waiting to try again after a passing failure is no
+                # moment of a job: none may be running.)
                 self._moment("mid_job")
         if data.get("pods_came_back"):
             self._check_came_back(event.event_type, data)
