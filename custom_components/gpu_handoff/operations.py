@@ -70,7 +70,8 @@ class Retry:
         if self.deadline is None:
             self.deadline = now + self.bound
         if now >= self.deadline:
-            _LOGGER.warning(
+            # (The failure itself is logged as a warning where it is reported.)
+            _LOGGER.info(
                 "The %s of %s still fails after %d tries in %.0f s: %s",
                 request.kind,
                 request.vm,
