@@ -20,7 +20,6 @@ from homeassistant.core import HomeAssistant
 from kubernetes_asyncio.client import CoreV1Api, V1Eviction, V1ObjectMeta
 import pytest
 
-from custom_components.gpu_handoff import operations
 from custom_components.gpu_handoff.cluster_client import ClusterClient
 from custom_components.gpu_handoff.cluster_model import DrainProgress
 from custom_components.gpu_handoff.drain import NodeDrain
@@ -300,20 +299,14 @@ def _agent_without_wait(directory: Path) -> Path:
     return agent_variant(directory, replace=[(waits, "            if True:\n")])
 
 
-@pytest.mark.parametrize("gives_up", [True, False], ids=["gives_up", "product"])
-async def test_a_product_that_gives_up_at_a_passing_failure_is_caught(
-    hass: HomeAssistant,
-    k8s_emulator: K8sEmulator,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    gives_up: bool,
+async def test_the_product_reports_no_passing_failure_at_libvirts_blip(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
 ) -> None:
     """libvirt is away for a second just as Gaming station 1's stop is
-    asked for. A product that never tries again fails the stop with
-    libvirt_unreachable, an outage well within the drain timeout: caught.
-    The product tries again and carries the stop out."""
-    if gives_up:
-        monkeypatch.setattr(operations, "transient", lambda err: False)
+    asked for: no passing failure is reported, and the stop is carried out
+    (unless the switch was already unavailable when the harness pressed: the
+    session's error can reach Home Assistant first, and then nothing is
+    pressed)."""
     plans = [
         Plan(0, 1, "on", "gaming-1"),
         Plan(
@@ -325,12 +318,57 @@ async def test_a_product_that_gives_up_at_a_passing_failure_is_caught(
         ),
     ]
     summary = await _replay(hass, k8s_emulator, tmp_path, plans)
-    if gives_up:
-        assert (2, "passing_failure_reported") in _invariants(summary)
-        assert summary["requests_ended"]["failed_transient"] == 1
-    else:
-        assert _invariants(summary) == []
-        assert summary["requests_ended"] == {"fulfilled": 2}
+    ended = summary["requests_ended"]
+    assert _invariants(summary) == []
+    assert "failed_transient" not in ended
+    assert ended in ({"fulfilled": 2}, {"fulfilled": 1, "unavailable": 1})
+
+
+@pytest.mark.parametrize(
+    ("outages", "violated"),
+    [
+        ((("libvirt_down", 1.0),), True),
+        ((("ssh_cut", None), ("api_down", 3.0)), True),
+        ((("libvirt_down", 4.0), ("api_down", 2.0)), False),
+    ],
+    ids=["one_short_outage", "two_short_outages", "longer_than_the_bound"],
+)
+def test_a_passing_failure_within_the_retries_bound_is_a_violation(
+    outages: tuple[tuple[str, float | None], ...], violated: bool
+) -> None:
+    """passing_failure_reported, judged on its own (the end-to-end moment is
+    a race the harness cannot order): a stop reported failed with
+    libvirt_unreachable after outages of 1 s (3 s with the reconnect), or of
+    an SSH cut and 3 s of the API server away (7 s), is a violation within
+    the drain timeout of 8 s; after 4 s and 2 s of outages (10 s) it is a
+    transient failure the product may report. Either way the ask says
+    "transient"."""
+    faults = tuple(
+        Fault(kind, "before", (("seconds", seconds),) if seconds else ())
+        for kind, seconds in outages
+    )
+    rig = harness.ChaosRig.__new__(harness.ChaosRig)
+    found: list[str] = []
+    rig._events = [
+        harness.Seen(
+            0.0,
+            harness.EVENT_HANDOFF_FAILED,
+            {"vm": "gaming-1", "code": "libvirt_unreachable", "error": "down"},
+        )
+    ]
+    rig.records = [
+        harness.CycleRecord(
+            plan=Plan(0, 2, "off", "gaming-1", faults),
+            fired=[fault.kind for fault in faults],
+        )
+    ]
+    rig._violate = lambda invariant, detail, cycle=None: found.append(invariant)
+    ask = harness.Ask(
+        "gaming-1", "off", "off", status="accepted", detail="failed, reported"
+    )
+    rig._judge_passing(ask)
+    assert found == (["passing_failure_reported"] if violated else [])
+    assert ask.detail.endswith("transient")
 
 
 async def test_an_agent_that_stops_before_the_guest_agent_answers_is_caught(
