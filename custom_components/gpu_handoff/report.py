@@ -30,7 +30,7 @@ from .jobs import JobFailedError
 from .models import domain_identifier
 from .runner import RunnerError
 from .tower.gpu_handoff import wire
-from .tower_client import AgentCommandError, TowerConnectionError, TowerError
+from .tower_client import TowerConnectionError, TowerError
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -70,13 +70,9 @@ def failure_code(err: Exception) -> str:
 
 
 def transient(err: Exception) -> bool:
-    """Whether ``err`` is a failure the world heals by itself."""
-    if isinstance(err, TowerConnectionError | ClusterConnectionError):
-        return True
-    return (
-        isinstance(err, AgentCommandError | JobFailedError)
-        and err.code == wire.ERR_LIBVIRT_UNREACHABLE
-    )
+    """Whether ``err`` is a failure the world heals by itself: its code is
+    one of TRANSIENT_CODES (one list, which the reports carry too)."""
+    return failure_code(err) in TRANSIENT_CODES
 
 
 # Failures that are the world's, not a bug: a warning, not a traceback.
