@@ -2475,13 +2475,17 @@ class ChaosRig:
             or "none"
         )
 
-    def _reported(self, vm: str) -> str | None:
-        """Why a failure for ``vm`` does not count as reported (None: it does)."""
-        failures = [
+    def _failures(self, vm: str) -> list[Seen]:
+        """The ``handoff_failed`` events seen for ``vm``, in order."""
+        return [
             seen
             for seen in self._events
             if seen.type == EVENT_HANDOFF_FAILED and seen.data.get("vm") == vm
         ]
+
+    def _reported(self, vm: str) -> str | None:
+        """Why a failure for ``vm`` does not count as reported (None: it does)."""
+        failures = self._failures(vm)
         if not failures:
             return "no handoff_failed event"
         last = failures[-1]
@@ -2544,11 +2548,7 @@ class ChaosRig:
         tried again until the drain timeout) is marked ``transient``; one
         whose cycle's outages all ended within that bound is a violation:
         the product gave up on a request it could have carried out."""
-        last = [
-            seen
-            for seen in self._events
-            if seen.type == EVENT_HANDOFF_FAILED and seen.data.get("vm") == ask.vm
-        ][-1]
+        last = self._failures(ask.vm)[-1]
         code = str(last.data.get("code"))
         if code not in TRANSIENT_CODES:
             return
