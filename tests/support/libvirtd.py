@@ -210,12 +210,20 @@ class LibvirtTestDriver(Libvirtd):
                     raise LibvirtdError(  # noqa: TRY301 - cleaned up below
                         f"event keeper exited: {self.event_lines()}"
                     )
-                if self.PROBE not in self.virsh("list", "--all", "--name").stdout:
-                    self.define(probe)
-                return any(self.PROBE in line for line in self.event_lines())
+                if any(self.PROBE in line for line in self.event_lines()):
+                    return True
+                # Not seen: a keeper that connected after the last define
+                # missed its event; define it again for one it can see.
+                if self.PROBE in self.virsh("list", "--all", "--name").stdout:
+                    self.virsh("undefine", self.PROBE)
+                self.define(probe)
+                return False
 
             wait_until(
-                keeper_sees_probe, timeout=30, what="the event keeper to connect"
+                keeper_sees_probe,
+                timeout=30,
+                what="the event keeper to connect",
+                interval=0.2,
             )
             self.virsh("undefine", self.PROBE, check=True)
             if self.clean:
