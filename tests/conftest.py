@@ -11,6 +11,7 @@ from typing import Any
 from homeassistant.config_entries import ConfigSubentryData
 from homeassistant.const import CONF_HOST, CONF_PORT, CONF_USERNAME
 from homeassistant.core import HomeAssistant
+from kubernetes_asyncio.client import CoreV1Api
 import pytest
 from pytest_homeassistant_custom_component.common import MockConfigEntry
 import yaml
@@ -31,6 +32,7 @@ from custom_components.gpu_handoff.const import (
     SUBENTRY_GAMING_VM,
 )
 from tests.k8semu import K8sEmulator
+from tests.k8semu.client import api_client_for
 from tests.support.kubelet import FAST, Kubelet
 from tests.support.simtower import write_agent_config
 from tests.support.sshd import Sshd, sshd_available
@@ -124,6 +126,17 @@ def cluster(k8s_emulator: K8sEmulator) -> K8sEmulator:
 def kubeconfig_text(emulator: K8sEmulator, token: str | None = None) -> str:
     """The emulator's kubeconfig as a user would paste it."""
     return yaml.safe_dump(emulator.kubeconfig(token), sort_keys=False)
+
+
+@pytest.fixture
+async def operator(cluster: K8sEmulator, tmp_path: Path) -> AsyncIterator[CoreV1Api]:
+    """What ``kubectl get events`` reads with: core/v1, an admin's token."""
+    # (Imported here: the module is a plugin, registered before it is read.)
+    from tests.k8semu.fixtures import ADMIN_TOKEN
+
+    api = await api_client_for(cluster, tmp_path, ADMIN_TOKEN)
+    yield CoreV1Api(api)
+    await api.close()
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ import pytest
 from pytest_homeassistant_custom_component.common import MockConfigEntry
 
 from custom_components.gpu_handoff.const import DOMAIN
-from custom_components.gpu_handoff.session import AGENT_VERSION, version_key
+from custom_components.gpu_handoff.protocol import version_key
+from custom_components.gpu_handoff.session import AGENT_VERSION
 from custom_components.gpu_handoff.tower.gpu_handoff import wire
 from tests.conftest import add_tower_entry
 from tests.k8semu import K8sEmulator

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from homeassistant.core import HomeAssistant
@@ -28,18 +27,8 @@ from custom_components.gpu_handoff.cluster_events import (
 )
 from custom_components.gpu_handoff.drain import NodeDrain
 from tests.k8semu import GPU_NODE, PRODUCT_RULES, K8sEmulator
-from tests.k8semu.client import api_client_for
-from tests.k8semu.fixtures import ADMIN_TOKEN
 from tests.support.stories import play, quit_game, setup_entry, until
 from tests.towersim import Tower
-
-
-@pytest.fixture
-async def operator(cluster: K8sEmulator, tmp_path: Path) -> AsyncIterator[CoreV1Api]:
-    """What ``kubectl get events`` reads with: core/v1, an admin's token."""
-    api = await api_client_for(cluster, tmp_path, ADMIN_TOKEN)
-    yield CoreV1Api(api)
-    await api.close()
 
 
 class Clock:

@@ -68,6 +68,7 @@ def test_the_code_is_read_completely() -> None:
     assert facts.actions == {
         "return_cards": {"config_entry_id"},
         "start_handoff": {"config_entry_id", "vm", "wait"},
+        "prepare": {"config_entry_id", "vm", "hold_minutes"},
         "capture_screen": {"config_entry_id", "vm", "filename"},
     }
 

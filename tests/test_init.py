@@ -159,6 +159,7 @@ async def test_entities_show_the_tower_and_the_node(
         "starting",
         "joining",
         "unreachable",
+        "held",
     ]
 
 

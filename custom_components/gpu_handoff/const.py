@@ -66,6 +66,10 @@ EVENT_STOP_SUCCEEDED: Final = "gpu_handoff_stop_succeeded"
 EVENT_RETURN_SUCCEEDED: Final = "gpu_handoff_return_succeeded"
 # The cards went back, but the GPU node does not advertise them to the cluster.
 EVENT_RETURN_UNHEALTHY: Final = "gpu_handoff_return_unhealthy"
+# A prepare freed a gaming VM's cards and holds them for it (``hold_ends``);
+# nobody started it by then: the cards go back.
+EVENT_PREPARE_SUCCEEDED: Final = "gpu_handoff_prepare_succeeded"
+EVENT_HOLD_EXPIRED: Final = "gpu_handoff_hold_expired"
 # Every event GPU Handoff fires (the logbook describes each).
 EVENTS: Final = (
     EVENT_HANDOFF_STARTED,
@@ -76,13 +80,20 @@ EVENTS: Final = (
     EVENT_HANDOFF_FAILED,
     EVENT_CARDS_RETURNED,
     EVENT_RETURN_UNHEALTHY,
+    EVENT_PREPARE_SUCCEEDED,
+    EVENT_HOLD_EXPIRED,
 )
 
 SERVICE_RETURN_CARDS: Final = "return_cards"
 SERVICE_START_HANDOFF: Final = "start_handoff"
+SERVICE_PREPARE: Final = "prepare"
+# How long a prepare holds the cards by default, and at most (minutes).
+DEFAULT_HOLD_MINUTES: Final = 15
+MAX_HOLD_MINUTES: Final = 240
 ATTR_CONFIG_ENTRY_ID: Final = "config_entry_id"
 ATTR_VM: Final = "vm"
 ATTR_WAIT: Final = "wait"
+ATTR_HOLD_MINUTES: Final = "hold_minutes"
 
 # Where the GPU node is in a running operation, for a Handoff state that only
 # moves forward: a handoff drains, then stops it; a return starts it again.

@@ -15,21 +15,27 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
+import datetime as dt
 import logging
-from typing import Any
+from typing import Any, Final
 
 from homeassistant.config_entries import ConfigEntry
-from homeassistant.core import HomeAssistant, callback
+from homeassistant.core import CALLBACK_TYPE, HomeAssistant, callback
 from homeassistant.exceptions import HomeAssistantError, ServiceValidationError
+from homeassistant.helpers.event import async_track_point_in_utc_time
+from homeassistant.util import dt as dt_util
 
 from .cluster_client import ClusterError
 from .cluster_events import NodeEvents
 from .const import (
     CONF_GPU_NODE,
     DOMAIN,
+    EVENT_HOLD_EXPIRED,
 )
 from .coordinator import GpuHandoffCoordinator
 from .core import (
+    Hold,
+    HoldEnd,
     HookJobRead,
     Kind,
     Memory,
@@ -53,6 +59,11 @@ from .runner import (
 from .tower_client import TowerClient, TowerError
 
 _LOGGER = logging.getLogger(__name__)
+
+# While cards are held: the time left is shown anew this often, and a hold
+# that ended while an operation ran is looked at again this soon.
+HOLD_TICK: Final = dt.timedelta(minutes=1)
+HOLD_BUSY_RETRY: Final = dt.timedelta(seconds=1)
 
 
 class HandoffController:
@@ -78,6 +89,7 @@ class HandoffController:
             requests=lambda: self.state.requests,
             job=lambda: self.plan.job if self.plan is not None else None,
             save_job=self._save_job,
+            hold=lambda: self.state.hold,
         )
         # What the operations do to the GPU node's Kubernetes node, told to
         # the cluster as Events (posted by a task of the entry's: async_start).
@@ -101,6 +113,8 @@ class HandoffController:
         # Work an update asked for besides an operation (removing a stale
         # mark, reading the hook's job records), one of each kind at a time.
         self._side: dict[str, asyncio.Task[None]] = {}
+        # When to look at the cards held for a gaming VM again (_arm_hold).
+        self._hold_timer: CALLBACK_TYPE | None = None
 
     async def _save_job(self, job: PendingJob | None) -> None:
         await self.operations.save_job(job)
@@ -133,6 +147,8 @@ class HandoffController:
             self.hass, self.events.run(), f"{DOMAIN} Kubernetes events"
         )
         owned = await self.state.load()
+        if owned.hold is not None:
+            self.progress.publish()  # the Handoff state shows it from the start
         status = self.coordinator.data.tower
         self.state.forget_unknown_vms()
         known = self.state.configured_vms | {status.gpu_node}
@@ -170,6 +186,8 @@ class HandoffController:
         self._entry.async_on_unload(
             self.coordinator.async_add_listener(self._reconcile)
         )
+        self._entry.async_on_unload(self._cancel_hold_timer)
+        self._arm_hold()
 
     # --- requests ------------------------------------------------------------
 
@@ -200,21 +218,45 @@ class HandoffController:
         domain = self.coordinator.data.tower.domains.get(vm)
         if vm in self.desired and domain is not None and domain.state == RUNNING:
             return self._spawn(self._already_playing(vm))
-        node = self.coordinator.data.node
-        if node_holds_cards_of(self.coordinator.data.tower, vm):
-            try:
-                check_operator_cordon(
-                    node.cordon_owner if node else None,
-                    self.state.settings,
-                    self.coordinator.k8s_node,
-                )
-            except RunnerError as err:
-                raise HomeAssistantError(
-                    translation_domain=DOMAIN,
-                    translation_key=err.key,
-                    translation_placeholders=err.placeholders,
-                ) from err
+        self._check_cordon(vm)
         return await self._accept(Request(vm=vm, kind=Kind.HANDOFF))
+
+    async def async_prepare(self, vm: str, hold: float) -> asyncio.Task[bool]:
+        """Free ``vm``'s cards without starting it (drain and shut the GPU
+        node down as a handoff does) and hold them for it ``hold`` seconds:
+        turning it on then only starts it. Refused for a VM that runs (it
+        has its cards) and, as a handoff is, on top of someone else's
+        cordon unless the user chose otherwise."""
+        self._validate(vm)
+        domain = self.coordinator.data.tower.domains.get(vm)
+        if domain is not None and domain.state == RUNNING:
+            raise ServiceValidationError(
+                translation_domain=DOMAIN,
+                translation_key="vm_plays",
+                translation_placeholders={"vm": vm},
+            )
+        self._check_cordon(vm)
+        return await self._accept(Request(vm=vm, kind=Kind.PREPARE, hold=hold))
+
+    def _check_cordon(self, vm: str) -> None:
+        """A request that would drain the GPU node for ``vm`` is refused at
+        once on top of someone else's cordon (unless the user chose to hand
+        off anyway)."""
+        node = self.coordinator.data.node
+        if not node_holds_cards_of(self.coordinator.data.tower, vm):
+            return
+        try:
+            check_operator_cordon(
+                node.cordon_owner if node else None,
+                self.state.settings,
+                self.coordinator.k8s_node,
+            )
+        except RunnerError as err:
+            raise HomeAssistantError(
+                translation_domain=DOMAIN,
+                translation_key=err.key,
+                translation_placeholders=err.placeholders,
+            ) from err
 
     async def async_turn_off(self, vm: str) -> asyncio.Task[bool]:
         """Shut ``vm`` down gracefully; its cards then go back to the cluster."""
@@ -228,7 +270,7 @@ class HandoffController:
         before = set(self.desired)
         if request.kind is Kind.HANDOFF:
             self.state.desired.add(request.vm)
-        else:
+        elif request.kind is Kind.STOP:
             self.state.desired.discard(request.vm)
         self.state.requests[request.vm] = request
         self.progress.publish()
@@ -270,8 +312,12 @@ class HandoffController:
         core.reconcile decides from the observation."""
         if self._lock.locked() or self.plan is not None or self.state.requests:
             return
+        held = self.state.hold
         result = reconcile(self.state.observed(), self.state.owned(), self.memory)
         self.state.memory = result.memory
+        self.state.hold = result.hold
+        if held is not None and result.hold_ended is not None:
+            self._hold_ended(held, result.hold_ended)
         self.state.gpu_stopped_by_us = result.gpu_stopped_by_us
         for vm in result.followed:
             _LOGGER.info("%s was started on the tower with its cards", vm)
@@ -296,6 +342,60 @@ class HandoffController:
             self.hass.async_create_task(
                 self.state.save_in_background(), f"{DOMAIN} save"
             )
+
+    # --- cards held for a gaming VM (a prepare) ---------------------------------
+
+    def _hold_ended(self, hold: Hold, why: HoldEnd) -> None:
+        """Tell how a hold ended without an operation (core.hold_ends)."""
+        if why is HoldEnd.PLAYS:
+            _LOGGER.info("%s was started on the tower: its cards' hold ends", hold.vm)
+        elif why is HoldEnd.GONE:
+            _LOGGER.info("%s is no longer GPU Handoff's: its cards' hold ends", hold.vm)
+        else:
+            _LOGGER.info(
+                "Nobody started %s by %s: its cards go back to the cluster",
+                hold.vm,
+                hold.until,
+            )
+            self.report.fire(EVENT_HOLD_EXPIRED, hold.vm, hold_ends=hold.until)
+            self.events.normal(
+                "HoldExpired",
+                "Return",
+                f"Nobody started the gaming VM {hold.vm} in the time its cards "
+                "were held for it: they go back to the cluster",
+            )
+        self.progress.publish()
+
+    def _arm_hold(self) -> None:
+        """While cards are held: look again when the hold ends (and once a
+        minute, for the time left the Handoff state shows)."""
+        if self._hold_timer is not None:
+            self._hold_timer()
+            self._hold_timer = None
+        hold = self.state.hold
+        if hold is None:
+            return
+        now = dt_util.utcnow()
+        until = dt_util.parse_datetime(hold.until) or now
+        at = min(until, now + HOLD_TICK)
+        if until <= now:
+            at = now + HOLD_BUSY_RETRY
+        self._hold_timer = async_track_point_in_utc_time(self.hass, self._hold_due, at)
+
+    @callback
+    def _hold_due(self, _now: dt.datetime) -> None:
+        """A hold's end (or a minute of it) came: decide again if nothing
+        runs (else when the next look comes, soon), and show the time left."""
+        self._hold_timer = None
+        self._reconcile()
+        self.progress.publish()
+        self._arm_hold()
+
+    @callback
+    def _cancel_hold_timer(self) -> None:
+        if self._hold_timer is not None:
+            self._hold_timer()
+            self._hold_timer = None
 
     def _side_task(
         self, name: str, work: Callable[[], Coroutine[Any, Any, None]]
@@ -345,6 +445,7 @@ class HandoffController:
         finally:
             self.state.request_done(request)
             self.progress.publish()
+            self._arm_hold()
 
     @callback
     def job_pushed(self, record: JobRecord) -> None:

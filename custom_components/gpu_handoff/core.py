@@ -38,6 +38,15 @@ class Kind(StrEnum):
     HANDOFF = "handoff"
     STOP = "stop"
     RETURN = "return"
+    # Drain and shut the GPU node down as a handoff does, then hold the
+    # gaming VM's cards for it without starting it (Hold).
+    PREPARE = "prepare"
+
+    @property
+    def hands_over(self) -> bool:
+        """Whether it takes the cards from the GPU node for a gaming VM (a
+        handoff, or a prepare: one that fails is settled the same way)."""
+        return self in (Kind.HANDOFF, Kind.PREPARE)
 
 
 class Origin(StrEnum):
@@ -114,13 +123,16 @@ class Request:
     # A return GPU Handoff decided on because it saw the GPU node run (see
     # Ask.LEVEL): found off when it acts, it starts nothing.
     if_running: bool = False
+    # A prepare: how long the cards are held for the VM once they are free
+    # (seconds).
+    hold: float = 0.0
 
     @property
     def by_hook(self) -> bool:
         """Whether libvirt's hook asked for it (a start by hand)."""
         return self.origin is Origin.HOOK
 
-    def as_dict(self) -> dict[str, str | bool | None]:
+    def as_dict(self) -> dict[str, str | bool | float | None]:
         """For storage."""
         return {
             "vm": self.vm,
@@ -128,6 +140,7 @@ class Request:
             "origin": self.origin.value,
             "hook_job": self.hook_job,
             **({"if_running": True} if self.if_running else {}),
+            **({"hold": self.hold} if self.hold else {}),
         }
 
     @classmethod
@@ -139,6 +152,7 @@ class Request:
             origin=Origin(data.get("origin") or Origin.USER),
             hook_job=data.get("hook_job"),
             if_running=bool(data.get("if_running", False)),
+            hold=float(data.get("hold", 0.0)),
         )
 
 
@@ -315,6 +329,53 @@ class Plan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Hold:
+    """Cards held for a gaming VM that does not run yet (a prepare): the GPU
+    node is off (or, lending, runs without them), and they wait for the VM
+    until ``until`` (ISO 8601, UTC). Turning the VM on then only starts it."""
+
+    vm: str
+    until: str
+
+    def expired(self, now: dt.datetime | None) -> bool:
+        """Whether the hold's time is over at ``now`` (unknown: not; an
+        unreadable end: over)."""
+        if now is None:
+            return False
+        until = _parse_time(self.until)
+        return until is None or now >= until
+
+    def as_dict(self) -> dict[str, str]:
+        """For storage."""
+        return {"vm": self.vm, "until": self.until}
+
+    @classmethod
+    def from_dict(cls, data: object) -> Hold | None:
+        """From storage (None for anything unreadable)."""
+        if not isinstance(data, Mapping):
+            return None
+        vm, until = data.get("vm"), data.get("until")
+        if not isinstance(vm, str) or not isinstance(until, str):
+            return None
+        return cls(vm=vm, until=until)
+
+
+def hold_after(hold: Hold | None, request: Request) -> Hold | None:
+    """The hold once an operation for ``request`` begins: a handoff (to the
+    held VM, which it starts, or to another, whose player the cards now
+    follow), a prepare (it holds anew when it is done), a stop of the held
+    VM and a return the user asked for end it; a stop of another VM and a
+    return GPU Handoff decided on (a lend after a prepare) keep it."""
+    if hold is None:
+        return None
+    if request.kind.hands_over:
+        return None
+    if request.kind is Kind.STOP:
+        return None if request.vm == hold.vm else hold
+    return hold if request.origin is Origin.GPU_HANDOFF else None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Owned:
     """What the controller owns and stores: the gaming VMs that should play,
     the operation in flight, the requests waiting behind it in the order
@@ -332,6 +393,8 @@ class Owned:
     # When a tower job of GPU Handoff's last started the GPU node (the
     # tower's clock; JobFacts.gpu_started_at).
     gpu_started_at: str | None = None
+    # Cards held for a gaming VM after a prepare.
+    hold: Hold | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """For storage (version STORE_VERSION)."""
@@ -346,6 +409,7 @@ class Owned:
                 else None
             ),
             "gpu_started_at": self.gpu_started_at,
+            "hold": self.hold.as_dict() if self.hold is not None else None,
         }
 
     @classmethod
@@ -360,6 +424,7 @@ class Owned:
             gpu_stopped_by_us=bool(data.get("gpu_stopped_by_us", False)),
             seen_hook_requests=frozenset(seen) if seen is not None else None,
             gpu_started_at=data.get("gpu_started_at"),
+            hold=Hold.from_dict(data.get("hold")),
         )
 
 
@@ -461,6 +526,9 @@ class Observed:
     node: NodeView | None
     configured: frozenset[str]
     settings: Settings
+    # When it was observed (Home Assistant's clock): a hold's end is judged
+    # against it (None: no hold ends by time).
+    now: dt.datetime | None = None
 
 
 class HookStop(StrEnum):
@@ -540,6 +608,35 @@ class Reconciled:
     # Whether the GPU node is off because of GPU Handoff (Owned), now that a
     # followed start by hand's hook stop counts.
     gpu_stopped_by_us: bool = False
+    # The cards held for a gaming VM after this update, and why a hold
+    # ended with it (None: none did).
+    hold: Hold | None = None
+    hold_ended: HoldEnd | None = None
+
+
+class HoldEnd(StrEnum):
+    """Why a hold ended without an operation (see hold_ends)."""
+
+    PLAYS = "plays"  # its VM runs: the player started it on the tower
+    EXPIRED = "expired"  # nobody started it in time: the cards go back
+    GONE = "gone"  # its VM was removed from GPU Handoff or from the tower
+
+
+def hold_ends(observed: Observed, hold: Hold | None) -> HoldEnd | None:
+    """Whether the hold ends with this update, and why: its VM runs (the
+    player started it by hand; its session is followed as any start by
+    hand's), is no longer GPU Handoff's, or its time is over. The last two
+    end it as a session's end does: the cards go back."""
+    if hold is None:
+        return None
+    domain = observed.tower.domains.get(hold.vm)
+    if domain is None or not domain.exists or hold.vm not in observed.configured:
+        return HoldEnd.GONE
+    if domain.state == RUNNING:
+        return HoldEnd.PLAYS
+    if hold.expired(observed.now):
+        return HoldEnd.EXPIRED
+    return None
 
 
 def _hook_request_asks(
@@ -752,18 +849,22 @@ def card_of(address: str) -> str:
     return address.rsplit(".", 1)[0]
 
 
-def free_cards(status: TowerStatus) -> set[str]:
+def free_cards(status: TowerStatus, held: str | None = None) -> set[str]:
     """The GPU node's own cards (its persistent definition's) that no other
     running domain holds, nor a function of their IOMMU group (libvirt passes
     a group through whole; on a board without ACS two cards can share one):
-    what it can run with now."""
+    what it can run with now. Those of ``held`` (a gaming VM the cards are
+    held for: Hold) count as held by it."""
     gpu = status.domains.get(status.gpu_node)
     if gpu is None:
         return set()
+    kept = status.domains.get(held) if held is not None else None
+    kept_cards = set(kept.defined_cards) if kept is not None else set()
     elsewhere = [
         card
         for card in status.cards
-        if card.held_by is not None and card.held_by != status.gpu_node
+        if (card.held_by is not None and card.held_by != status.gpu_node)
+        or card.address in kept_cards
     ]
     groups = {card.iommu_group for card in elsewhere} - {None}
     taken = {card_of(card.address) for card in elsewhere} | {
@@ -772,13 +873,13 @@ def free_cards(status: TowerStatus) -> set[str]:
     return {card_of(address) for address in gpu.defined_cards} - taken
 
 
-def serves_free_cards(status: TowerStatus) -> bool:
+def serves_free_cards(status: TowerStatus, held: str | None = None) -> bool:
     """Whether the GPU node runs with exactly the cards nobody plays with
-    (lending at rest), or is off with none free."""
+    (lending at rest; ``held``: free_cards), or is off with none free."""
     gpu = status.domains.get(status.gpu_node)
     if gpu is None:
         return True
-    free = free_cards(status)
+    free = free_cards(status, held)
     if gpu.state != RUNNING:
         return not free
     return {card_of(address) for address in gpu.cards} == free
@@ -814,7 +915,12 @@ class Ask(Enum):
 
 
 def _return_asked(
-    observed: Observed, desired: frozenset[str], ended: bool, memory: Memory
+    observed: Observed,
+    desired: frozenset[str],
+    ended: bool,
+    memory: Memory,
+    *,
+    held: bool = False,
 ) -> Ask | None:
     """Whether the cards go back to the cluster now, and why: the session
     GPU Handoff knew of ended (automatic return), a player quit while another
@@ -822,7 +928,10 @@ def _return_asked(
     our own cordon is left on a GPU node that serves again (an operation
     interrupted between the node's return and the uncordon, a failed handoff
     whose rollback could not reach the tower). Never because the GPU node is
-    seen off: someone may have shut it down on purpose."""
+    seen off: someone may have shut it down on purpose. While cards are
+    held for a gaming VM (``held``) a session's end returns nothing unless
+    lending: the GPU node cannot run without the held card; the hold's own
+    end returns them."""
     status, node, settings = observed.tower, observed.node, observed.settings
     gpu = status.domains.get(status.gpu_node)
     if gpu is None:
@@ -831,7 +940,7 @@ def _return_asked(
         (domain := status.domains.get(vm)) is not None and domain.state == RUNNING
         for vm in status.gaming
     )
-    session_ended = ended and not playing and not desired
+    session_ended = ended and not playing and not desired and not held
     if settings.auto_return and (session_ended or (ended and settings.lend_free)):
         return Ask.EDGE
     lend_again = (
@@ -861,6 +970,10 @@ def reconcile(observed: Observed, owned: Owned, memory: Memory) -> Reconciled:
     GPU Handoff while it played ends its session all the same), the cards to
     go back, a stale cordon mark to remove."""
     found = _starts_by_hand(observed, owned, memory)
+    if (hold_ended := hold_ends(observed, owned.hold)) is not None:
+        found = replace(found, hold_ended=hold_ended, changed=True)
+    else:
+        found = replace(found, hold=owned.hold)
     if unannounced := _playing_unannounced(observed, found):
         # (With a handoff to run too: a session followed only once that
         # ended would end unseen meanwhile, its freed card never lent.)
@@ -882,7 +995,15 @@ def reconcile(observed: Observed, owned: Owned, memory: Memory) -> Reconciled:
         found.desired - ended, status.domains, set(observed.configured)
     )
     changed = found.changed or remaining != found.desired
-    ask = _return_asked(observed, remaining, bool(ended), found.memory)
+    # A hold that ended unused ends as a session does: the cards go back.
+    unused = found.hold_ended in (HoldEnd.EXPIRED, HoldEnd.GONE)
+    ask = _return_asked(
+        observed,
+        remaining,
+        bool(ended) or unused,
+        found.memory,
+        held=found.hold is not None,
+    )
     if ask is None and _lend_falls_short(observed, found):
         ask = Ask.LEVEL
     if ask is not None:
@@ -918,6 +1039,7 @@ def _lend_falls_short(observed: Observed, found: Reconciled) -> bool:
     status, settings = observed.tower, observed.settings
     gpu = status.domains.get(status.gpu_node)
     recorded = {request.key for request in status.hook_requests}
+    held = found.hold.vm if found.hold is not None else None
     return (
         settings.lend_free
         and settings.auto_return
@@ -927,8 +1049,8 @@ def _lend_falls_short(observed: Observed, found: Reconciled) -> bool:
         )
         and status.job_for(status.gpu_node) is None
         and recorded <= found.memory.seen_hook_requests
-        and not serves_free_cards(status)
-        and frozenset(free_cards(status)) != found.memory.lent_for
+        and not serves_free_cards(status, held)
+        and frozenset(free_cards(status, held)) != found.memory.lent_for
     )
 
 
@@ -981,7 +1103,7 @@ def lends_after(
     (the operator shut it down first) did nothing."""
     settings = observed.settings
     if not (
-        request.kind in (Kind.HANDOFF, Kind.STOP)
+        request.kind in (Kind.HANDOFF, Kind.STOP, Kind.PREPARE)
         and settings.lend_free
         and settings.auto_return
         and not waiting
@@ -997,8 +1119,8 @@ def lends_after(
         # A session's end: the cards go back to a GPU node that was off when
         # the stop began, as they do without lending (returns_after_stop).
         return True
-    if request.kind is Kind.HANDOFF and not succeeded:
-        # A failed handoff: a GPU node GPU Handoff stopped (a request before
+    if request.kind.hands_over and not succeeded:
+        # A failed handoff (or prepare): a GPU node GPU Handoff stopped (a request before
         # it, which left its lend to this one's end; or a start by hand it
         # supersedes, whose hook's stop counts as its own) is still off. What
         # its own job stopped is settled too (settle_failed_handoff); either
@@ -1020,7 +1142,12 @@ def _playing(status: TowerStatus, besides: str | None = None) -> bool:
 
 
 def stop_releases(
-    status: TowerStatus, vm: str, settings: Settings, *, gpu_stopped_by_us: bool
+    status: TowerStatus,
+    vm: str,
+    settings: Settings,
+    *,
+    gpu_stopped_by_us: bool,
+    held: bool = False,
 ) -> bool:
     """Whether a stop of ``vm`` is one tower job that also starts the GPU
     node (a release): nobody else plays, the cards go back automatically and
@@ -1031,8 +1158,14 @@ def stop_releases(
     one, and the cards go back after it only if its job ended a session
     (returns_after_stop): ``vm`` running when the stop begins is not enough,
     for its player may quit before the job runs, and a job that shut nothing
-    down would start a GPU node someone else shut down."""
-    if _playing(status, besides=vm) or not settings.auto_return or settings.lend_free:
+    down would start a GPU node someone else shut down. Not while cards are
+    held for another gaming VM (``held``): the GPU node would take them."""
+    if (
+        held
+        or _playing(status, besides=vm)
+        or not settings.auto_return
+        or settings.lend_free
+    ):
         return False
     gpu = status.domains.get(status.gpu_node)
     return (gpu is not None and gpu.state == RUNNING) or gpu_stopped_by_us
@@ -1055,6 +1188,7 @@ def returns_after_stop(
     *,
     facts: JobFacts,
     gpu_stopped_by_us: bool,
+    held: bool = False,
 ) -> bool:
     """After a stop that did not release (it began while someone else
     played, or the GPU node was not GPU Handoff's to start): whether the
@@ -1064,8 +1198,9 @@ def returns_after_stop(
     it), the stop ended a session (its job shut ``vm`` down) or GPU Handoff
     shut the GPU node down, and the stop's own jobs did not start the GPU
     node already (a stop resumed after a restart whose release ran: the GPU
-    node off again was shut down by someone else since)."""
-    if not settings.auto_return or settings.lend_free or _playing(status):
+    node off again was shut down by someone else since). Not while cards
+    are held for a gaming VM (``held``)."""
+    if held or not settings.auto_return or settings.lend_free or _playing(status):
         return False
     gpu = status.domains.get(status.gpu_node)
     return (
@@ -1090,12 +1225,14 @@ def returns_after(
     GPU Handoff stopped is off: their own jobs return them when they can
     (stop_releases, returns_after_stop, settle_failed_handoff); this is for
     a GPU node libvirt's hook stopped for a start by hand they supersede
-    (the player's start failed, and the request is the last word)."""
+    (the player's start failed, and the request is the last word). Not
+    while cards are held for a gaming VM: the hold's end returns them."""
     settings, status = observed.settings, observed.tower
     stop = request.kind is Kind.STOP and succeeded and not settings.lend_free
-    failed_handoff = request.kind is Kind.HANDOFF and not succeeded
+    failed_handoff = request.kind.hands_over and not succeeded
     if (
         not (stop or failed_handoff)
+        or owned.hold is not None
         or waiting
         or not settings.auto_return
         or _playing(status)

@@ -19,6 +19,7 @@ OPERATIONS: Final = {
     "handoff": "the handoff of the cards",
     "stop": "the shutdown",
     "return": "the return of the cards to the cluster",
+    "prepare": "preparing the cards",
 }
 # What each step of an operation reads as (the same words as the switch's
 # translated step attribute).
@@ -65,6 +66,13 @@ def describe(event: Event) -> str:
             return "the cards are back with the cluster"
         case "gpu_handoff_handoff_failed":
             return f"{operation} failed: {data.get('error')}"
+        case "gpu_handoff_prepare_succeeded":
+            ends = data.get("hold_ends")
+            if ends:
+                return f"has its cards held for it until {ends}: turn it on to play"
+            return "runs already: nothing is held"
+        case "gpu_handoff_hold_expired":
+            return "was not started while its cards were held: they go back"
         case "gpu_handoff_return_unhealthy":
             return f"is back, but unhealthy: {data.get('error')}"
         case _:

@@ -28,6 +28,10 @@ class OperationView:
     started: str | None = None
     drain: DrainProgress | None = None
     last_error: Mapping[str, str] = field(default_factory=dict)
+    # Cards held for a gaming VM after a prepare: the VM, and until when
+    # (ISO 8601).
+    held_for: str | None = None
+    hold_ends: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,19 +7,24 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import replace
+import datetime as dt
 import logging
 from typing import Final
+
+from homeassistant.util import dt as dt_util
 
 from .cluster_client import UnmanagedPodsError
 from .const import EVENT_HANDOFF_STARTED
 from .coordinator import GpuHandoffCoordinator
 from .core import (
+    Hold,
     Kind,
     PendingJob,
     Plan,
     Request,
     Settle,
     free_cards,
+    hold_after,
     job_stopped_gpu_node,
     lends_after,
     returns_after,
@@ -123,13 +128,17 @@ class Operations:
         stored as the next operation)."""
         if not resume or self.state.plan is None:
             self.state.plan = Plan(request=request)
+            # (What it does to cards held for a gaming VM: core.hold_after.)
+            self.state.hold = hold_after(self.state.hold, request)
             await self.state.save()
         plan = self.state.plan
         request, vm, kind = plan.request, plan.vm, plan.kind
         # A return lends again after a refused lend, or says why not.
         relend = kind is Kind.RETURN and bool(self.state.memory.lend_refused)
         if kind is Kind.RETURN:
-            free = frozenset(free_cards(self.coordinator.data.tower))
+            free = frozenset(
+                free_cards(self.coordinator.data.tower, self.state.held_vm)
+            )
             self.state.memory = replace(
                 self.state.memory, lend_refused=(), lent_for=free
             )
@@ -166,6 +175,7 @@ class Operations:
             relend=relend,
             unhealthy=unhealthy,
             came_back=self.runner.facts.pods_came_back,
+            hold=self.state.hold if kind is Kind.PREPARE else None,
         )
         return True, follow_up
 
@@ -261,11 +271,25 @@ class Operations:
                     # A return that drained a lending GPU node and then failed:
                     # our cordon goes if the GPU node still serves.
                     await self.runner.uncordon_if_serving()
-                if kind is not Kind.HANDOFF:
+                if not kind.hands_over:
                     return False, False, False
                 self.state.desired.discard(vm)
                 return False, False, await self._settle(request, None, err)
+            if kind is Kind.PREPARE:
+                self._hold(request)
             return True, returned, False
+
+    def _hold(self, request: Request) -> None:
+        """A prepare is done: its VM's cards are held for it from now on,
+        unless it runs already (its player started it meanwhile)."""
+        domain = self.coordinator.data.tower.domains.get(request.vm)
+        if domain is None or domain.state == RUNNING:
+            return
+        until = dt_util.utcnow() + dt.timedelta(seconds=request.hold)
+        self.state.hold = Hold(vm=request.vm, until=until.isoformat())
+        _LOGGER.info(
+            "The cards of %s are held for it until %s", request.vm, until.isoformat()
+        )
 
     async def _work(self, request: Request) -> bool:
         """The runner's part of the operation (resumed from the stored plan
@@ -275,11 +299,19 @@ class Operations:
         if request.kind is Kind.HANDOFF:
             await self.runner.handoff(request.vm, settings, hook_job=request.hook_job)
             return False
+        if request.kind is Kind.PREPARE:
+            await self.runner.prepare(request.vm, settings)
+            return False
         if request.kind is Kind.STOP:
             return await self.runner.stop(
-                request.vm, settings, gpu_stopped_by_us=self.state.gpu_stopped_by_us
+                request.vm,
+                settings,
+                gpu_stopped_by_us=self.state.gpu_stopped_by_us,
+                held=self.state.hold is not None,
             )
-        return await self.runner.return_cards(settings, if_running=request.if_running)
+        return await self.runner.return_cards(
+            settings, if_running=request.if_running, keep=self.state.held_vm
+        )
 
     def _wanted(self, request: Request) -> bool:
         """Whether the request still stands: its gaming VM is still one of
@@ -365,7 +397,8 @@ class Operations:
         status = self.coordinator.data.tower
         domain = status.domains.get(vm)
         kept = err is None and domain is not None and domain.state == RUNNING
-        if kind is Kind.HANDOFF and not kept:
+        if kind is Kind.PREPARE or (kind is Kind.HANDOFF and not kept):
+            # (A prepare whose VM is no longer GPU Handoff's holds nothing.)
             self.state.desired.discard(vm)
             return await self._settle(request, plan.settle, err)
         if kind is Kind.HANDOFF:

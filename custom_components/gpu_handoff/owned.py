@@ -1,7 +1,7 @@
 """What the controller owns for one tower, and where it is stored.
 
 The desired set, the operation in flight (core.Plan), the requests accepted
-and not finished, whether the GPU node is off because a tower job of GPU
+and not finished, the cards held for a gaming VM (core.Hold), whether the GPU node is off because a tower job of GPU
 Handoff's shut it down, and what the controller remembers between updates
 (core.Memory). Stored as core.Owned, versioned (core.migrate_store).
 """
@@ -16,6 +16,7 @@ from homeassistant.config_entries import ConfigEntry
 from homeassistant.core import HomeAssistant
 from homeassistant.exceptions import HomeAssistantError
 from homeassistant.helpers.storage import Store
+from homeassistant.util import dt as dt_util
 
 from .cluster_model import SKIP_WAIT_FOR_DELETE
 from .const import (
@@ -35,6 +36,7 @@ from .const import (
 from .coordinator import GpuHandoffCoordinator
 from .core import (
     STORE_VERSION,
+    Hold,
     JobFacts,
     Kind,
     Memory,
@@ -111,6 +113,8 @@ class OwnedState:
         # not the plan's wait.
         self.requests: dict[str, Request] = {}
         self.memory = Memory()
+        # Cards held for a gaming VM after a prepare.
+        self.hold: Hold | None = None
 
     async def load(self) -> Owned:
         """What was stored (the waiting requests are the caller's to take)."""
@@ -120,6 +124,7 @@ class OwnedState:
         self.plan = owned.plan
         self.gpu_stopped_by_us = owned.gpu_stopped_by_us
         self.gpu_started_at = owned.gpu_started_at
+        self.hold = owned.hold
         seen = owned.seen_hook_requests
         if seen is None:
             # A first start, or a store of 0.3.x: what the tower shows counts
@@ -153,6 +158,7 @@ class OwnedState:
             gpu_stopped_by_us=self.gpu_stopped_by_us,
             seen_hook_requests=self.memory.seen_hook_requests & shown,
             gpu_started_at=self.gpu_started_at,
+            hold=self.hold,
         )
 
     def record_facts(self, facts: JobFacts) -> None:
@@ -171,7 +177,13 @@ class OwnedState:
             node=data.node,
             configured=frozenset(self.configured_vms),
             settings=self.settings,
+            now=dt_util.utcnow(),
         )
+
+    @property
+    def held_vm(self) -> str | None:
+        """The gaming VM cards are held for, if any."""
+        return self.hold.vm if self.hold is not None else None
 
     @property
     def configured_vms(self) -> set[str]:

@@ -13,7 +13,7 @@ from homeassistant.util import dt as dt_util
 from .cluster_model import DrainProgress, NodeView
 from .const import EVENT_HANDOFF_STEP
 from .coordinator import GpuHandoffCoordinator
-from .core import Kind, PendingJob, Request
+from .core import Hold, Kind, PendingJob, Request
 from .models import OperationView
 from .protocol import TowerStatus
 from .report import Reporter
@@ -43,6 +43,7 @@ class OperationProgress:
         requests: Callable[[], Mapping[str, Request]],
         job: Callable[[], PendingJob | None],
         save_job: Callable[[PendingJob | None], Awaitable[None]],
+        hold: Callable[[], Hold | None] = lambda: None,
     ) -> None:
         """Nothing runs: no operation, no drain, no error."""
         self.coordinator = coordinator
@@ -50,6 +51,7 @@ class OperationProgress:
         self._requests = requests
         self._job = job
         self._save_job = save_job
+        self._hold = hold
         self.operation: Operation | None = None
         self.drain: DrainProgress | None = None
         self.last_error: dict[str, str] = {}
@@ -74,6 +76,7 @@ class OperationProgress:
         """Show what the controller is doing: every entity reads it from the
         coordinator's snapshot."""
         operation = self.operation
+        hold = self._hold()
         self.coordinator.async_set_operation(
             OperationView(
                 requests={vm: r.kind.value for vm, r in self._requests().items()},
@@ -84,6 +87,8 @@ class OperationProgress:
                 started=operation.started if operation is not None else None,
                 drain=self.drain,
                 last_error=dict(self.last_error),
+                held_for=hold.vm if hold is not None else None,
+                hold_ends=hold.until if hold is not None else None,
             )
         )
 

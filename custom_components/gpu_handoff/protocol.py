@@ -28,6 +28,18 @@ SHUT_OFF: Final = "shut_off"
 START_FAILED: Final = "failed"
 # Who asked for a job: libvirt's hook (a gaming VM started by hand).
 REQUESTED_BY_HOOK: Final = "hook"
+# The first agent whose lend job leaves out the cards held for a gaming VM
+# (`lend GAMING`): older ones lend every free card.
+AGENT_KEEPS: Final = (0, 3, 7)
+
+
+def version_key(version: str) -> tuple[int, ...] | None:
+    """``"0.3.0"`` -> ``(0, 3, 0)``; None for a version that is not dotted
+    numbers (compared with nothing)."""
+    parts = version.split(".")
+    if not all(part.isdigit() for part in parts):
+        return None
+    return tuple(int(part) for part in parts)
 
 
 # What a job does, where it is, its steps: the agent's own words (wire).
@@ -348,8 +360,11 @@ class Job:
 
     @property
     def domains(self) -> tuple[str, ...]:
-        """The domains it names (a release with no gaming VM names none)."""
-        return () if self.domain is None else (self.domain,)
+        """The domains it acts on by name (a release with no gaming VM names
+        none; a lend's gaming VM is the one whose cards it leaves alone)."""
+        if self.domain is None or self.kind is JobKind.LEND:
+            return ()
+        return (self.domain,)
 
 
 def _job_args(r: _Reader) -> str | None:

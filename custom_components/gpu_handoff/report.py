@@ -20,11 +20,12 @@ from .const import (
     EVENT_CARDS_RETURNED,
     EVENT_HANDOFF_FAILED,
     EVENT_HANDOFF_SUCCEEDED,
+    EVENT_PREPARE_SUCCEEDED,
     EVENT_RETURN_SUCCEEDED,
     EVENT_RETURN_UNHEALTHY,
     EVENT_STOP_SUCCEEDED,
 )
-from .core import Kind, Request
+from .core import Hold, Kind, Request
 from .health import UnhealthyReturn
 from .jobs import JobFailedError
 from .models import domain_identifier
@@ -43,12 +44,14 @@ FAILED_ISSUES: Final = {
     Kind.HANDOFF: ISSUE_HANDOFF_FAILED,
     Kind.STOP: "stop_failed",
     Kind.RETURN: "return_failed",
+    Kind.PREPARE: "prepare_failed",
 }
 # The event each kind of operation ends with when it succeeds.
 SUCCEEDED_EVENTS: Final = {
     Kind.HANDOFF: EVENT_HANDOFF_SUCCEEDED,
     Kind.STOP: EVENT_STOP_SUCCEEDED,
     Kind.RETURN: EVENT_RETURN_SUCCEEDED,
+    Kind.PREPARE: EVENT_PREPARE_SUCCEEDED,
 }
 # Failures the world heals by itself: the SSH connection or the agent's
 # session dropped, the API server unreachable (or answering 5xx or 429),
@@ -167,11 +170,13 @@ class Reporter:
         relend: bool,
         unhealthy: UnhealthyReturn | None,
         came_back: Sequence[str],
+        hold: Hold | None = None,
     ) -> None:
         """The events of an operation that succeeded, and the repairs it
         clears. A return succeeds only when the cluster has its cards back:
         a GPU node that came back without advertising them is reported
-        apart (``unhealthy``)."""
+        apart (``unhealthy``). A prepare's event says until when the cards
+        are held (``hold``; none: its VM runs already)."""
         vm, kind = request.vm, request.kind
         if unhealthy is None or kind is not Kind.RETURN:
             # Pods that came back to the cordoned node are told, by name.
@@ -180,6 +185,7 @@ class Reporter:
                 vm,
                 kind=kind,
                 **({"pods_came_back": list(came_back)} if came_back else {}),
+                **({"hold_ends": hold.until} if hold is not None else {}),
             )
         if unhealthy is not None:
             self.fire(
@@ -194,7 +200,7 @@ class Reporter:
         elif returned:
             self.fire(EVENT_CARDS_RETURNED, gpu_node)
         ir.async_delete_issue(self._hass, DOMAIN, self._issue_id(vm))
-        if kind is Kind.HANDOFF or relend:
+        if kind.hands_over or relend:
             # The pods that refused a handoff or a lend are gone (or were
             # evicted).
             ir.async_delete_issue(self._hass, DOMAIN, self._unmanaged_issue_id)

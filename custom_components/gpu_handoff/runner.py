@@ -39,12 +39,14 @@ from .health import UnhealthyReturn
 from .jobs import DoneJob, JobHost, TowerJobs, first_of
 from .node_return import NodeBackError, NodeReturn, ReturnHost
 from .protocol import (
+    AGENT_KEEPS,
     REQUESTED_BY_HOOK,
     RUNNING,
     SHUT_OFF,
     JobKind,
     JobRecord,
     TowerStatus,
+    version_key,
 )
 from .tower_client import AgentCommandError, TowerClient, TowerConnectionError
 
@@ -111,20 +113,26 @@ def can_run(status: TowerStatus, settings: Settings) -> bool:
     return not cards_in_play(status)
 
 
-def check_agent_lends(tower: TowerClient) -> None:
-    """An agent older than lending (0.3.0) has no `lend`: say so before
-    anything is asked of it (with the session down, its answer says it)."""
+def check_agent_lends(tower: TowerClient, *, keeping: bool = False) -> None:
+    """An agent older than lending (0.3.0) has no `lend`, and one older than
+    holding cards (AGENT_KEEPS) lends every free card, those held for a
+    gaming VM too: say so before anything is asked of it (with the session
+    down, its answer says it)."""
     session = tower.session
-    if (
-        session is not None
-        and not session.closed
-        and JobKind.LEND.value not in session.hello.verbs
-    ):
+    if session is None or session.closed:
+        return
+    version = session.hello.version
+    cannot = JobKind.LEND.value not in session.hello.verbs
+    if keeping and not cannot:
+        theirs = version_key(version)
+        cannot = theirs is not None and theirs < AGENT_KEEPS
+    if cannot:
         raise RunnerError(
             "agent_cannot_lend",
-            f"the agent on the tower ({session.hello.version}) cannot lend "
-            "cards yet: update it to the version this integration ships",
-            version=session.hello.version,
+            f"the agent on the tower ({version}) cannot lend cards "
+            f"{'while others are held ' if keeping else ''}yet: update it to "
+            "the version this integration ships",
+            version=version,
         )
 
 
@@ -217,6 +225,30 @@ class OperationRunner:
                 f"guest agent: its cards go to the gaming VM {vm}",
             )
         await self._job(JobKind.HANDOFF if node_holds else JobKind.START, vm)
+
+    async def prepare(self, vm: str, settings: Settings) -> None:
+        """Free ``vm``'s cards without starting it: drain the GPU node and
+        shut it down through its guest agent as a handoff does, if it holds
+        them (the controller then holds them for ``vm``: core.Hold). A VM
+        that runs already has them."""
+        pending = self._host.pending_job
+        if pending is not None:
+            # Resume: the stored job, whatever the tower looks like now.
+            self._host.phase(PHASE_STOPPING)
+            await self._job(pending.kind, pending.domain)
+            return
+        status = await self.tower.status()
+        if status.domains[vm].state == RUNNING or not node_holds_cards_of(status, vm):
+            return
+        await self._drain(f"cards held for {vm}", settings)
+        self._host.phase(PHASE_STOPPING)
+        self._event(
+            "ShuttingDown",
+            "Shutdown",
+            f"Shutting the GPU node's VM {self.gpu_node} down through its guest "
+            f"agent: its cards are held for the gaming VM {vm}, which starts soon",
+        )
+        await self._job(JobKind.STOP, self.gpu_node)
 
     async def read_hook_jobs(self, job_ids: Iterable[str]) -> None:
         """Add what these jobs of libvirt's hook did to the operation's facts
@@ -333,11 +365,17 @@ class OperationRunner:
             )
 
     async def stop(
-        self, vm: str, settings: Settings, *, gpu_stopped_by_us: bool = False
+        self,
+        vm: str,
+        settings: Settings,
+        *,
+        gpu_stopped_by_us: bool = False,
+        held: bool = False,
     ) -> bool:
         """Stop ``vm``; True when the cards went back to the cluster too
         (``gpu_stopped_by_us``: the GPU node is off because a tower job of
-        GPU Handoff's shut it down; see core.stop_releases)."""
+        GPU Handoff's shut it down; ``held``: cards are held for a gaming VM;
+        see core.stop_releases)."""
         # (Resumed: what its own jobs did since counts.)
         gpu_stopped_by_us = stopped_by_jobs(gpu_stopped_by_us, self.facts)
         pending = self._host.pending_job
@@ -346,17 +384,21 @@ class OperationRunner:
             done = await self._job(pending.kind, pending.domain)
             if pending.kind is not JobKind.RELEASE:
                 return await self._return_if_nobody_plays(
-                    vm, settings, gpu_stopped_by_us
+                    vm, settings, gpu_stopped_by_us, held
                 )
             return await self._node_back(done)
         status = await self.tower.status()
         gpu = status.domains.get(self.gpu_node)
         self.facts = self.facts.stop_began(gpu is not None and gpu.state == RUNNING)
         named = stop_names(status, vm)
-        if not stop_releases(status, vm, settings, gpu_stopped_by_us=gpu_stopped_by_us):
+        if not stop_releases(
+            status, vm, settings, gpu_stopped_by_us=gpu_stopped_by_us, held=held
+        ):
             if named is not None:
                 await self._job(JobKind.STOP, named)
-            return await self._return_if_nobody_plays(vm, settings, gpu_stopped_by_us)
+            return await self._return_if_nobody_plays(
+                vm, settings, gpu_stopped_by_us, held
+            )
         # Nobody else plays: stop the VM and start the GPU node in one job.
         # The return begins now (the Handoff state goes to `starting` and
         # only forward from there, whatever the snapshot lags behind).
@@ -364,7 +406,7 @@ class OperationRunner:
         return await self._node_back(await self._job(JobKind.RELEASE, named))
 
     async def _return_if_nobody_plays(
-        self, vm: str, settings: Settings, gpu_stopped_by_us: bool
+        self, vm: str, settings: Settings, gpu_stopped_by_us: bool, held: bool
     ) -> bool:
         """After a stop that began while someone else played: the cards go
         back now if core.returns_after_stop says so. True when they went
@@ -378,21 +420,25 @@ class OperationRunner:
             settings,
             facts=self.facts,
             gpu_stopped_by_us=gpu_stopped_by_us,
+            held=held,
         ):
             return False
         self._host.phase(PHASE_RETURNING)
         return await self._node_back(await self._job(JobKind.RELEASE, None))
 
-    async def return_cards(self, settings: Settings, *, if_running: bool) -> bool:
+    async def return_cards(
+        self, settings: Settings, *, if_running: bool, keep: str | None = None
+    ) -> bool:
         """Start the GPU node if it is off, wait until its node is Ready, and
         lift our own cordon. Lending: restart it with every card nobody plays
-        with (none free: it stays off). ``if_running`` (core.Ask.LEVEL): a
-        GPU node found off stays off. True when the cluster has cards back."""
+        with (none free: it stays off), those held for ``keep`` (core.Hold)
+        left out. ``if_running`` (core.Ask.LEVEL): a GPU node found off
+        stays off. True when the cluster has cards back."""
         self._host.phase(PHASE_RETURNING)
         pending = self._host.pending_job
         done: DoneJob | None = None
         if pending is None and settings.lend_free:
-            lent, done = await self._lend(settings, if_running=if_running)
+            lent, done = await self._lend(settings, if_running=if_running, keep=keep)
             if not lent:
                 return False
         elif pending is not None or not await self._gpu_node_runs():
@@ -406,17 +452,18 @@ class OperationRunner:
         return status.domains[status.gpu_node].state == RUNNING
 
     async def _lend(
-        self, settings: Settings, *, if_running: bool
+        self, settings: Settings, *, if_running: bool, keep: str | None = None
     ) -> tuple[bool, DoneJob | None]:
         """Have the GPU node run with every free card: as it is if it does
         already; else drained, stopped through its guest agent and started
         again with them (a live-only definition on the tower: its persistent
         one never changes). False when no card is free (it stays off), or,
         ``if_running``, when it is off (also once drained); the lend job,
-        when one ran."""
+        when one ran. The cards of ``keep`` (held for it) are not free, and
+        the job tells the tower so."""
         status = await self.tower.status()
         gpu = status.domains[status.gpu_node]
-        free = free_cards(status)
+        free = free_cards(status, keep)
         if gpu.state == RUNNING:
             if {card_of(address) for address in gpu.cards} >= free:
                 return True, None
@@ -426,7 +473,7 @@ class OperationRunner:
                 return False, None
         elif if_running or not free:
             return False, None
-        check_agent_lends(self.tower)
+        check_agent_lends(self.tower, keeping=keep is not None)
         if gpu.state == RUNNING:
             self._event(
                 "ShuttingDown",
@@ -434,7 +481,7 @@ class OperationRunner:
                 f"Shutting the GPU node's VM {self.gpu_node} down through its "
                 "guest agent, to start it again with every card nobody plays with",
             )
-        done = await self._job(JobKind.LEND, None)
+        done = await self._job(JobKind.LEND, keep)
         return bool(free), done
 
     async def finish_job(self) -> None:

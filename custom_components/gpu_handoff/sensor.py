@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+import math
 from typing import Any, Final
 
 from homeassistant.components.sensor import (
@@ -16,6 +17,7 @@ from homeassistant.const import EntityCategory, UnitOfTime
 from homeassistant.core import HomeAssistant, callback
 from homeassistant.helpers import entity_registry as er
 from homeassistant.helpers.entity_platform import AddConfigEntryEntitiesCallback
+from homeassistant.util import dt as dt_util
 
 from .assist import (
     GPU_NODE_SPOKEN,
@@ -30,7 +32,7 @@ from .cluster_model import CORDON_OWNER_US
 from .const import CONF_GPU_NODE, PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPING
 from .data import GpuHandoffConfigEntry, GpuHandoffData
 from .entity import ClusterBacked, GpuHandoffEntity, gaming_vms
-from .models import Snapshot
+from .models import OperationView, Snapshot
 from .protocol import RUNNING, DomainState, JobKind, StepName, TowerStatus
 
 PARALLEL_UPDATES = 0
@@ -44,6 +46,7 @@ GPU_NODE_STATES: Final = [
     "starting",
     "joining",
     "unreachable",
+    "held",
 ]
 VM_STATES: Final = [
     "running",
@@ -83,7 +86,10 @@ def gpu_node_state(snapshot: Snapshot, phase: str | None = None) -> str:
         starting = phase == PHASE_RETURNING or (
             job is not None and job.kind in STARTING_JOBS
         )
-        return "starting" if starting else "off"
+        if starting:
+            return "starting"
+        # Off, its cards held for a gaming VM that starts soon (a prepare).
+        return "held" if snapshot.operation.held_for is not None else "off"
     if phase == PHASE_STOPPING or (
         job is not None
         and job.state == "running"
@@ -141,6 +147,22 @@ def gpu_node_attributes(snapshot: Snapshot) -> dict[str, Any]:
         "job_step": job.step.value if job is not None and job.step else "none",
         "cluster_error": snapshot.cluster_error,
         "cards": cards_by_device(tower),
+        **hold_attributes(snapshot.operation),
+    }
+
+
+def hold_attributes(operation: OperationView) -> dict[str, Any]:
+    """The gaming VM cards are held for after a prepare, when the hold ends,
+    and the minutes left (shown anew each minute); none while nothing is
+    held."""
+    if operation.held_for is None or operation.hold_ends is None:
+        return {"held_for": None, "hold_ends": None, "hold_minutes_left": None}
+    ends = dt_util.parse_datetime(operation.hold_ends)
+    left = (ends - dt_util.utcnow()).total_seconds() if ends is not None else 0.0
+    return {
+        "held_for": operation.held_for,
+        "hold_ends": operation.hold_ends,
+        "hold_minutes_left": max(0, math.ceil(left / 60)),
     }
 
 

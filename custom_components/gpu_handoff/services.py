@@ -1,5 +1,6 @@
 """Actions: return the cards now; start a handoff, optionally waiting for it;
-capture a VM's screen into a file."""
+prepare one (the cards freed and held for a VM that starts soon); capture a
+VM's screen into a file."""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ import probatio
 
 from .const import (
     ATTR_CONFIG_ENTRY_ID,
+    ATTR_HOLD_MINUTES,
     ATTR_VM,
     ATTR_WAIT,
+    DEFAULT_HOLD_MINUTES,
     DOMAIN,
+    MAX_HOLD_MINUTES,
+    SERVICE_PREPARE,
     SERVICE_RETURN_CARDS,
     SERVICE_START_HANDOFF,
 )
@@ -39,6 +44,17 @@ HANDOFF_SCHEMA = probatio.Schema(
         probatio.Required(ATTR_CONFIG_ENTRY_ID): cv.string,
         probatio.Required(ATTR_VM): cv.string,
         probatio.Optional(ATTR_WAIT, default=False): cv.boolean,
+    }
+)
+PREPARE_SCHEMA = probatio.Schema(
+    {
+        probatio.Required(ATTR_CONFIG_ENTRY_ID): cv.string,
+        probatio.Required(ATTR_VM): cv.string,
+        probatio.Optional(
+            ATTR_HOLD_MINUTES, default=DEFAULT_HOLD_MINUTES
+        ): probatio.All(
+            probatio.Coerce(float), probatio.Range(min=1, max=MAX_HOLD_MINUTES)
+        ),
     }
 )
 CAPTURE_SCHEMA = probatio.Schema(
@@ -84,6 +100,15 @@ async def _async_start_handoff(call: ServiceCall) -> ServiceResponse:
         "succeeded": succeeded,
         "error": None if succeeded else controller.progress.last_error.get(vm),
     }
+
+
+async def _async_prepare(call: ServiceCall) -> None:
+    """Free a gaming VM's cards and hold them for it: turning it on within
+    the hold only starts it."""
+    controller = _entry(call.hass, call).runtime_data.controller
+    await controller.async_prepare(
+        call.data[ATTR_VM], hold=call.data[ATTR_HOLD_MINUTES] * 60.0
+    )
 
 
 def _check_capture(
@@ -173,6 +198,9 @@ def async_setup_services(hass: HomeAssistant) -> None:
         _async_start_handoff,
         schema=HANDOFF_SCHEMA,
         supports_response=SupportsResponse.OPTIONAL,
+    )
+    hass.services.async_register(
+        DOMAIN, SERVICE_PREPARE, _async_prepare, schema=PREPARE_SCHEMA
     )
     hass.services.async_register(
         DOMAIN,

@@ -36,6 +36,7 @@ from .protocol import (
     StatusPush,
     TowerStatus,
     Version,
+    version_key,
 )
 from .repair_sync import agent_outdated_issue_id, async_raise_agent_outdated
 from .tower.gpu_handoff import wire
@@ -67,15 +68,6 @@ LIFECYCLE_STATES: Final = {
 ISSUE_AGENT_VERSION: Final = "agent_version"
 # The agent this integration ships, and so expects on the tower.
 AGENT_VERSION: Final = wire.VERSION
-
-
-def version_key(version: str) -> tuple[int, ...] | None:
-    """``"0.3.0"`` -> ``(0, 3, 0)``; None for a version that is not dotted
-    numbers (compared with nothing)."""
-    parts = version.split(".")
-    if not all(part.isdigit() for part in parts):
-        return None
-    return tuple(int(part) for part in parts)
 
 
 def with_domain_state(tower: TowerStatus, name: str, state: str) -> TowerStatus:

@@ -686,6 +686,51 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "held_card_released",
+        "while cards are held for a gaming VM, a stop elsewhere does not start "
+        "the GPU node on them",
+        (
+            Patch(
+                CORE,
+                "    if (\n        held\n        or _playing(",
+                "    if (\n        False\n        or _playing(",
+            ),
+        ),
+        (
+            "tests/test_prepare.py::test_while_held_a_stop_elsewhere_gives_the_gpu_node_nothing",
+        ),
+    ),
+    Mutant(
+        "held_card_lent",
+        "lending, the cards held for a gaming VM are not lent to the GPU node",
+        (
+            Patch(
+                AGENT_RUNNER,
+                "if name != domain and (Snapshot.holds(other) or name == keep)",
+                "if name != domain and Snapshot.holds(other)",
+            ),
+        ),
+        (
+            "tests/tower/test_lend.py::test_the_cards_held_for_a_gaming_vm_are_not_lent",
+            (
+                "tests/test_prepare.py::"
+                "test_lending_keeps_the_free_cards_lent_and_the_held_one_free"
+            ),
+        ),
+    ),
+    Mutant(
+        "hold_never_expires",
+        "a hold nobody uses ends on time, and the cards go back",
+        (
+            Patch(
+                CORE,
+                "        return until is None or now >= until\n",
+                "        return until is None\n",
+            ),
+        ),
+        ("tests/test_prepare.py::test_nobody_comes_the_cards_go_back",),
+    ),
 )
 
 

@@ -95,9 +95,10 @@ def cfg(lv: LibvirtTestDriver, tmp_path: Path) -> agent_config.Config:
     return agent_config.load_config(str(config), dict(os.environ))
 
 
-def _lend(cfg: agent_config.Config) -> dict[str, object]:
-    """Run a lend job in this process; its record."""
-    job_id = str(agent_jobs.create_job(cfg, "lend", None, "cli")["id"])
+def _lend(cfg: agent_config.Config, keep: str | None = None) -> dict[str, object]:
+    """Run a lend job in this process (``keep``: the gaming VM whose cards
+    it leaves alone); its record."""
+    job_id = str(agent_jobs.create_job(cfg, "lend", keep, "cli")["id"])
     agent_runner.run_job(cfg, job_id)
     return dict(agent_jobs.load_job(cfg, job_id))
 
@@ -159,6 +160,32 @@ def test_the_gpu_node_runs_without_the_cards_players_hold(
     assert _persistent(lv) == before
     listed = lv.virsh("list", "--all", "--name", check=True).stdout.split()
     assert "gpu-node" in listed  # still defined: only its live state went away
+
+
+def test_the_cards_held_for_a_gaming_vm_are_not_lent(
+    lv: LibvirtTestDriver, cfg: agent_config.Config
+) -> None:
+    """Gaming station 2 plays (card 03) and cards are held for gaming
+    station 1 (card 02: it is shut off, and starts soon): the lend that
+    names it starts the GPU node with 01 alone; gaming station 1 then starts
+    with its card. The same lend without the name would have taken 02."""
+    lv.virsh("start", "gaming-2", check=True)
+    before = _persistent(lv)
+
+    job = _lend(cfg, keep="gaming-1")
+
+    assert job["state"] == "succeeded", job
+    assert job["args"] == {"domain": "gaming-1"}
+    steps = job["steps"]
+    assert isinstance(steps, list)
+    assert [s["domain"] for s in steps] == ["gpu-node"] * 4
+    assert "without 0000:02:00, 0000:03:00" in steps[-1]["detail"]
+    live = lv.virsh("dumpxml", "gpu-node", check=True).stdout
+    assert _buses(live) == ["0x01"]
+    assert _persistent(lv) == before
+    lv.virsh("start", "gaming-1", check=True)
+    state = lv.virsh("domstate", "gaming-1", check=True).stdout.strip()
+    assert state == "running"
 
 
 def test_with_every_card_free_it_is_a_plain_start(
@@ -259,8 +286,9 @@ def test_live_definition_keeps_everything_but_the_busy_cards() -> None:
 
 
 def test_lend_is_a_verb_home_assistant_may_ask_for(tmp_path: Path) -> None:
-    """`lend` takes no argument through serve, like `release` without one."""
-    assert wire.SERVE_VERBS["lend"] == (0, 0)
+    """`lend` takes at most one argument through serve: a gaming VM whose
+    cards stay free (held for it), never another domain."""
+    assert wire.SERVE_VERBS["lend"] == (0, 1)
     assert "lend" in wire.SESSION_VERBS
     assert "lend" in wire.JOB_KINDS
     config = write_config(
@@ -277,6 +305,8 @@ def test_lend_is_a_verb_home_assistant_may_ask_for(tmp_path: Path) -> None:
         "wait_shut_off",
         "start_free",
     ]
-    with pytest.raises(wire.AgentError):
-        agent_jobs.check_work(cfg, "lend", "gaming-1")
+    agent_jobs.check_work(cfg, "lend", "gaming-1")
+    for other in ("gpu-node", "nobody"):
+        with pytest.raises(wire.AgentError):
+            agent_jobs.check_work(cfg, "lend", other)
     assert json.dumps(agent_jobs.plan_job(cfg, "lend", None))

@@ -76,7 +76,7 @@ def test_every_path_against_recording_virsh(fake_tower: FakeTower) -> None:
 
 def test_protocol_constants() -> None:
     assert wire.PROTOCOL == 2
-    assert wire.VERSION == "0.3.6"
+    assert wire.VERSION == "0.3.7"
     codes = {v for k, v in vars(wire).items() if k.startswith("ERR_")}
     assert codes == wire.ERROR_CODES
     assert all(re.fullmatch(r"[a-z]+(_[a-z]+)*", code) for code in codes)

@@ -9,7 +9,7 @@ own Python do. The prefix says what the archive is without running it::
 
     #!/usr/bin/env python3
     # gpu-handoff: the tower agent of GPU Handoff.
-    VERSION = "0.3.6"
+    VERSION = "0.3.7"
     # sha256 of the archive below: 3f2a...
 
 Its second line is the marker an ``update`` looks for in an installed file

@@ -129,8 +129,12 @@ def check_work(cfg: Config, kind: str, target: Optional[str]) -> None:
                 ERR_UNKNOWN_DOMAIN, f"{str(target)[:80]!r} is not a configured domain"
             )
     elif kind == "lend":
-        if target is not None:
-            raise AgentError(ERR_BAD_REQUEST, "a lend job names no domain")
+        # Its domain, if any, is a gaming VM whose cards are not lent.
+        if target is not None and target not in cfg.gaming:
+            raise AgentError(
+                ERR_UNKNOWN_DOMAIN,
+                f"{str(target)[:80]!r} is not a configured gaming domain",
+            )
     elif (kind == "handoff" or target is not None) and target not in cfg.gaming:
         raise AgentError(
             ERR_UNKNOWN_DOMAIN,

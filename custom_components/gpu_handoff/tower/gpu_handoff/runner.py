@@ -333,7 +333,9 @@ class JobRunner:
         if Snapshot.holds(mine):
             self.end(step, "ok", "already running")
             return
-        busy = busy_cards(snap, domain)
+        args = self.job.get("args")
+        keep = args.get("domain") if isinstance(args, dict) else None
+        busy = busy_cards(snap, domain, keep=keep)
         defined = self.virsh.run(cmd_defined_xml(domain))
         if defined.rc != 0:
             message = (
@@ -430,10 +432,11 @@ def may_be_going_down(result: VirshResult) -> bool:
     )
 
 
-def busy_cards(snap: Snapshot, domain: str) -> List[str]:
+def busy_cards(snap: Snapshot, domain: str, keep: Optional[str] = None) -> List[str]:
     """The cards `domain` cannot start with now: those a running domain other
     than `domain` holds a function of, and every card of an IOMMU group it
-    holds a function of.
+    holds a function of. Those of `keep` (a gaming VM Home Assistant holds
+    cards for: it starts soon) count as held by it, running or not.
 
     libvirt passes a VFIO group through whole: before a start it checks every
     function of the group of each of the domain's functions, and refuses the
@@ -446,7 +449,7 @@ def busy_cards(snap: Snapshot, domain: str) -> List[str]:
     blocked = {
         unit
         for name, other in snap.all_domains().items()
-        if name != domain and Snapshot.holds(other)
+        if name != domain and (Snapshot.holds(other) or name == keep)
         for dev in other["hostdevs"]
         for unit in snap.units(dev["address"])
     }

@@ -17,7 +17,7 @@ import re
 from typing import Any, Dict, Optional, Tuple
 
 PROTOCOL = 2
-VERSION = "0.3.6"
+VERSION = "0.3.7"
 
 ERR_BAD_REQUEST = "bad_request"
 ERR_NOT_ALLOWED = "not_allowed"
@@ -87,7 +87,7 @@ SERVE_VERBS: Dict[str, Tuple[int, int]] = {
     "start": (1, 1),
     "handoff": (1, 1),
     "release": (0, 1),
-    "lend": (0, 0),
+    "lend": (0, 1),
     "job": (1, 1),
     "jobs": (0, 0),
     "request": (1, 1),
