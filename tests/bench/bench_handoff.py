@@ -39,6 +39,7 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_FAILED,
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
+    EVENT_PREPARE_SUCCEEDED,
     EVENT_STOP_SUCCEEDED,
 )
 from custom_components.gpu_handoff.protocol import LibvirtEvent, Push
@@ -475,6 +476,101 @@ async def test_overhead(
             ),
         }
     )
+
+
+# --- prepare ahead: the press to the gaming VM's start, with and without ------------
+
+
+async def test_press_to_start_after_prepare(
+    hass: HomeAssistant,
+    cluster: K8sEmulator,
+    no_pdb: None,
+    stack: ExitStack,
+    tmp_path: Path,
+) -> None:
+    """Switch press to gaming-1's start on the tower (libvirt's own "started"
+    event time), in the same run: after ``gpu_handoff.prepare`` (the cards
+    held: one start job) and without it (drain, the GPU node's guest-agent
+    shutdown of GPU_NODE_SHUTDOWN seconds, then the start)."""
+    rig = build_rig(tmp_path, stack, shutdown=GPU_NODE_SHUTDOWN, agent_delay=0.0)
+    rig.sim.set_shutdown_duration("gaming-1", GAMING_SHUTDOWN)
+    kubelet = Kubelet(rig.sim, cluster, ready_after=KUBELET_READY_AFTER)
+    entry = add_entry(hass, rig, cluster)
+    try:
+        await kubelet.start()
+        await setup_entry(hass, entry)
+        controller = entry.runtime_data.controller
+        await until(lambda: entry.runtime_data.session.connected, BOUND, poll=0.05)
+        session = entry.runtime_data.coordinator.tower.session
+        assert session is not None
+        failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
+        prepared = async_capture_events(hass, EVENT_PREPARE_SUCCEEDED)
+        started: list[LibvirtEvent] = []
+        forward = session._on_push
+
+        def tap(push: Push) -> None:
+            if (
+                isinstance(push, LibvirtEvent)
+                and push.event == "lifecycle"
+                and push.domain == "gaming-1"
+                and push.action == "started"
+            ):
+                started.append(push)
+            forward(push)
+
+        session._on_push = tap
+
+        def settled() -> bool:
+            return not controller.requests and idle(entry)
+
+        def serving() -> bool:
+            node = cluster.get("Node", GPU_NODE, "") or {}
+            ready = any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in node.get("status", {}).get("conditions", [])
+            )
+            return settled() and ready and not node["spec"].get("unschedulable")
+
+        async def press_to_start() -> float:
+            seen = len(started)
+            pressed = time.time()
+            await switch(hass, "turn_on", SWITCH_1)
+            await until(lambda: len(started) > seen and settled(), BOUND)
+            return event_epoch(started[seen].time) - pressed
+
+        await until(serving, BOUND)
+        await asyncio.sleep(SETTLE)
+        plain: list[float] = []
+        after_prepare: list[float] = []
+        prepare_s: list[float] = []
+        for _ in range(OVERHEAD_RUNS):
+            plain.append(await press_to_start())
+            await switch(hass, "turn_off", SWITCH_1)
+            await until(serving, BOUND)
+            await asyncio.sleep(SETTLE)
+            begun = time.monotonic()
+            await (await controller.async_prepare("gaming-1", hold=600.0))
+            await until(lambda: settled() and controller.state.hold is not None, BOUND)
+            prepare_s.append(time.monotonic() - begun)
+            await asyncio.sleep(SETTLE)
+            after_prepare.append(await press_to_start())
+            await switch(hass, "turn_off", SWITCH_1)
+            await until(serving, BOUND)
+            await asyncio.sleep(SETTLE)
+        assert not failed, failed[0].data
+        assert len(prepared) == OVERHEAD_RUNS
+        assert await hass.config_entries.async_unload(entry.entry_id)
+        await hass.async_block_till_done()
+    finally:
+        await kubelet.close()
+    RESULTS["press_to_start"] = {
+        "physics_s": {"gpu_node_shutdown": GPU_NODE_SHUTDOWN},
+        "without_prepare_s": [round(t, 3) for t in plain],
+        "without_prepare_median_s": round(p50(plain), 3),
+        "after_prepare_s": [round(t, 3) for t in after_prepare],
+        "after_prepare_median_s": round(p50(after_prepare), 3),
+        "prepare_itself_s": [round(t, 3) for t in prepare_s],
+    }
 
 
 # --- 5: leaks ------------------------------------------------------------------------
