@@ -30,6 +30,7 @@ from custom_components.gpu_handoff import operations
 from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_FAILED,
     EVENT_HANDOFF_STEP,
+    EVENT_HANDOFF_SUCCEEDED,
     EVENT_STOP_SUCCEEDED,
 )
 from custom_components.gpu_handoff.operations import STEP_RETRYING
@@ -169,3 +170,36 @@ async def test_an_outage_longer_than_the_drain_timeout_fails_and_is_reported(
     await until(lambda: bool(stopped))
     await until(lambda: idle(entry))
     assert not sim.is_running("gaming-1")
+
+
+async def test_turned_on_after_its_player_quit_unseen_it_plays_again(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Gaming station 1 plays; libvirtd restarts under systemd's socket
+    activation (away 1.5 s: virsh calls wait for it instead of failing, so
+    the switch stays available), and meanwhile its player shuts it down from
+    inside: no event reaches Home Assistant, whose last update still shows
+    it playing. Its switch is turned on then: the tower is asked afresh
+    (the answer waits for libvirtd), the VM is found off, and the handoff
+    starts it. Taking the stale update's word would have done nothing, and
+    the cards would then have gone back."""
+    failed, _ = await _playing(hass, entry, sim)
+    handed = async_capture_events(hass, EVENT_HANDOFF_SUCCEEDED)
+    controller = entry.runtime_data.controller
+    sim.restart_libvirtd(150.0, socket_activated=True)  # 1.5 s here
+    sim.guest_shutdown("gaming-1")
+    await until(lambda: not sim.is_running("gaming-1"))
+    assert hass.states.get(SWITCH_1).state == "on"  # the last update's word
+    assert controller.desired == {"gaming-1"}
+
+    await switch(hass, "turn_on", SWITCH_1)
+    await until(lambda: bool(handed) or bool(failed), 10)
+    await until(lambda: idle(entry) and not controller.requests)
+    assert failed == []
+    assert sim.is_running("gaming-1")
+    assert not sim.is_running("gpu-node")
+    assert controller.desired == {"gaming-1"}

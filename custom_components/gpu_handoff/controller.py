@@ -294,9 +294,23 @@ class HandoffController:
         return self._spawn(self._run(Request(vm=gpu_node, kind=Kind.RETURN)))
 
     async def _already_playing(self, vm: str) -> bool:
-        """Turning on a VM that plays: nothing to do."""
-        _LOGGER.debug("%s plays already", vm)
-        return True
+        """Turning on a VM the last update showed playing: nothing to do if
+        the tower says so now. Its player may have quit since (an update
+        lags, and none comes while libvirtd restarts), or the tower may not
+        answer: then it is handed over as any request is (tried again while
+        the tower is away), unless another request for it came meanwhile."""
+        try:
+            domain = (await self.coordinator.tower.status()).domains.get(vm)
+        except TowerError as err:
+            _LOGGER.debug("Could not tell whether %s still plays: %s", vm, err)
+        else:
+            if domain is not None and domain.state == RUNNING:
+                _LOGGER.debug("%s plays already", vm)
+                return True
+        if vm in self.state.requests:
+            return True  # a later request decides
+        _LOGGER.info("%s was to play already, but does not: handing over", vm)
+        return await (await self._accept(Request(vm=vm, kind=Kind.HANDOFF)))
 
     def _spawn(self, coro: Any) -> asyncio.Task[bool]:
         """Run an operation in the background (cancelled when the entry unloads)."""
