@@ -43,6 +43,7 @@ from pytest_homeassistant_custom_component.common import (
 )
 
 from custom_components.gpu_handoff.const import (
+    CONF_DOMAIN_NAME,
     CONF_DRAIN_TIMEOUT,
     DOMAIN,
     EVENT_CARDS_RETURNED,
@@ -500,6 +501,20 @@ async def test_lending_a_start_by_hand_removed_while_its_handoff_runs_lends(
     await until(lambda: not cordoned(cluster))
 
 
+async def _cards_back(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    returned: list[Event],
+) -> None:
+    """The cards went back: said so, the GPU node runs, uncordoned."""
+    await until(lambda: bool(returned), BOUND)
+    await _settled(hass, entry)
+    assert sim.is_running("gpu-node")
+    await until(lambda: not cordoned(cluster))
+
+
 async def test_a_vm_removed_while_it_plays_returns_the_cards_when_it_stops(
     hass: HomeAssistant,
     entry: MockConfigEntry,
@@ -517,10 +532,69 @@ async def test_a_vm_removed_while_it_plays_returns_the_cards_when_it_stops(
     sim.guest_shutdown("gaming-1")
     await until(lambda: not sim.is_running("gaming-1"), BOUND)
     await entry.runtime_data.coordinator.async_refresh()
-    await until(lambda: bool(returned), BOUND)
+    await _cards_back(hass, entry, sim, cluster, returned)
+
+
+async def test_a_vm_removed_while_it_plays_paused_keeps_its_cards_until_it_stops(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Gaming station 1 plays, is removed from GPU Handoff, and is seen
+    neither running nor off (``paused``; libvirt's ``in shutdown`` between
+    the guest's power-off and QEMU's exit is the same to an update): it
+    still holds its cards, so its session goes on, and its stop returns
+    them (CI caught an update in that moment dropping the session, the
+    cards never returned)."""
+    await setup_entry(hass, entry)
+    await play(hass, entry, sim, 1)
+    await remove_gaming_vm(hass, entry, "gaming-1")
+    returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
+
+    sim.pause("gaming-1")
+    await until(lambda: sim.domstate("gaming-1").startswith("paused"))
+    await entry.runtime_data.coordinator.async_refresh()
     await _settled(hass, entry)
-    assert sim.is_running("gpu-node")
-    await until(lambda: not cordoned(cluster))
+    assert not returned
+    assert not sim.is_running("gpu-node")
+
+    sim.resume("gaming-1")
+    sim.guest_shutdown("gaming-1")
+    await until(lambda: not sim.is_running("gaming-1"), BOUND)
+    await entry.runtime_data.coordinator.async_refresh()
+    await _cards_back(hass, entry, sim, cluster, returned)
+
+
+async def test_a_vm_removed_while_it_played_and_quit_unseen_returns_the_cards(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Gaming station 1 plays; while Home Assistant is away it is removed
+    from GPU Handoff and its player quits. The set-up finds it off: its
+    session ended, and the cards go back (not forgotten with the VM)."""
+    await setup_entry(hass, entry)
+    await play(hass, entry, sim, 1)
+    assert await hass.config_entries.async_unload(entry.entry_id)
+    await hass.async_block_till_done()
+    sim.guest_shutdown("gaming-1")
+    await until(lambda: not sim.is_running("gaming-1"), BOUND)
+    subentry = next(
+        sub
+        for sub in entry.subentries.values()
+        if sub.data[CONF_DOMAIN_NAME] == "gaming-1"
+    )
+    assert hass.config_entries.async_remove_subentry(entry, subentry.subentry_id)
+    await hass.async_block_till_done()
+    returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
+
+    await setup_entry(hass, entry)
+    await _cards_back(hass, entry, sim, cluster, returned)
+    assert entry.runtime_data.controller.state.desired == set()
 
 
 async def test_a_request_waiting_for_a_vm_removed_meanwhile_is_reported(

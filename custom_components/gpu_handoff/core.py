@@ -506,15 +506,17 @@ def known_desired(
     desired: frozenset[str], domains: Mapping[str, DomainState], configured: set[str]
 ) -> frozenset[str]:
     """The desired set without VMs no longer defined on the tower, or no
-    longer configured and not running (they would block the automatic return
+    longer configured and off (they would block the automatic return
     forever). A VM removed from GPU Handoff while it plays keeps its session
-    until it stops: then its cards go back."""
+    until it is off, its cards held meanwhile also while it is neither
+    running nor off (paused, or ``in shutdown`` between the guest's
+    power-off and QEMU's exit): then its cards go back."""
     return frozenset(
         vm
         for vm in desired
         if (state := domains.get(vm)) is not None
         and state.exists
-        and (vm in configured or state.state == RUNNING)
+        and (vm in configured or state.state != SHUT_OFF)
     )
 
 

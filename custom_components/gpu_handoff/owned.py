@@ -47,7 +47,6 @@ from .core import (
     Request,
     Settings,
     gpu_stopped_by_us,
-    known_desired,
     migrate_store,
 )
 
@@ -135,13 +134,17 @@ class OwnedState:
         return owned
 
     def forget_unknown_vms(self) -> None:
-        """Drop VMs no longer defined on the tower, or no longer configured
-        and not running, from the desired set (core.known_desired)."""
-        known = known_desired(
-            frozenset(self.desired),
-            self.coordinator.data.tower.domains,
-            self.configured_vms,
-        )
+        """Drop VMs no longer defined on the tower from the desired set. A
+        VM removed from GPU Handoff stays until the first update: if it was
+        removed while it played and is off now, its session ended (the
+        player quit while Home Assistant reloaded): the update returns the
+        cards and forgets it (core.reconcile, core.known_desired)."""
+        domains = self.coordinator.data.tower.domains
+        known = {
+            vm
+            for vm in self.desired
+            if (state := domains.get(vm)) is not None and state.exists
+        }
         if known != self.desired:
             _LOGGER.info("Forgetting %s", ", ".join(sorted(self.desired - known)))
             self.desired = set(known)

@@ -319,7 +319,7 @@ MUTANTS: tuple[Mutant, ...] = (
             # the GPU node by libvirt's hook read from its record).
             Patch(
                 CORE,
-                "    failed_handoff = request.kind is Kind.HANDOFF and not succeeded\n",
+                "    failed_handoff = request.kind.hands_over and not succeeded\n",
                 "    failed_handoff = False\n",
             ),
         ),
