@@ -26,23 +26,26 @@ import time
 from typing import Any
 
 from homeassistant.core import HomeAssistant
+from homeassistant.helpers import device_registry as dr, entity_registry as er
 from homeassistant.util.yaml import load_yaml_dict
 import pytest
 from pytest_homeassistant_custom_component.common import MockConfigEntry
 
-from custom_components.gpu_handoff.const import DOMAIN
+from custom_components.gpu_handoff.const import DOMAIN, SERVICE_PREPARE
 from custom_components.gpu_handoff.health import CONTAINERS_NOT_STARTING, NO_PROBLEM
 from custom_components.gpu_handoff.tower.gpu_handoff import config as agent_config, wire
 from scripts.gpu_handoff_demo import ghost
 from scripts.gpu_handoff_demo.cluster import seed
+from scripts.gpu_handoff_demo.dashboard import dashboard, find_entities
 from scripts.gpu_handoff_demo.demo import SCREEN
 from scripts.gpu_handoff_demo.home_assistant import log_problems
 from scripts.gpu_handoff_demo.screenshot import find_browser, text_problems
+from scripts.gpu_handoff_demo.towers import DemoTower, titles
 from tests.k8semu import GPU_NODE, K8sEmulator
 from tests.support.box_tower import box_tower_unavailable
 from tests.support.kubelet import FAST, Kubelet
-from tests.support.sshd import sshd_available
-from tests.support.stories import setup_entry
+from tests.support.sshd import Sshd, sshd_available
+from tests.support.stories import HANDOFF, SWITCH_1, cordoned, idle, setup_entry, until
 from tests.towersim import Tower
 
 REPO = Path(__file__).resolve().parent.parent
@@ -357,7 +360,9 @@ def _check_kept(work: Path) -> None:
         i for i in ours if not i.startswith("switch.") and re.search(r"_\d+$", i)
     ] == []
     by_id = {e["entity_id"]: e for e in registry}
-    _check_dashboard(_store(config, "lovelace.gpu_handoff")["config"], by_id)
+    board = _store(config, "lovelace.gpu_handoff")["config"]
+    _check_dashboard(board, by_id)
+    _check_prepare_buttons(board, entries)
 
 
 def _cards(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
@@ -416,6 +421,30 @@ def _check_dashboard(
         assert shown_while[screen] == [
             {"condition": "state", "entity": screen, "state_not": "unavailable"}
         ]
+
+
+def _buttons(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    return [card for card in _cards(dashboard) if card["type"] == "button"]
+
+
+def _check_prepare_buttons(
+    dashboard: dict[str, Any], entries: list[dict[str, Any]]
+) -> None:
+    """One "Get ... ready" button a tower: its tap calls gpu_handoff.prepare
+    for the tower's first gaming station with the tower's own config entry
+    (as Home Assistant stored it)."""
+    buttons = _buttons(dashboard)
+    assert {b["name"] for b in buttons} == {
+        "Get gaming station 1 ready",
+        "Get gaming station 3 ready",
+    }
+    taps = [b["tap_action"] for b in buttons]
+    assert {t["action"] for t in taps} == {"perform-action"}
+    assert {t["perform_action"] for t in taps} == {f"{DOMAIN}.{SERVICE_PREPARE}"}
+    assert {t["data"]["vm"] for t in taps} == {"gaming-1"}
+    assert sorted(t["data"]["config_entry_id"] for t in taps) == sorted(
+        e["entry_id"] for e in entries
+    )
 
 
 def test_ctrl_c_with_the_reader_of_its_output_gone() -> None:
@@ -623,3 +652,53 @@ async def test_the_ghost_is_seen_at_the_next_refresh(
     assert not any(ghost.waiting(pod) for pod in ghost.pods_on(cluster, GPU_NODE))
     await _refresh(hass, entry)
     assert _health(hass) == ("off", NO_PROBLEM, [])
+
+
+async def test_the_get_ready_button_prepares_gaming_station_1(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    sim_sshd: Sshd,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """The dashboard the demo builds for a tower (from Home Assistant's
+    device and entity registries, as the demo reads them) has a "Get gaming
+    station 1 ready" button; doing what its tap does (the action it names,
+    with its data) drains the GPU node and shuts it down while gaming-1
+    stays off, and the Handoff state shows the cards held for gaming-1."""
+    await setup_entry(hass, entry)
+    tower = DemoTower(1, sim, sim_sshd, titles(1), entry_id=entry.entry_id)
+    found = find_entities(
+        tower,
+        [
+            device.dict_repr
+            for device in dr.async_entries_for_config_entry(
+                dr.async_get(hass), entry.entry_id
+            )
+        ],
+        [
+            item.as_partial_dict
+            for item in er.async_entries_for_config_entry(
+                er.async_get(hass), entry.entry_id
+            )
+        ],
+    )
+    (button,) = _buttons(dashboard([found]))
+    assert button["name"] == "Get gaming station 1 ready"
+    tap = button["tap_action"]
+    assert tap["action"] == "perform-action"
+    domain, service = tap["perform_action"].split(".")
+
+    await hass.services.async_call(domain, service, tap["data"], blocking=True)
+    controller = entry.runtime_data.controller
+    await until(lambda: controller.state.hold is not None)
+    await until(lambda: idle(entry) and not controller.requests)
+    await _refresh(hass, entry)
+    state = hass.states.get(HANDOFF)
+    assert state.state == "held"
+    assert state.attributes["held_for"] == "gaming-1"
+    assert not sim.is_running("gpu-node")
+    assert not sim.is_running("gaming-1")
+    assert cordoned(cluster)
+    assert hass.states.get(SWITCH_1).state == "off"

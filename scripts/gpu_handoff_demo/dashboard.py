@@ -1,6 +1,7 @@
-"""The demo's Lovelace dashboard: for every tower, its gaming switches, its GPU
-node with its health, which VM holds each card, the VMs' screens, and the
-simulator's ghost switch.
+"""The demo's Lovelace dashboard: for every tower, its gaming switches, a
+button that gets its first gaming station ready (``gpu_handoff.prepare``),
+its GPU node with its health, which VM holds each card, the VMs' screens,
+and the simulator's ghost switch.
 
 Rows are the integration's own entities, so Home Assistant shows their
 translated names and states; only the step a switch is at, the tower job and
@@ -18,7 +19,12 @@ from dataclasses import dataclass
 import json
 from typing import Any
 
-from custom_components.gpu_handoff.const import DOMAIN
+from custom_components.gpu_handoff.const import (
+    ATTR_CONFIG_ENTRY_ID,
+    ATTR_VM,
+    DOMAIN,
+    SERVICE_PREPARE,
+)
 from custom_components.gpu_handoff.models import domain_identifier, tower_identifier
 
 from .ghost import help_text
@@ -114,6 +120,27 @@ def _play_card(found: TowerEntities) -> dict[str, Any]:
     }
 
 
+def prepare_button(found: TowerEntities) -> dict[str, Any]:
+    """A button that gets the tower's first gaming station ready: its tap
+    calls ``gpu_handoff.prepare`` for it with the tower's config entry (the
+    GPU node is drained and shut down, the station's cards held for it;
+    its switch then only starts it)."""
+    tower = found.tower
+    vm = tower.gaming[0]
+    title = tower.titles[vm]
+    return {
+        "type": "button",
+        "name": f"Get {title[:1].lower()}{title[1:]} ready",
+        "icon": "mdi:gamepad-variant",
+        "show_state": False,
+        "tap_action": {
+            "action": "perform-action",
+            "perform_action": f"{DOMAIN}.{SERVICE_PREPARE}",
+            "data": {ATTR_CONFIG_ENTRY_ID: tower.entry_id, ATTR_VM: vm},
+        },
+    }
+
+
 def _gpu_node_card(found: TowerEntities) -> dict[str, Any]:
     tower = found.tower
     return {
@@ -202,11 +229,16 @@ def _simulator_help() -> dict[str, Any]:
 
 
 def _columns(found: TowerEntities) -> list[list[dict[str, Any]]]:
-    """The tower's cards in three columns: the players with their screens,
-    the GPU node with its screen, the cards and the simulator."""
+    """The tower's cards in three columns: the players with the button that
+    gets the first one ready and their screens, the GPU node with its screen,
+    the cards and the simulator."""
     tower = found.tower
     return [
-        [_play_card(found), *(_screen_card(found, vm) for vm in tower.gaming)],
+        [
+            _play_card(found),
+            prepare_button(found),
+            *(_screen_card(found, vm) for vm in tower.gaming),
+        ],
         [_gpu_node_card(found), _screen_card(found, tower.gpu_node)],
         [_cards_card(found), _simulator_card(found), _simulator_help()],
     ]

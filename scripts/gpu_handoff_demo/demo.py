@@ -42,7 +42,14 @@ from tests.support.sshd import sshd_available
 from . import fresh, home_assistant, screenshot
 from .client import USERNAME, WAIT, HomeAssistantClient, add_tower, until
 from .cluster import add_fresh_node, cordoned, gpus_requested, seed
-from .dashboard import URL_PATH, VIEW_PATH, TowerEntities, dashboard, find_entities
+from .dashboard import (
+    URL_PATH,
+    VIEW_PATH,
+    TowerEntities,
+    dashboard,
+    find_entities,
+    prepare_button,
+)
 from .ghost import BACKDATE, GhostSwitch, switch_name
 from .home_assistant import HOST
 from .output import DemoError, before_stop_lines, keep_transcript, log, say
@@ -627,6 +634,7 @@ class Demo:
         expect = ["Play", "Cards", "Health"]
         expect += [title for tower in self.towers for title in tower.titles.values()]
         expect += [switch_name(tower) for tower in self.towers]
+        expect += [prepare_button(found)["name"] for found in self.entities]
         # Every screen the dashboard shows: those of the VMs that run.
         shown_screens = [
             screen
