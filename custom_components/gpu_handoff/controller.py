@@ -113,8 +113,11 @@ class HandoffController:
         # Work an update asked for besides an operation (removing a stale
         # mark, reading the hook's job records), one of each kind at a time.
         self._side: dict[str, asyncio.Task[None]] = {}
-        # When to look at the cards held for a gaming VM again (_arm_hold).
+        # When to look at the cards held for a gaming VM again (_arm_hold);
+        # none once the entry unloads (an operation ending as it is cancelled
+        # would arm one on a controller nothing runs any more).
         self._hold_timer: CALLBACK_TYPE | None = None
+        self._watch_holds = True
 
     async def _save_job(self, job: PendingJob | None) -> None:
         await self.operations.save_job(job)
@@ -387,7 +390,7 @@ class HandoffController:
             self._hold_timer()
             self._hold_timer = None
         hold = self.state.hold
-        if hold is None:
+        if hold is None or not self._watch_holds:
             return
         now = dt_util.utcnow()
         until = dt_util.parse_datetime(hold.until) or now
@@ -407,6 +410,7 @@ class HandoffController:
 
     @callback
     def _cancel_hold_timer(self) -> None:
+        self._watch_holds = False
         if self._hold_timer is not None:
             self._hold_timer()
             self._hold_timer = None
