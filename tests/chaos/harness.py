@@ -54,6 +54,26 @@ already) does nothing ("inapplicable"). A request overridden by a later one
 of the cycle (the VM just turned off started again; a gaming VM turned on
 after ``return_cards``) is not judged ("superseded").
 
+Prepare ahead: a quarter of the cycles (``PREPARE_ODDS``, drawn from a
+generator of their own, so that every other cycle of a seed is what it was
+before) prepare a gaming VM (``HandoffController.async_prepare``: the action
+``gpu_handoff.prepare`` takes whole minutes, the soak's holds last 2-4 s)
+and, once the cards are held (or the prepare is over without a hold), after
+a drawn part of the hold, do one of ``PREPARE_REQUESTS``: turn that VM on
+(within the hold it only starts), let the hold expire (the cards go back),
+turn the other gaming VM on, ``return_cards``, or turn the held VM off; the
+follow-up is a request of the cycle as the plan's own are. Their faults are
+drawn among all six moments (the prepare drains and stops the GPU node; the
+return after an expired hold or ``return_cards``, and with lending the GPU
+node's restart with the free cards after the prepare, reach ``node_return``
+and ``gpu_wait``). A prepare whose VM plays while the other does not runs
+mirrored (``mirror``: the two gaming VMs swapped, in its faults too); both
+playing, its player quits first (its switch off, a request of the cycle; a
+prepare of a VM that plays is refused, ``vm_plays``, which the race with a
+start by hand still meets). A cycle goes on while cards are held:
+every change of the controller's hold is traced at its instant, and GPU
+Handoff is sampled busy or idle meanwhile (``HoldSeen``).
+
 Three faults change how libvirt and the guests answer a stop. A slow
 graceful stop (``slow_graceful_stop``) makes the target's (the GPU node's or
 the cycle's gaming VM's) next graceful shutdowns take longer than libvirt's
@@ -196,6 +216,27 @@ Invariants and how they are observed:
   (``SESSION_FAULTS``) is measured and not judged.
 - ``killed_on_reconnect``: libvirtd back from a restart kills no domain (a
   ``reconnect`` hook that fails makes it: qemuProcessReconnect).
+- ``hold_outlived``: once its time is over and GPU Handoff is idle (nothing
+  running or waiting, its lock free, the entry loaded), a hold ends within
+  ``HOLD_LATE`` (1.6 s: the controller looks again every second while it is
+  busy and a second after an operation's end, plus the loop's lateness and
+  the sampling); an operation in flight at its time delays it by what is
+  left of that operation (bounded by its own bounds, judged by
+  ``unsettled``). The summary's ``holds`` keeps how each ended and how late.
+- ``cards_not_back_after_hold``: a hold that ended unused (its time over:
+  ``gpu_handoff_hold_expired``; or its VM removed from GPU Handoff) brings the
+  cards back as a session's end does (it is a request for them back, as
+  ``operator_stop_undone`` counts them): by the cycle's end the GPU node runs
+  with the held VM's cards, Ready, GPU Handoff's cordon gone, and
+  ``cards_returned`` (or ``return_unhealthy``) fired after the hold's end;
+  excused when someone plays at the end, the operator's shutdown stands, or a
+  failure was reported after the hold's end.
+- ``held_card_taken``: while cards are held, the GPU node never runs with one
+  of them (lending off, it does not run; on, it is lent the free cards but
+  the held VM's): the simulator's replay at the hold's beginning and at every
+  start or create of the GPU node while it lasts. A prepare is fulfilled once
+  the cards were held (or its event says it needed no hold); one whose VM
+  was removed while it ran holds nothing and is not judged.
 
 Each violation carries the command that replays it with every option of the
 run (``--lend``; ``GPU_HANDOFF_CHAOS_LAG_LIMIT`` if not the default), and the
@@ -209,6 +250,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 import datetime as dt
 import fcntl
@@ -249,8 +291,11 @@ from custom_components.gpu_handoff.const import (
     EVENT_HANDOFF_STARTED,
     EVENT_HANDOFF_STEP,
     EVENT_HANDOFF_SUCCEEDED,
+    EVENT_HOLD_EXPIRED,
+    EVENT_PREPARE_SUCCEEDED,
     EVENT_RETURN_UNHEALTHY,
 )
+from custom_components.gpu_handoff.controller import HOLD_BUSY_RETRY
 from custom_components.gpu_handoff.operations import STEP_RETRYING
 from custom_components.gpu_handoff.report import TRANSIENT_CODES
 from tests.conftest import gaming_subentries, tower_entry_data
@@ -289,6 +334,18 @@ DEFAULT_LAG_LIMIT: Final = 0.5
 LAG_LIMIT: Final = float(
     os.environ.get("GPU_HANDOFF_CHAOS_LAG_LIMIT", str(DEFAULT_LAG_LIMIT))
 )
+# A hold's end (hold_outlived): the controller looks at a hold on a timer, at
+# its end and, while an operation runs or waits (or its lock is held), again
+# every HOLD_BUSY_RETRY (1 s); an operation's end re-arms that timer 1 s on
+# (controller._arm_hold, _hold_due, _run). An operation in flight at the
+# hold's end delays it by what is left of that operation, each bounded by
+# its own bound (a drain by the drain timeout and as long again of retries, a
+# job by the agent's timeouts, a return's waits for the node and its GPUs:
+# all within SETTLE_BOUND, which ``unsettled`` judges). So once its time is
+# over and GPU Handoff is idle, a hold ends within HOLD_BUSY_RETRY, plus the
+# event loop's lateness (LAG_LIMIT) and the sampling (HOLD_SAMPLE, twice).
+HOLD_SAMPLE: Final = 0.05
+HOLD_LATE: Final = HOLD_BUSY_RETRY.total_seconds() + DEFAULT_LAG_LIMIT + 2 * HOLD_SAMPLE
 
 GPU: Final = "gpu-node"
 GAMING: Final = ("gaming-1", "gaming-2")
@@ -312,6 +369,28 @@ REQUESTS: Final = (
 REQUEST_WEIGHTS: Final = (20, 25, 8, 12, 10, 5, 20)
 WITH_VM: Final = frozenset({"on", "off", "hand", "start_handoff"})
 HANDOFF_REQUESTS: Final = frozenset({"on", "both_on", "hand", "start_handoff"})
+# Prepare ahead (``HandoffController.async_prepare``): a share of the cycles
+# (``PREPARE_ODDS``, drawn from a generator of their own: the other cycles of
+# a seed draw what they drew before prepare existed) prepare a gaming VM with
+# a hold of a few seconds (``HOLD_SECONDS``, at the soak's pace), and once the
+# cards are held (or the prepare is over without a hold), after a drawn part
+# of the hold (``FOLLOW_WITHIN``): turn that VM on (within the hold: it only
+# starts), let the hold expire (the cards go back), turn the other gaming VM
+# on, return the cards, or turn the held VM off.
+PREPARE_REQUESTS: Final = (
+    "prepare_on",
+    "prepare_expire",
+    "prepare_other_on",
+    "prepare_return_cards",
+    "prepare_off",
+)
+PREPARE_WEIGHTS: Final = (35, 25, 15, 10, 15)
+PREPARE_ODDS: Final = 0.25
+HOLD_SECONDS: Final = (2.0, 4.0)
+FOLLOW_WITHIN: Final = (0.0, 0.5)  # the follow-up's delay, as a part of the hold
+# Requests that start a gaming VM (a start failing after the hook means
+# something only there).
+STARTING_REQUESTS: Final = HANDOFF_REQUESTS | {"prepare_on", "prepare_other_on"}
 HANDOFF_MOMENTS: Final = ("before", "draining", "job", "mid_job")
 RETURN_MOMENTS: Final = ("before", "job", "mid_job", "node_return", "gpu_wait")
 MOMENTS: Final = ("before", "draining", "job", "mid_job", "node_return", "gpu_wait")
@@ -486,6 +565,20 @@ class Plan:
     # exit: "End of file from agent socket" as the guest powers off
     # (Tower.agent_sockets_close_first).
     socket_race: bool = False
+    # A prepare (PREPARE_REQUESTS): how long the cards are held (seconds),
+    # and how long after they are held its follow-up is sent.
+    hold: float = 0.0
+    then_after: float = 0.0
+
+    @property
+    def prepares(self) -> bool:
+        return self.request in PREPARE_REQUESTS
+
+    @property
+    def follow_up(self) -> str:
+        """What a prepare's cycle does once the cards are held: ``on``,
+        ``expire``, ``other_on``, ``return_cards`` or ``off``."""
+        return self.request.removeprefix("prepare_") if self.prepares else ""
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -494,6 +587,11 @@ class Plan:
             "vm": self.vm,
             "faults": [fault.as_json() for fault in self.faults],
             "socket_race": self.socket_race,
+            **(
+                {"hold_s": self.hold, "then_after_s": self.then_after}
+                if self.prepares
+                else {}
+            ),
         }
 
 
@@ -547,11 +645,53 @@ def _fault(rng: random.Random, kind: str, moment: str, vm: str | None) -> Fault:
     return Fault(kind, FIXED_MOMENTS.get(kind, moment), tuple(sorted(params.items())))
 
 
+def mirror(plan: Plan) -> Plan:
+    """``plan`` with the two gaming VMs swapped (its VM, its faults' targets)."""
+    swap = dict(zip(GAMING, reversed(GAMING), strict=True))
+    return dataclasses.replace(
+        plan,
+        vm=swap.get(plan.vm, plan.vm) if plan.vm is not None else None,
+        faults=tuple(
+            Fault(
+                fault.kind,
+                fault.moment,
+                tuple(
+                    (key, swap.get(value, value) if key == "target" else value)
+                    for key, value in fault.params
+                ),
+            )
+            for fault in plan.faults
+        ),
+    )
+
+
 def _draw_moment(rng: random.Random, kind: str, moments: tuple[str, ...]) -> str:
     early = EARLY_MOMENTS.get(kind)
     if early is None:
         return rng.choice(moments)
     return rng.choice([moment for moment in moments if moment in early])
+
+
+def _draw_faults(
+    rng: random.Random,
+    moments: tuple[str, ...],
+    vm: str | None,
+    starts: str | None = None,
+) -> tuple[Fault, ...]:
+    """0-3 faults of distinct kinds, each at one of ``moments`` (``starts``:
+    the gaming VM the cycle starts, the target of ``start_fails``, if not
+    ``vm``)."""
+    count = rng.choices(range(len(FAULT_COUNT_WEIGHTS)), FAULT_COUNT_WEIGHTS)[0]
+    kinds = rng.sample([kind for kind in FAULTS if kind not in DISABLED_FAULTS], count)
+    return tuple(
+        _fault(
+            rng,
+            kind,
+            _draw_moment(rng, kind, moments),
+            starts if kind == "start_fails" and starts else vm,
+        )
+        for kind in kinds
+    )
 
 
 def plan_cycle(seed: int, cycle: int) -> Plan:
@@ -560,15 +700,35 @@ def plan_cycle(seed: int, cycle: int) -> Plan:
     request = rng.choices(REQUESTS, weights=REQUEST_WEIGHTS)[0]
     vm = rng.choice(GAMING) if request in WITH_VM else None
     moments = HANDOFF_MOMENTS if request in HANDOFF_REQUESTS else RETURN_MOMENTS
-    count = rng.choices(range(len(FAULT_COUNT_WEIGHTS)), FAULT_COUNT_WEIGHTS)[0]
-    kinds = rng.sample([kind for kind in FAULTS if kind not in DISABLED_FAULTS], count)
-    faults = tuple(
-        _fault(rng, kind, _draw_moment(rng, kind, moments), vm) for kind in kinds
-    )
+    faults = _draw_faults(rng, moments, vm)
     # Drawn apart, so the requests and faults of a seed stay those that were
     # drawn before it existed (the regression seeds replay what they found).
     race = random.Random(f"gpu-handoff-chaos:{seed}:{cycle}:socket")  # noqa: S311
-    return Plan(seed, cycle, request, vm, faults, race.random() < SOCKET_RACE_ODDS)
+    socket_race = race.random() < SOCKET_RACE_ODDS
+    # Prepare ahead, drawn apart too: a cycle it does not take is the cycle
+    # it was before prepare joined the alphabet.
+    prepare = random.Random(f"gpu-handoff-chaos:{seed}:{cycle}:prepare")  # noqa: S311
+    if prepare.random() < PREPARE_ODDS:
+        return _prepare_plan(prepare, seed, cycle, socket_race)
+    return Plan(seed, cycle, request, vm, faults, socket_race)
+
+
+def _prepare_plan(rng: random.Random, seed: int, cycle: int, socket_race: bool) -> Plan:
+    """A prepare's cycle: a gaming VM prepared with a hold of a few seconds,
+    then its follow-up. Its operations (the prepare's drain and stop of the
+    GPU node; then a start, a stop, or a return after the hold ends, or with
+    lending the GPU node's restart with the free cards but the held VM's)
+    reach every moment."""
+    request = rng.choices(PREPARE_REQUESTS, weights=PREPARE_WEIGHTS)[0]
+    vm = rng.choice(GAMING)
+    hold = round(rng.uniform(*HOLD_SECONDS), 1)
+    then_after = round(hold * rng.uniform(*FOLLOW_WITHIN), 1)
+    if request == "prepare_expire":
+        then_after = 0.0
+    other = next(name for name in GAMING if name != vm)
+    starts = other if request == "prepare_other_on" else vm
+    faults = _draw_faults(rng, MOMENTS, vm, starts)
+    return Plan(seed, cycle, request, vm, faults, socket_race, hold, then_after)
 
 
 # --- results ------------------------------------------------------------------------
@@ -717,6 +877,109 @@ class LibvirtdRestart:
             "still_unavailable": self.still_unavailable,
             "excused": self.excused,
         }
+
+
+@dataclass
+class HoldSeen:
+    """Cards held for a gaming VM after a prepare (the controller's
+    ``state.hold``), from the instant it was set to the instant it was
+    cleared (the harness traces every change of it: ``_trace_hold``), and
+    GPU Handoff busy or idle meanwhile, sampled every HOLD_SAMPLE."""
+
+    vm: str
+    until_text: str  # Hold.until as the controller has it (ISO 8601, UTC)
+    until: float  # epoch: the hold's time is over
+    began: float  # epoch
+    cycle: int
+    ended: float | None = None  # epoch
+    # Why it ended: expired, plays, gone (core.HoldEnd), "<kind> of <vm>"
+    # (an operation began: core.hold_after), replaced, not kept...
+    why: str = ""
+    # (epoch, busy): GPU Handoff had an operation running or waiting, its
+    # lock held, or the entry not loaded, while the hold lasted.
+    samples: list[tuple[float, bool]] = field(default_factory=list)
+    # The world was judged up to here (held_card_taken), once per cycle.
+    checked_until: float = 0.0
+    reported: bool = False  # hold_outlived reported already
+    judged: bool = False  # ended, and judged (hold_outlived, cards back)
+
+    @property
+    def unused(self) -> bool:
+        """Ended as the product ends a hold nobody used (core.reconcile: the
+        cards go back as at a session's end): its time over, or its VM no
+        longer GPU Handoff's."""
+        return self.why in ("expired", "gone")
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "vm": self.vm,
+            "until": _stamp(self.until),
+            "ended": _stamp(self.ended) if self.ended is not None else None,
+            "why": self.why,
+            "late_s": round(self.ended - self.until, 2)
+            if self.ended is not None
+            else None,
+        }
+
+
+def hold_overstay(hold: HoldSeen, now: float) -> float:
+    """How long ``hold`` outlived its time while GPU Handoff was idle without
+    a break (seconds; 0 if never): over each run of idle samples with the
+    hold still there, from the later of its first sample and the hold's
+    ``until`` to its last sample (the end of a run is known to a sample's
+    period; the shorter reading is taken)."""
+    end = hold.ended if hold.ended is not None else now
+    worst = 0.0
+    first: float | None = None
+    last = 0.0
+    for at, busy in [*hold.samples, (end, True)]:
+        if busy or at >= end:
+            if first is not None:
+                worst = max(worst, last - max(first, hold.until))
+            first = None
+            if at >= end:
+                break
+            continue
+        if first is None:
+            first = at
+        last = at
+    return max(0.0, worst)
+
+
+_TRACED_STATES: dict[type, type] = {}
+
+
+def _trace_hold(state: Any, changed: Callable[[Any, Any], None]) -> None:
+    """Have ``changed(old, new)`` called at every change of ``state.hold``
+    (the controller's OwnedState), synchronously where the product sets it
+    (``core.hold_after`` as an operation begins, ``Operations._hold`` as a
+    prepare ends, ``_reconcile`` as a hold ends): the instance's class is
+    swapped for a subclass whose ``hold`` is a property over the same
+    instance attribute. Nothing else of the state changes."""
+    base = type(state)
+    if getattr(base, "_chaos_traced", False):
+        base = base.__mro__[1]
+    traced = _TRACED_STATES.get(base)
+    if traced is None:
+
+        def get(obj: Any) -> Any:
+            return obj.__dict__.get("hold")
+
+        def put(obj: Any, value: Any) -> None:
+            old = obj.__dict__.get("hold")
+            obj.__dict__["hold"] = value
+            notify = obj.__dict__.get("_chaos_hold_changed")
+            if notify is not None and value != old:
+                notify(old, value)
+
+        traced = type(
+            f"Traced{base.__name__}",
+            (base,),
+            {"hold": property(get, put), "_chaos_traced": True},
+        )
+        _TRACED_STATES[base] = traced
+    state.__class__ = traced
+    state.__dict__["_chaos_hold_changed"] = changed
 
 
 class InapplicableError(Exception):
@@ -1000,19 +1263,31 @@ def _superseded(ask: Ask, asks: list[Ask]) -> bool:
     """Whether a request sent later in the cycle wants otherwise: the same
     VM the other way (a player starts again the VM just turned off, by the
     switch or by hand), or a gaming VM on after a ``return_cards`` (its
-    handoff takes the cards the return gave back)."""
-    if ask.sent_at is None:
+    handoff takes the cards the return gave back). A prepare neither is
+    overridden (its part is done once the cards are held: what comes after
+    it is the follow-up's, judged on its own) nor overrides (it leaves the
+    VM off)."""
+    if ask.sent_at is None or ask.want == "prepare":
         return False
     return any(
         later.sent_at is not None
         and later.sent_at > ask.sent_at
         and later.status in ("accepted", "cancelled")
         and (
-            (later.vm == ask.vm and later.want != ask.want)
+            (later.vm == ask.vm and later.want not in (ask.want, "prepare"))
             or (ask.want == "return" and later.want == "on")
         )
         for later in asks
     )
+
+
+# An instant the GPU node ran, and the cards it ran with.
+Run = tuple[float, set[str]]
+
+
+def _cards(addresses: list[str]) -> set[str]:
+    """The cards of PCI functions (``0000:03:00.1`` -> ``0000:03:00``)."""
+    return {address.rsplit(".", 1)[0] for address in addresses}
 
 
 def _lock_free(path: Path) -> bool:
@@ -1060,6 +1335,7 @@ class CycleRecord:
     # agent saw through, a race that happened, a reconnect hook run...).
     observed: Counter[str] = field(default_factory=Counter)
     restarts: list[LibvirtdRestart] = field(default_factory=list)
+    holds: list[HoldSeen] = field(default_factory=list)  # begun this cycle
 
 
 class ChaosRig:
@@ -1153,6 +1429,11 @@ class ChaosRig:
         # Returns this cycle that waited for the node, and for its GPUs.
         self._node_waits = 0
         self._gpu_waits = 0
+        # Cards held for a gaming VM (a prepare): every hold seen, the one
+        # that lasts now, and the task sampling GPU Handoff meanwhile.
+        self._holds: list[HoldSeen] = []
+        self._hold_open: HoldSeen | None = None
+        self._hold_watch: asyncio.Task[None] | None = None
 
     # --- life cycle ---------------------------------------------------------------
 
@@ -1197,6 +1478,9 @@ class ChaosRig:
         self._kubelet = asyncio.get_running_loop().create_task(
             self._follow_gpu_node(), name="chaos kubelet"
         )
+        self._hold_watch = asyncio.get_running_loop().create_task(
+            self._watch_holds(), name="chaos holds"
+        )
         for event in (
             EVENT_HANDOFF_STARTED,
             EVENT_HANDOFF_STEP,
@@ -1204,6 +1488,8 @@ class ChaosRig:
             EVENT_HANDOFF_FAILED,
             EVENT_CARDS_RETURNED,
             EVENT_RETURN_UNHEALTHY,
+            EVENT_PREPARE_SUCCEEDED,
+            EVENT_HOLD_EXPIRED,
         ):
             self._unsubscribe.append(self.hass.bus.async_listen(event, self._on_event))
         self.entry = self._add_entry()
@@ -1294,9 +1580,10 @@ class ChaosRig:
             if self.entry.state is ConfigEntryState.LOADED:
                 await self.hass.config_entries.async_unload(self.entry.entry_id)
                 await self.hass.async_block_till_done()
-        if self._kubelet is not None:
-            self._kubelet.cancel()
-            await asyncio.gather(self._kubelet, return_exceptions=True)
+        for task in (self._kubelet, self._hold_watch):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.lag.stop()
         with contextlib.suppress(ValueError):
             self.cluster.store.listeners.remove(self._on_store)
@@ -1322,6 +1609,8 @@ class ChaosRig:
             self._returned.append(
                 Returned(self.cycle, now, self._boot_id(), self._node_ready())
             )
+        if event.event_type == EVENT_HOLD_EXPIRED:
+            self._hold_expired(str(data.get("vm")), str(data.get("hold_ends")), now)
         if event.event_type == EVENT_HANDOFF_STEP:
             step = str(data.get("step") or "")
             if step == "draining":
@@ -1384,6 +1673,133 @@ class ChaosRig:
                 self._moment("job")
 
         controller.progress.save_job = save_job  # type: ignore[method-assign]
+
+        # Every change of the cards held for a gaming VM, at its instant, and
+        # why a hold ended when the controller's reconcile ends it.
+        _trace_hold(controller.state, self._hold_changed)
+        ended = controller._hold_ended
+
+        def hold_ended(hold: Any, why: Any) -> None:
+            try:
+                self._hold_end_reason(hold, str(getattr(why, "value", why)))
+            except Exception:  # noqa: BLE001 - never break the product's step
+                self._listener_errors.append(traceback.format_exc())
+            ended(hold, why)
+
+        controller._hold_ended = hold_ended
+        self._hold_now(controller.state.hold)
+
+    # --- cards held for a gaming VM (a prepare) ------------------------------------
+
+    def _hold_changed(self, old: Any, new: Any) -> None:
+        """The controller's hold changed (called where the product sets it:
+        never raises into it)."""
+        try:
+            self._hold_set(old, new)
+        except Exception:  # noqa: BLE001 - never break the product's step
+            self._listener_errors.append(traceback.format_exc())
+
+    def _hold_set(self, old: Any, new: Any) -> None:
+        if old is not None and self._hold_open is not None:
+            controller = self._controller()
+            plan = controller.plan if controller is not None else None
+            why = (
+                "replaced"
+                if new is not None
+                else f"{plan.request.kind} of {plan.request.vm} began"
+                if plan is not None
+                else ""  # the reconcile says why (_hold_end_reason)
+            )
+            self._close_hold(time.time(), why)
+        if new is not None:
+            self._open_hold(new)
+
+    def _hold_now(self, hold: Any) -> None:
+        """A controller (new after a restart or a reload) holds ``hold``: the
+        same as the one that lasts (stored across the restart) or not."""
+        open_ = self._hold_open
+        if (
+            open_ is not None
+            and hold is not None
+            and (hold.vm, hold.until) == (open_.vm, open_.until_text)
+        ):
+            return
+        if open_ is not None:
+            self._close_hold(
+                time.time(),
+                "not kept by the new controller" if hold is None else "replaced",
+            )
+        if hold is not None:
+            self._open_hold(hold)
+
+    def _open_hold(self, hold: Any) -> None:
+        seen = HoldSeen(
+            vm=hold.vm,
+            until_text=hold.until,
+            until=_epoch(hold.until),
+            began=time.time(),
+            cycle=self.cycle,
+        )
+        seen.checked_until = seen.began
+        self._holds.append(seen)
+        if self.records:
+            self.records[-1].holds.append(seen)
+        self._hold_open = seen
+
+    def _close_hold(self, at: float, why: str) -> None:
+        hold, self._hold_open = self._hold_open, None
+        if hold is None:
+            return
+        hold.ended, hold.why = at, why
+
+    def _hold_end_reason(self, hold: Any, why: str) -> None:
+        """The controller's reconcile ended ``hold`` (core.HoldEnd): expired,
+        plays, gone. Its unused end (expired, gone) asks for the cards back,
+        as a session's end does (an edge)."""
+        for seen in reversed(self._holds):
+            if (seen.vm, seen.until_text) == (hold.vm, hold.until):
+                if seen.ended is None:
+                    self._hold_open = seen
+                    self._close_hold(time.time(), why)
+                elif not seen.why:
+                    seen.why = why
+                if seen.unused:
+                    self._edge(f"the hold for {hold.vm} ended ({why})")
+                return
+
+    def _hold_expired(self, vm: str, until: str, at: float) -> None:
+        """``gpu_handoff_hold_expired`` fired: the hold for ``vm`` ended
+        unused (also when the controller that ended it was not traced yet:
+        a new one after a restart)."""
+        for seen in reversed(self._holds):
+            if (seen.vm, seen.until_text) == (vm, until):
+                if seen.ended is None:
+                    self._hold_open = seen
+                    self._close_hold(at, "expired")
+                    self._edge(f"the hold for {vm} ended (expired)")
+                return
+
+    def _busy(self) -> bool:
+        """GPU Handoff has an operation running or waiting, or its lock held
+        (the controller does not look at a hold then: _reconcile), or the
+        entry is not loaded."""
+        controller = self._controller()
+        if controller is None:
+            return True
+        return bool(
+            controller._lock.locked()
+            or controller.progress.operation is not None
+            or controller.plan is not None
+            or controller.requests
+        )
+
+    async def _watch_holds(self) -> None:
+        """While cards are held, sample whether GPU Handoff is busy."""
+        while True:
+            hold = self._hold_open
+            if hold is not None:
+                hold.samples.append((time.time(), self._busy()))
+            await asyncio.sleep(HOLD_SAMPLE)
 
     def _on_store(self, event: Any) -> None:
         """Every change the emulator stores (called inside its write)."""
@@ -1568,7 +1984,12 @@ class ChaosRig:
     async def run_cycle(self, plan: Plan) -> CycleRecord:
         """One request, its faults, the settle, the checks, the clean-up."""
         self.cycle = plan.cycle
+        mirrored = plan.prepares and await self._prepare_the_other(plan)
+        if mirrored:
+            plan = mirror(plan)
         record = CycleRecord(plan)
+        if mirrored:
+            record.observed["prepare_mirrored"] += 1
         self.records.append(record)
         started = time.monotonic()
         await self._prepare()
@@ -1591,7 +2012,10 @@ class ChaosRig:
         )
         self._request_tasks = [
             asyncio.get_running_loop().create_task(
-                self._send(ask, plan), name="chaos request"
+                self._prepare_and_follow(ask, plan)
+                if ask.how == "prepare"
+                else self._send(ask, plan),
+                name="chaos request",
             )
             for ask in asks
         ]
@@ -1626,12 +2050,30 @@ class ChaosRig:
             f"unreached={record.unreached} inapplicable={record.inapplicable} "
             f"-> {record.outcome} "
             f"[{', '.join(f'{a.vm} {a.want}: {a.status} {a.detail}' for a in asks)}] "
-            f"{record.seconds:.1f} s, lag {record.lag_max * 1000:.0f} ms "
+            + "".join(
+                f"hold {hold.vm} {hold.as_json()['late_s']} s late ({hold.why}) "
+                for hold in record.holds
+            )
+            + f"{record.seconds:.1f} s, lag {record.lag_max * 1000:.0f} ms "
             f"(own {record.lag_own * 1000:.0f} ms)"
         )
         return record
 
+    async def _prepare_the_other(self, plan: Plan) -> bool:
+        """Whether a prepare's cycle is run mirrored (``mirror``): its gaming
+        VM plays (a prepare of it would only be refused) and the other does
+        not. The plans are alike for either gaming VM; mirrored, the cycle
+        prepares the one that does not play, its faults' targets swapped
+        alike. Both playing, its player quits first (_prepare_and_follow)."""
+        assert plan.vm is not None
+        other = next(vm for vm in GAMING if vm != plan.vm)
+        world = await asyncio.to_thread(self.sim.world)
+        return world.doms[plan.vm].running and not world.doms[other].running
+
     async def _asks(self, plan: Plan) -> list[Ask]:
+        if plan.prepares:
+            assert plan.vm is not None
+            return [Ask(plan.vm, "prepare", "prepare")]
         if plan.request in ("both_on", "both_off"):
             want = plan.request.removeprefix("both_")
             return [Ask(vm, want, want) for vm in GAMING]
@@ -1673,6 +2115,18 @@ class ChaosRig:
                     {"config_entry_id": self.entry.entry_id},
                     blocking=True,
                 )
+            elif ask.how == "prepare":
+                controller = self._controller()
+                if controller is None:
+                    ask.status = "unavailable"  # the action: entry_not_loaded
+                    return
+                ask.sent_at = time.time()
+                # Not the action gpu_handoff.prepare: its hold_minutes is a
+                # whole number of minutes, 1 at least, and the soak's holds
+                # last seconds (its pace is a hundred times real life's).
+                # The action asks the controller just so (hold_minutes * 60
+                # seconds) and returns without waiting for the prepare.
+                await controller.async_prepare(ask.vm, hold=plan.hold)
             else:
                 ask.sent_at = time.time()
                 ask.response = await self.hass.services.async_call(
@@ -1696,6 +2150,80 @@ class ChaosRig:
             ask.status = "cancelled"  # the wait was cut by a restart
         else:
             ask.status = "accepted"
+
+    async def _prepare_and_follow(self, ask: Ask, plan: Plan) -> None:
+        """Prepare ``ask.vm`` (a hold of ``plan.hold`` seconds); once the cards
+        are held (or the prepare is over without a hold), ``plan.then_after``
+        seconds later, the cycle's follow-up as a user would send it: that
+        VM's switch on (within the hold: it only starts), the other gaming
+        VM's switch on, ``return_cards``, that VM's switch off; or nothing,
+        and the hold expires. A follow-up is a request of the cycle as the
+        plan's own are (sent and checked as they are). A prepare refused has
+        nothing to follow. Both gaming VMs playing (``_prepare_the_other``
+        mirrors the plan when only its own does), its player quits first:
+        its switch off, a request of the cycle too, carried out before the
+        prepare is sent (the cycle's faults may strike there)."""
+        if await asyncio.to_thread(self.sim.is_running, ask.vm):
+            quits = Ask(ask.vm, "off", "off")
+            self._asks_sent.insert(self._asks_sent.index(ask), quits)
+            await self._send(quits, plan)
+            if quits.status == "accepted":
+                self.records[-1].observed["prepare_after_quit"] += 1
+                await self._until_over(ask.vm)
+        await self._send(ask, plan)
+        if ask.status != "accepted" or ask.sent_at is None:
+            return
+        held = await self._until_held(ask)
+        record = self.records[-1]
+        follow = plan.follow_up
+        if follow == "expire":
+            record.observed["prepare_left_to_expire"] += 1
+            return
+        if held is not None:
+            await asyncio.sleep(plan.then_after)
+        other = next(vm for vm in GAMING if vm != ask.vm)
+        then = {
+            "on": Ask(ask.vm, "on", "on"),
+            "other_on": Ask(other, "on", "on"),
+            "return_cards": Ask(GPU, "return", "return_cards"),
+            "off": Ask(ask.vm, "off", "off"),
+        }[follow]
+        within = held is not None and held.ended is None
+        record.observed[
+            f"prepare_then_{follow}_{'within_hold' if within else 'unheld'}"
+        ] += 1
+        self._asks_sent.append(then)
+        await self._send(then, plan)
+
+    async def _until_over(self, vm: str) -> None:
+        """Until GPU Handoff has no request for ``vm`` any more (its
+        operation over, the entry loaded), within the settle bound."""
+        deadline = time.monotonic() + self.settle_bound
+        while time.monotonic() < deadline:
+            controller = self._controller()
+            if controller is not None and vm not in controller.requests:
+                return
+            await asyncio.sleep(HOLD_SAMPLE)
+
+    async def _until_held(self, ask: Ask) -> HoldSeen | None:
+        """Until the cards are held for ``ask.vm`` (a hold begun since the
+        prepare was sent: it), or the prepare is over without a hold (None):
+        its request gone, its operation not running, the entry loaded."""
+        assert ask.sent_at is not None
+        deadline = time.monotonic() + self.settle_bound
+        while time.monotonic() < deadline:
+            for hold in reversed(self._holds):
+                if hold.vm == ask.vm and hold.began >= ask.sent_at:
+                    return hold
+            controller = self._controller()
+            if controller is not None:
+                plan = controller.plan
+                if ask.vm not in controller.requests and (
+                    plan is None or plan.request.vm != ask.vm
+                ):
+                    return None
+            await asyncio.sleep(HOLD_SAMPLE)
+        return None
 
     async def _hand_start(self, ask: Ask) -> None:
         """Someone starts a gaming VM on the tower (``virsh start``): libvirt
@@ -1832,7 +2360,7 @@ class ChaosRig:
             self._unmanaged.add(("default", name))
         elif kind == "start_fails":
             target = str(fault.get("target"))
-            if self.records[-1].plan.request not in HANDOFF_REQUESTS:
+            if self.records[-1].plan.request not in STARTING_REQUESTS:
                 raise InapplicableError("nothing starts a gaming VM this cycle")
             self._armed.add(target)
             # Every start fails until the end of the cycle: the disk stays
@@ -2230,6 +2758,9 @@ class ChaosRig:
             controller.progress.operation is not None
             or controller.plan is not None
             or controller.requests
+            # Cards held for a gaming VM: the cycle goes on until the hold
+            # ends (a few seconds; hold_outlived judges how late).
+            or controller.state.hold is not None
         ):
             return False
         if await asyncio.to_thread(self._active_job_files):
@@ -2296,6 +2827,7 @@ class ChaosRig:
             self._violate("operator_cordon_lifted", "the operator's cordon is gone")
         record.outcome = await self._check_state()
         await self._check_asks(record.asks)
+        await self._check_holds()
         self._check_slow_stops(record)
         await self._check_races(record)
         await self._check_restarts(record)
@@ -2525,6 +3057,17 @@ class ChaosRig:
                 continue
             if ask.want == "on":
                 fulfilled = ask.vm in running
+            elif ask.want == "prepare":
+                # The cards were held for it (or it needed no hold: it ran
+                # by the time the prepare acted, which says so in its event).
+                fulfilled = any(
+                    hold.vm == ask.vm and hold.began >= (ask.sent_at or 0.0)
+                    for hold in self._holds
+                ) or any(
+                    seen.type == EVENT_PREPARE_SUCCEEDED
+                    and seen.data.get("vm") == ask.vm
+                    for seen in self._events
+                )
             elif ask.want == "off":
                 fulfilled = ask.vm not in running
             else:
@@ -2532,7 +3075,16 @@ class ChaosRig:
             if fulfilled:
                 ask.detail = (ask.detail + " fulfilled").strip()
                 continue
+            if ask.want == "prepare" and ask.removed:
+                # Its VM removed from GPU Handoff while it ran: the prepare
+                # is abandoned and holds nothing (Operations._left_behind),
+                # as a hold ends when its VM is removed; the cards go back
+                # (half_state judges that).
+                ask.detail = (ask.detail + " removed").strip()
+                continue
             why = self._reported(ask.vm)
+            if why is not None and ask.want == "prepare":
+                why = self._prepare_reported(ask, asks, why)
             if why is None:
                 ask.detail = (ask.detail + " failed, reported").strip()
                 self._judge_passing(ask)
@@ -2542,6 +3094,27 @@ class ChaosRig:
                 f"{ask.how} {ask.vm} ({ask.want}) was accepted, is not done, and "
                 f"was not reported: {why}",
             )
+
+    def _prepare_reported(self, ask: Ask, asks: list[Ask], why: str) -> str | None:
+        """Why a failed prepare does not count as reported (None: it does),
+        when ``_reported`` found it not so now: its follow-up (a request for
+        the same VM sent after the failure) began an operation of that VM,
+        which clears its ``last_error`` and repair as any new request does;
+        the ``handoff_failed`` event of the prepare, before it, stands."""
+        failed = [
+            seen
+            for seen in self._failures(ask.vm)
+            if seen.data.get("kind") == "prepare" and seen.epoch >= (ask.sent_at or 0.0)
+        ]
+        if failed and any(
+            later.vm == ask.vm
+            and later is not ask
+            and later.sent_at is not None
+            and later.sent_at >= failed[-1].epoch
+            for later in asks
+        ):
+            return None
+        return why
 
     def _judge_passing(self, ask: Ask) -> None:
         """A reported failure with a passing failure's code (the product
@@ -2614,6 +3187,119 @@ class ChaosRig:
                     f"{namespace}/{name} {how} without an accepted eviction",
                     cycle,
                 )
+
+    # --- cards held for a gaming VM ------------------------------------------------
+
+    async def _check_holds(self) -> None:
+        """``hold_outlived`` for every hold that lasted into this cycle;
+        ``cards_not_back_after_hold`` for those that ended unused."""
+        now = time.time()
+        ended = []
+        for hold in self._holds:
+            if hold.judged:
+                continue
+            self._judge_hold_time(hold, now)
+            if hold.ended is not None:
+                hold.judged = True
+                ended.append(hold)
+        unused = [hold for hold in ended if hold.unused]
+        if not unused:
+            return
+        world = await asyncio.to_thread(self.sim.world)
+        running = {name for name, dom in world.doms.items() if dom.running}
+        gpu = world.doms[GPU]
+        gpu_cards = _cards(gpu.addresses()) if gpu.running else set()
+        for hold in unused:
+            dom = world.doms.get(hold.vm)
+            self._judge_cards_back(
+                hold,
+                running=running,
+                gpu_cards=gpu_cards,
+                held=_cards(dom.addresses()) if dom is not None else set(),
+                ready=self._node_ready(),
+                cordon=self._our_cordon(),
+            )
+
+    def _judge_hold_time(self, hold: HoldSeen, now: float) -> None:
+        """``hold_outlived``: once its time is over and GPU Handoff is idle
+        (nothing running or waiting, its lock free, the entry loaded), a hold
+        ends within HOLD_LATE: the controller looks again every
+        HOLD_BUSY_RETRY while it is busy, and that long after an operation's
+        end (see HOLD_LATE). The operations in flight at the hold's end
+        delay it by what is left of them (their own bounds; ``unsettled``
+        judges those): measured from the end of the last of them."""
+        overstay = hold_overstay(hold, now)
+        if overstay <= HOLD_LATE or hold.reported:
+            return
+        hold.reported = True
+        end = (
+            f"ended {hold.ended - hold.until:.2f} s after its time ({hold.why})"
+            if hold.ended is not None
+            else f"still lasts {now - hold.until:.2f} s after its time"
+        )
+        self._violate(
+            "hold_outlived",
+            f"the cards held for {hold.vm} until {_stamp(hold.until)} were "
+            f"{end}, {overstay:.2f} s of it with GPU Handoff idle (bound "
+            f"{HOLD_LATE:g} s: the controller looks again every "
+            f"{HOLD_BUSY_RETRY.total_seconds():g} s)",
+        )
+
+    def _judge_cards_back(
+        self,
+        hold: HoldSeen,
+        *,
+        running: set[str],
+        gpu_cards: set[str],
+        held: set[str],
+        ready: bool,
+        cordon: str | None,
+    ) -> None:
+        """``cards_not_back_after_hold``: a hold that ended unused (its time
+        over: ``gpu_handoff_hold_expired``; or its VM no longer GPU
+        Handoff's) brings the cards back as a session's end does: by the
+        cycle's end the GPU node runs with the held VM's cards, its node
+        Ready, GPU Handoff's cordon gone, and ``cards_returned`` (or
+        ``return_unhealthy``) fired after the hold's end. Excused as the
+        other invariants excuse: someone plays at the end (the cards went on
+        to them: ``half_state``, ``cards_not_lent`` judge that), the
+        operator's shutdown of the GPU node stands, a failure reported after
+        the hold's end (the return failed, or a request after it)."""
+        assert hold.ended is not None
+        excuses = sorted(running & set(GAMING))
+        if self._stopped_by_operator():
+            excuses.append("the operator's shutdown of the GPU node stands")
+        excuses.extend(
+            f"{seen.data.get('kind')} of {seen.data.get('vm')} failed: "
+            f"{seen.data.get('code')}"
+            for seen in self._events
+            if seen.type == EVENT_HANDOFF_FAILED and seen.epoch >= hold.ended
+        )
+        if excuses:
+            self.records[-1].observed["hold_return_excused"] += 1
+            return
+        problems = []
+        if GPU not in running:
+            problems.append("the GPU node is off")
+        elif missing := held - gpu_cards:
+            problems.append(f"the GPU node runs without {', '.join(sorted(missing))}")
+        if not ready:
+            problems.append("its node is not Ready")
+        if cordon:
+            problems.append(f"GPU Handoff's cordon is on ({cordon!r})")
+        if not any(
+            seen.type in (EVENT_CARDS_RETURNED, EVENT_RETURN_UNHEALTHY)
+            and seen.epoch >= hold.ended
+            for seen in self._events
+        ):
+            problems.append("no cards_returned fired after it")
+        if problems:
+            self._violate(
+                "cards_not_back_after_hold",
+                f"the cards held for {hold.vm} until {_stamp(hold.until)} were not "
+                f"used ({hold.why}, {_stamp(hold.ended)}), nobody plays, and "
+                + "; ".join(problems),
+            )
 
     # --- the new faults' own invariants ------------------------------------------
 
@@ -2803,7 +3489,9 @@ class ChaosRig:
     async def _check_world_history(self) -> None:
         """What happened on the tower and in the cluster this cycle, against
         the requests sent: handoffs only asked for, cards back only from a
-        new boot, an operator's shutdown left as it is."""
+        new boot, an operator's shutdown left as it is, the held cards kept
+        from the GPU node."""
+        loaded = time.time()
         data = await asyncio.to_thread(self._sim_data)
         actions = data["actions"][self._actions_seen :]
         self._actions_seen = len(data["actions"])
@@ -2824,6 +3512,66 @@ class ChaosRig:
         for item, world in zip(returned, worlds, strict=True):
             self._check_returned(world, item)
         self._check_operator_stops()
+        await self._check_held_cards(data, loaded)
+
+    async def _check_held_cards(self, data: dict[str, Any], loaded: float) -> None:
+        """``held_card_taken``: while cards are held for a gaming VM, the GPU
+        node never runs with one of them (lending off: it does not run; on:
+        it is lent every free card but the held VM's). Observed in the
+        simulator's replay at the hold's beginning and at every start (or
+        create) of the GPU node while it lasted (its live cards change only
+        there), up to the tower's record as read at ``loaded``."""
+        spans = [
+            (hold, hold.checked_until, min(hold.ended or loaded, loaded))
+            for hold in self._holds
+            if hold.checked_until < min(hold.ended or loaded, loaded)
+        ]
+        if not spans:
+            return
+
+        def replay() -> list[tuple[HoldSeen, float, set[str], list[Run]]]:
+            out = []
+            for hold, begin, end in spans:
+                starts = sorted(
+                    float(action["t"])
+                    for action in data["actions"]
+                    if action.get("name") == GPU
+                    and action.get("op") in ("start", "create")
+                    and begin < float(action["t"]) < end
+                )
+                instants = [begin, *starts]
+                worlds = [sim_model.world(data, at=at) for at in instants]
+                held_dom = worlds[0].doms.get(hold.vm)
+                held = _cards(held_dom.addresses()) if held_dom is not None else set()
+                runs = [
+                    (at, _cards(world.doms[GPU].addresses()))
+                    for at, world in zip(instants, worlds, strict=True)
+                    if world.doms[GPU].running
+                ]
+                out.append((hold, end, held, runs))
+            return out
+
+        for hold, end, held, runs in await asyncio.to_thread(replay):
+            hold.checked_until = end
+            self._judge_held_cards(hold, held, runs)
+
+    def _judge_held_cards(
+        self, hold: HoldSeen, held: set[str], runs: list[Run]
+    ) -> None:
+        """``held_card_taken``, judged: ``runs`` are the instants the GPU node
+        ran while the hold lasted, with its live cards; ``held`` the held
+        VM's cards. None may be among them."""
+        for at, cards in runs:
+            taken = cards & held
+            if taken:
+                self._violate(
+                    "held_card_taken",
+                    f"the GPU node ran with {', '.join(sorted(taken))} at "
+                    f"{_stamp(at)} while {hold.vm}'s cards were held for it "
+                    f"(held {_stamp(hold.began)} until {_stamp(hold.until)}, "
+                    f"lending {'on' if self.lend else 'off'}; the GPU node's "
+                    f"cards then: {', '.join(sorted(cards))})",
+                )
 
     def _sim_data(self) -> dict[str, Any]:
         with sim_model.locked(self.sim.state_dir, exclusive=False):
@@ -3287,7 +4035,9 @@ class ChaosRig:
         asks: Counter[str] = Counter()
         observed: Counter[str] = Counter()
         restarts: list[LibvirtdRestart] = []
+        holds: list[HoldSeen] = []
         for record in self.records:
+            holds.extend(record.holds)
             observed.update(record.observed)
             restarts.extend(record.restarts)
             fired.update(record.fired)
@@ -3351,6 +4101,28 @@ class ChaosRig:
                 else None,
                 "not_recovered": sum(1 for r in restarts if r.available_after is None),
                 "by_cycle": {str(r.cycle): r.as_json() for r in restarts},
+            },
+            # Cards held for a gaming VM (prepare): how each hold ended, how
+            # late after its time those that expired ended, and the longest
+            # a hold outlived its time with GPU Handoff idle (bound HOLD_LATE).
+            "holds": {
+                "count": len(holds),
+                "ended": dict(sorted(Counter(h.why or "?" for h in holds).items())),
+                "expired_late_max_s": round(
+                    max(
+                        (h.ended - h.until for h in holds if h.why == "expired"),
+                        default=0.0,
+                    ),
+                    2,
+                ),
+                "overstay_idle_max_s": round(
+                    max(
+                        (hold_overstay(h, h.ended or time.time()) for h in holds),
+                        default=0.0,
+                    ),
+                    2,
+                ),
+                "bound_s": HOLD_LATE,
             },
             "loop_lag_max_ms": round(max(lags, default=0.0) * 1000, 1),
             "loop_lag_own_max_ms": round(

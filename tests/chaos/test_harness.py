@@ -23,16 +23,21 @@ import pytest
 from custom_components.gpu_handoff.cluster_client import ClusterClient
 from custom_components.gpu_handoff.cluster_model import DrainProgress
 from custom_components.gpu_handoff.drain import NodeDrain
+from custom_components.gpu_handoff.runner import OperationRunner
 from tests.chaos import harness
 from tests.chaos.harness import (
     DISABLED_FAULTS,
     EARLY_MOMENTS,
     FAULTS,
     FIXED_MOMENTS,
+    FOLLOW_WITHIN,
+    HOLD_LATE,
+    HOLD_SECONDS,
     LIBVIRT_AGENT_WAIT,
     LIBVIRTD_DOWN,
     MOMENTS,
     MONITORING_NS,
+    PREPARE_REQUESTS,
     REQUESTS,
     SLOW_STOP,
     TOLERANT,
@@ -54,18 +59,23 @@ from tests.towersim import Tower
 # starting (the other gaming VM's switch turned on) while a return waits for
 # the GPUs, at ``gpu_wait``: seed 73 in two returns of both players quitting,
 # beside a libvirtd restart there and the operator's shutdown mid-drain;
-# seed 58 in four cycles, with a guest's slow shutdown, a player quitting
-# from inside, the PodDisruptionBudget refusing and a pod nothing recreates
-# at ``gpu_wait`` too; with lending, seed 768 in the lend restarts after two
-# handoffs (and an entry reload at ``gpu_wait`` of a ``return_cards``, a
-# libvirtd restart mid-job, starts failing after the hook) and seed 122 in
-# a return, a handoff and a start by hand (the operator's shutdown
-# mid-drain). Whether a return gets to ``gpu_wait`` depends on the device
-# plugin's delay drawn at each boot against the product's pace (in the
-# 200-cycle soak a third to a half of the returns do), so the fixed plans
-# below pin the delay and make these faults strike, ``hand_start`` among
-# them (a start by hand whose stop of the GPU node is over before its GPUs
-# register: a product bug found this way, kept below as a regression case).
+# seed 58 in a return beside the PodDisruptionBudget refusing and a pod
+# nothing recreates at ``gpu_wait`` (a guest's slow shutdown there in
+# another), with two prepares (one failed, the PodDisruptionBudget refusing
+# past the drain timeout; one turned on within its hold); with lending, seed
+# 768 in the lend restarts after two handoffs (and an entry reload at
+# ``gpu_wait`` of a ``return_cards``, a libvirtd restart mid-job, starts
+# failing after the hook) and seed 122 in a return and a start by hand (the
+# operator's shutdown mid-drain), after a prepare turned on within its hold
+# (libvirt away mid-job, the GPU node slow to shut down); as they drew once
+# prepare cycles joined (a prepare's boots shift the device plugin's delays,
+# drawn boot after boot, for the cycles after it). Whether a return gets to
+# ``gpu_wait`` depends on the device plugin's delay drawn at each boot
+# against the product's pace (in the 200-cycle soak a third to a half of
+# the returns do), so the fixed plans below pin the delay and make these
+# faults strike, ``hand_start`` among them (a start by hand whose stop of
+# the GPU node is over before its GPUs register: a product bug found this
+# way, kept below as a regression case).
 CI_SEEDS = ((73, 8, False), (58, 8, False), (768, 7, True), (122, 7, True))
 # A correct product settles within seconds; a broken one need not be waited
 # for as long as the soak waits (2 minutes).
@@ -111,7 +121,7 @@ def test_plans_are_seeded() -> None:
         plan_cycle(8, c) for c in range(1, 30)
     ]
     plans = [plan_cycle(1, cycle) for cycle in range(1, 201)]
-    assert {plan.request for plan in plans} == set(REQUESTS)
+    assert {plan.request for plan in plans} == set(REQUESTS) | set(PREPARE_REQUESTS)
     faults = [fault for plan in plans for fault in plan.faults]
     assert {fault.kind for fault in faults} == set(FAULTS) - DISABLED_FAULTS
     assert {fault.moment for fault in faults} == set(MOMENTS)
@@ -129,6 +139,40 @@ def test_plans_are_seeded() -> None:
         for fault in faults
         if fault.kind in EARLY_MOMENTS
     )
+
+
+def test_prepares_are_drawn_apart_within_their_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A share of the cycles prepare a gaming VM, each follow-up drawn, with
+    a hold of a few seconds and the follow-up within its first half (none
+    for a hold left to expire); a start failing targets the VM the cycle
+    starts. Drawn from a generator of their own: every other cycle is the
+    plan it was before prepare joined the alphabet."""
+    plans = [plan_cycle(seed, c) for seed in (1, 2) for c in range(1, 301)]
+    prepares = [plan for plan in plans if plan.prepares]
+    assert 0.15 < len(prepares) / len(plans) < 0.35
+    assert {plan.request for plan in prepares} == set(PREPARE_REQUESTS)
+    assert all(plan.vm in ("gaming-1", "gaming-2") for plan in prepares)
+    assert all(HOLD_SECONDS[0] <= plan.hold <= HOLD_SECONDS[1] for plan in prepares)
+    assert all(
+        0.0 <= plan.then_after <= plan.hold * FOLLOW_WITHIN[1] + 0.05
+        for plan in prepares
+    )
+    assert all(
+        plan.then_after == 0.0 for plan in prepares if plan.follow_up == "expire"
+    )
+    assert {fault.moment for plan in prepares for fault in plan.faults} == set(MOMENTS)
+    for plan in prepares:
+        for fault in plan.faults:
+            if fault.kind == "start_fails":
+                other = plan.follow_up == "other_on"
+                assert (fault.get("target") == plan.vm) is not other
+    assert all(plan.as_json()["hold_s"] == plan.hold for plan in prepares)
+    monkeypatch.setattr(harness, "PREPARE_ODDS", 0.0)
+    assert [plan for plan in plans if not plan.prepares] == [
+        plan_cycle(plan.seed, plan.cycle) for plan in plans if not plan.prepares
+    ]
 
 
 def test_the_new_faults_are_drawn_within_their_bounds() -> None:
@@ -369,6 +413,425 @@ def test_a_passing_failure_within_the_retries_bound_is_a_violation(
     rig._judge_passing(ask)
     assert found == (["passing_failure_reported"] if violated else [])
     assert ask.detail.endswith("transient")
+
+
+# --- cards held for a gaming VM (prepare): the invariants judged ------------------
+
+GTX_960, RTX_1, RTX_2 = "0000:01:00", "0000:03:00", "0000:04:00"
+UNTIL = 1000.0  # the hold's time, as an epoch
+
+
+def _hold(
+    samples: list[tuple[float, bool]] = (),  # type: ignore[assignment]
+    *,
+    ended: float | None = None,
+    why: str = "expired",
+) -> harness.HoldSeen:
+    return harness.HoldSeen(
+        vm="gaming-1",
+        until_text="2026-12-05T10:00:00+00:00",
+        until=UNTIL,
+        began=UNTIL - 3.0,
+        cycle=2,
+        ended=ended,
+        why=why,
+        samples=list(samples),
+    )
+
+
+def _samples(begin: float, end: float, busy: Any = lambda at: False) -> list:
+    """GPU Handoff sampled every HOLD_SAMPLE from ``begin`` to ``end``
+    (relative to the hold's time), busy where ``busy(at)`` says so."""
+    step = harness.HOLD_SAMPLE
+    count = round((end - begin) / step)
+    return [
+        (UNTIL + begin + i * step, bool(busy(begin + i * step)))
+        for i in range(count + 1)
+    ]
+
+
+def _judging_rig(found: list[str], *, lend: bool = False) -> harness.ChaosRig:
+    """A rig with only what the judges read: nothing seen yet, no operator's
+    shutdown, one cycle's record; violations noted in ``found``."""
+    rig = harness.ChaosRig.__new__(harness.ChaosRig)
+    rig.lend = lend
+    rig._events = []
+    rig._operator_stops = []
+    rig.records = [harness.CycleRecord(plan=Plan(0, 2, "prepare_expire", "gaming-1"))]
+    rig._violate = lambda invariant, detail, cycle=None: found.append(invariant)
+    return rig
+
+
+@pytest.mark.parametrize(
+    ("hold", "now", "violated"),
+    [
+        (_hold(_samples(-3.0, 0.3), ended=UNTIL + 0.3), UNTIL + 5, False),
+        (_hold(_samples(-3.0, 1.5), ended=UNTIL + 1.5), UNTIL + 5, False),
+        (_hold(_samples(-3.0, 3.0), ended=UNTIL + 3.0), UNTIL + 5, True),
+        # An operation in flight at the hold's end (a drain under faults):
+        # the hold ends soon after it, however long it ran.
+        (
+            _hold(_samples(-3.0, 5.8, lambda at: at < 5.0), ended=UNTIL + 5.8),
+            UNTIL + 9,
+            False,
+        ),
+        (
+            _hold(_samples(-3.0, 8.0, lambda at: at < 5.0), ended=UNTIL + 8.0),
+            UNTIL + 9,
+            True,
+        ),
+        # Idle for long before its time, busy across it: no overstay.
+        (
+            _hold(_samples(-3.0, 1.0, lambda at: -0.5 < at < 0.5), ended=UNTIL + 1.0),
+            UNTIL + 5,
+            False,
+        ),
+        # Busy and idle by turns, never idle a whole look's period.
+        (
+            _hold(_samples(-1.0, 6.0, lambda at: at % 1.2 >= 0.9), ended=UNTIL + 6.0),
+            UNTIL + 9,
+            False,
+        ),
+        # Still held at the cycle's end, GPU Handoff idle.
+        (_hold(_samples(-3.0, 4.0)), UNTIL + 4.0, True),
+        (_hold(_samples(-3.0, 1.0)), UNTIL + 1.0, False),
+    ],
+    ids=[
+        "on_time",
+        "within_the_bound",
+        "late_while_idle",
+        "late_behind_an_operation",
+        "late_after_the_operation",
+        "busy_across_its_time",
+        "busy_by_turns",
+        "still_held_idle",
+        "still_held_within_the_bound",
+    ],
+)
+def test_a_hold_that_outlives_its_time_while_idle_is_a_violation(
+    hold: harness.HoldSeen, now: float, violated: bool
+) -> None:
+    """hold_outlived, judged on its own: once its time is over, a hold ends
+    within HOLD_LATE (1.6 s: the controller's look every second, the loop's
+    lateness, the sampling) of GPU Handoff being idle; an operation in
+    flight at its end delays it by what is left of that operation."""
+    found: list[str] = []
+    _judging_rig(found)._judge_hold_time(hold, now)
+    assert found == (["hold_outlived"] if violated else [])
+    assert (harness.hold_overstay(hold, now) > HOLD_LATE) is violated
+
+
+def _returned(at: float) -> harness.Seen:
+    return harness.Seen(0.0, harness.EVENT_CARDS_RETURNED, {"vm": "gpu-node"}, at)
+
+
+def _failed(at: float) -> harness.Seen:
+    return harness.Seen(
+        0.0,
+        harness.EVENT_HANDOFF_FAILED,
+        {"vm": "gpu-node", "kind": "return", "code": "start_failed"},
+        at,
+    )
+
+
+EVERY_CARD = {GTX_960, RTX_1, RTX_2}
+
+
+@pytest.mark.parametrize(
+    ("facts", "events", "violated"),
+    [
+        ({}, [_returned(UNTIL + 2)], False),
+        ({"running": set(), "gpu_cards": set()}, [_returned(UNTIL + 2)], True),
+        ({"gpu_cards": {GTX_960, RTX_2}}, [_returned(UNTIL + 2)], True),
+        ({"ready": False}, [_returned(UNTIL + 2)], True),
+        ({"cordon": "gpu-handoff"}, [_returned(UNTIL + 2)], True),
+        ({}, [], True),
+        ({}, [_returned(UNTIL - 5)], True),
+        # Excused: someone plays (the cards went on to them), the return
+        # failed and said so.
+        ({"running": {"gaming-2"}, "gpu_cards": set()}, [], False),
+        ({"running": set(), "gpu_cards": set()}, [_failed(UNTIL + 1)], False),
+        # A failure before the hold's end excuses nothing after it.
+        ({"running": set(), "gpu_cards": set()}, [_failed(UNTIL - 5)], True),
+    ],
+    ids=[
+        "back",
+        "gpu_node_off",
+        "without_the_held_card",
+        "not_ready",
+        "cordon_left",
+        "no_cards_returned",
+        "cards_returned_before_the_end",
+        "someone_plays",
+        "return_failed_reported",
+        "failure_before_the_end",
+    ],
+)
+def test_cards_not_back_after_an_expired_hold_is_a_violation(
+    facts: dict[str, Any], events: list[harness.Seen], violated: bool
+) -> None:
+    """cards_not_back_after_hold, judged on its own: the hold for Gaming
+    station 1 expired (at its time); by the cycle's end the GPU node runs
+    with every card, Ready, GPU Handoff's cordon gone, cards_returned fired
+    after the hold's end; else a violation, unless someone plays or a
+    failure was reported after it."""
+    found: list[str] = []
+    rig = _judging_rig(found)
+    rig._events = events
+    world = {
+        "running": {"gpu-node"},
+        "gpu_cards": EVERY_CARD,
+        "held": {RTX_1},
+        "ready": True,
+        "cordon": None,
+    } | facts
+    rig._judge_cards_back(_hold(ended=UNTIL), **world)
+    assert found == (["cards_not_back_after_hold"] if violated else [])
+
+
+def test_the_operators_shutdown_excuses_the_cards_after_a_hold() -> None:
+    """The operator shut the GPU node down after the hold ended unused (a
+    shutdown still standing): it stays off, no violation; once the cards
+    were asked back since, it is one."""
+    found: list[str] = []
+    rig = _judging_rig(found)
+    stop = harness.OperatorStop(cycle=2, at=UNTIL + 1)
+    rig._operator_stops = [stop]
+    off = {"running": set(), "gpu_cards": set(), "held": {RTX_1}}
+    rig._judge_cards_back(_hold(ended=UNTIL), ready=False, cordon=None, **off)
+    assert found == []
+    stop.ended = UNTIL + 2
+    rig._judge_cards_back(_hold(ended=UNTIL), ready=False, cordon=None, **off)
+    assert found == ["cards_not_back_after_hold"]
+
+
+@pytest.mark.parametrize(
+    ("lend", "runs", "violated"),
+    [
+        (False, [], False),
+        (False, [(UNTIL - 1, EVERY_CARD)], True),
+        (True, [(UNTIL - 1, {GTX_960, RTX_2})], False),
+        (True, [(UNTIL - 2, {GTX_960, RTX_2}), (UNTIL - 1, {GTX_960, RTX_1})], True),
+        (True, [(UNTIL - 1, {RTX_1})], True),
+    ],
+    ids=[
+        "off_while_held",
+        "started_with_every_card",
+        "lent_the_free_cards",
+        "lent_the_held_card",
+        "the_held_card_alone",
+    ],
+)
+def test_the_gpu_node_running_with_a_held_card_is_a_violation(
+    lend: bool, runs: list[tuple[float, set[str]]], violated: bool
+) -> None:
+    """held_card_taken, judged on its own: while Gaming station 1's card is
+    held, each instant the GPU node ran (the hold's beginning, each start)
+    with that card is a violation; lending, the other free cards are its
+    to run with."""
+    found: list[str] = []
+    _judging_rig(found, lend=lend)._judge_held_cards(_hold(ended=UNTIL), {RTX_1}, runs)
+    assert found == (["held_card_taken"] if violated else [])
+
+
+@pytest.mark.parametrize(
+    ("follow_up_at", "reported"),
+    [(UNTIL + 2, True), (UNTIL - 1, False), (None, False)],
+    ids=["follow_up_after_the_failure", "follow_up_before_it", "no_follow_up"],
+)
+def test_a_failed_prepare_stays_reported_when_its_follow_up_clears_last_error(
+    follow_up_at: float | None, reported: bool
+) -> None:
+    """Found by ``scripts/chaos --cycles 8 --seed 58`` (cycle 5, a harness
+    bug): Gaming station 2's prepare failed (the PodDisruptionBudget refused
+    past the drain timeout), reported; its follow-up, the switch off, began
+    a stop of Gaming station 2, which clears its last_error and repair as
+    any new request does. The prepare's handoff_failed event before the
+    follow-up counts as its report; without a follow-up after it, the
+    failure must still be on report at the end."""
+    found: list[str] = []
+    rig = _judging_rig(found)
+    rig._events = [
+        harness.Seen(
+            0.0,
+            harness.EVENT_HANDOFF_FAILED,
+            {"vm": "gaming-2", "kind": "prepare", "code": "DrainError"},
+            UNTIL,
+        )
+    ]
+    prepare = harness.Ask("gaming-2", "prepare", "prepare", sent_at=UNTIL - 9)
+    asks = [prepare]
+    if follow_up_at is not None:
+        asks.append(harness.Ask("gaming-2", "off", "off", sent_at=follow_up_at))
+    why = rig._prepare_reported(prepare, asks, "no last_error")
+    assert (why is None) is reported
+
+
+def _defined(name: str, *cards: str, t: float = 0.0) -> dict[str, Any]:
+    return {
+        "op": "define",
+        "name": name,
+        "t": t,
+        "spec": {"name": name, "hostdevs": [{"address": f"{c}.0"} for c in cards]},
+    }
+
+
+@pytest.mark.parametrize(
+    ("actions", "violated"),
+    [
+        ([], False),
+        ([{"op": "start", "name": "gpu-node", "t": UNTIL - 1}], True),
+        # After the hold's end: the cards went back.
+        ([{"op": "start", "name": "gpu-node", "t": UNTIL + 1}], False),
+        (
+            [
+                {
+                    "op": "create",
+                    "name": "gpu-node",
+                    "t": UNTIL - 1,
+                    "hostdevs": [
+                        {"address": f"{GTX_960}.0"},
+                        {"address": f"{RTX_2}.0"},
+                    ],
+                }
+            ],
+            False,
+        ),
+    ],
+    ids=["off", "started_while_held", "started_after", "created_without_it"],
+)
+async def test_held_cards_are_read_from_the_towers_replay(
+    actions: list[dict[str, Any]], violated: bool
+) -> None:
+    """held_card_taken as the rig observes it: the simulator's replay at the
+    hold's beginning and at each start (or create) of the GPU node while it
+    lasted, with the held VM's cards from its definition."""
+    found: list[str] = []
+    rig = _judging_rig(found)
+    hold = _hold(ended=UNTIL + 0.5)
+    hold.checked_until = hold.began
+    rig._holds = [hold]
+    data = {
+        "time_scale": 0.01,
+        "actions": [
+            _defined("gpu-node", GTX_960, RTX_1, RTX_2),
+            _defined("gaming-1", RTX_1),
+            _defined("gaming-2", RTX_2),
+            *actions,
+        ],
+    }
+    await rig._check_held_cards(data, UNTIL + 5)
+    assert found == (["held_card_taken"] if violated else [])
+    assert hold.checked_until == UNTIL + 0.5
+
+
+def _prepare(request: str, vm: str, cycle: int, *faults: Fault, **hold: float) -> Plan:
+    """A prepare's cycle (seed 0): a hold of 3 s, the follow-up 0.5 s after
+    the cards are held, unless told."""
+    times = {"hold": 3.0, "then_after": 0.5} | hold
+    return Plan(0, cycle, request, vm, faults, **times)
+
+
+async def test_prepares_leave_a_sound_product_sound(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Each follow-up of a prepare once: Gaming station 1 prepared and
+    turned on within its hold (one start), turned off; Gaming station 2
+    prepared and left to expire (the cards come back, hold_expired fired);
+    Gaming station 1 prepared and Gaming station 2 turned on instead; a
+    prepare of Gaming station 2, which plays, mirrored: Gaming station 1
+    prepared (nothing to drain) and turned off; Gaming station 2 turned off;
+    Gaming station 2 prepared and the cards returned. Every hold ends as its follow-up says, within its
+    bound, and no invariant breaks."""
+    plans = [
+        _prepare("prepare_on", "gaming-1", 1),
+        Plan(0, 2, "off", "gaming-1"),
+        _prepare("prepare_expire", "gaming-2", 3, hold=2.0, then_after=0.0),
+        _prepare("prepare_other_on", "gaming-1", 4),
+        _prepare("prepare_off", "gaming-2", 5),
+        Plan(0, 6, "off", "gaming-2"),
+        _prepare("prepare_return_cards", "gaming-2", 7),
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
+    assert summary["violations"] == []
+    assert summary["holds"]["ended"] == {
+        "expired": 1,
+        "handoff of gaming-1 began": 1,
+        "handoff of gaming-2 began": 1,
+        "return of gpu-node began": 1,
+        "stop of gaming-1 began": 1,
+    }
+    assert summary["holds"]["overstay_idle_max_s"] <= HOLD_LATE
+    assert summary["outcomes"] == {"playing": 3, "serving": 4}
+    observed = summary["observed"]
+    assert observed["prepare_then_on_within_hold"] == 1
+    assert observed["prepare_left_to_expire"] == 1
+    assert observed["prepare_mirrored"] == 1
+
+
+async def test_lending_prepares_leave_a_sound_product_sound(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Lending: Gaming station 1 prepared (the GPU node comes back with the
+    free cards but its own) and left to expire (then with every card);
+    both play; Gaming station 1 prepared again (its player quits first) and
+    turned on within its hold."""
+    plans = [
+        _prepare("prepare_expire", "gaming-1", 1, hold=2.0, then_after=0.0),
+        Plan(0, 2, "both_on"),
+        _prepare("prepare_on", "gaming-1", 3),
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
+    assert summary["violations"] == []
+    assert summary["holds"]["count"] == 2
+    assert summary["holds"]["ended"]["expired"] == 1
+    assert summary["outcomes"] == {"playing_and_lending": 2, "serving": 1}
+    assert summary["observed"]["prepare_after_quit"] == 1
+
+
+async def test_a_product_whose_holds_never_expire_is_caught(
+    hass: HomeAssistant,
+    k8s_emulator: K8sEmulator,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A controller that never sees a hold's time is over: the cards stay
+    held for Gaming station 2 past its time with GPU Handoff idle, reported
+    as that (the cycle never settles, and ends with the GPU node off)."""
+    monkeypatch.setattr(
+        "custom_components.gpu_handoff.core.Hold.expired", lambda self, now: False
+    )
+    plans = [_prepare("prepare_expire", "gaming-2", 1, hold=2.0, then_after=0.0)]
+    summary = await _replay(
+        hass, k8s_emulator, tmp_path, plans, settle_bound=8.0, recover=False
+    )
+    assert _invariants(summary) == [
+        (1, "half_state"),
+        (1, "hold_outlived"),
+        (1, "unsettled"),
+    ]
+
+
+async def test_a_lend_that_takes_the_held_card_is_caught(
+    hass: HomeAssistant,
+    k8s_emulator: K8sEmulator,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lending, a product whose lend forgets the held VM (the lend job does
+    not name it): after Gaming station 1's prepare the GPU node comes back
+    with Gaming station 1's card too, reported as exactly that."""
+    lend = OperationRunner.return_cards
+
+    async def forgetful(
+        self: OperationRunner, settings: Any, *, if_running: bool, keep: Any = None
+    ) -> bool:
+        return await lend(self, settings, if_running=if_running, keep=None)
+
+    monkeypatch.setattr(OperationRunner, "return_cards", forgetful)
+    plans = [_prepare("prepare_expire", "gaming-1", 1, hold=2.0, then_after=0.0)]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
+    assert _invariants(summary) == [(1, "held_card_taken")]
 
 
 async def test_an_agent_that_stops_before_the_guest_agent_answers_is_caught(
