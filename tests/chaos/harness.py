@@ -52,7 +52,9 @@ summary), and a fault whose precondition does not hold at its moment
 (nobody else plays, the GPU node is off already, the VM to start runs
 already) does nothing ("inapplicable"). A request overridden by a later one
 of the cycle (the VM just turned off started again; a gaming VM turned on
-after ``return_cards``) is not judged ("superseded").
+after ``return_cards``), or by its player (a switch turned on while its
+player was already quitting from inside, the VM still ``running`` to
+libvirt), is not judged ("superseded").
 
 Prepare ahead: a quarter of the cycles (``PREPARE_ODDS``, drawn from a
 generator of their own, so that every other cycle of a seed is what it was
@@ -3041,7 +3043,8 @@ class ChaosRig:
     async def _check_asks(self, asks: list[Ask]) -> None:
         """A request accepted and not fulfilled was reported; one a later
         request of the cycle overrode (``_superseded``) is not judged."""
-        world = await asyncio.to_thread(self.sim.world)
+        data = await asyncio.to_thread(sim_model.load, self.sim.state_dir)
+        world = sim_model.world(data)
         running = {name for name, dom in world.doms.items() if dom.running}
         for ask in asks:
             if ask.how == "start_handoff" and isinstance(ask.response, dict):
@@ -3075,6 +3078,9 @@ class ChaosRig:
             if fulfilled:
                 ask.detail = (ask.detail + " fulfilled").strip()
                 continue
+            if ask.want == "on" and self._pressed_as_it_quit(ask, data):
+                ask.detail = (ask.detail + " superseded").strip()
+                continue
             if ask.want == "prepare" and ask.removed:
                 # Its VM removed from GPU Handoff while it ran: the prepare
                 # is abandoned and holds nothing (Operations._left_behind),
@@ -3094,6 +3100,27 @@ class ChaosRig:
                 f"{ask.how} {ask.vm} ({ask.want}) was accepted, is not done, and "
                 f"was not reported: {why}",
             )
+
+    def _pressed_as_it_quit(self, ask: Ask, data: dict[str, Any]) -> bool:
+        """Whether an "on" was sent while its VM's player was already
+        quitting from inside (``player_quits`` before the press, the guest
+        shutting down at it): libvirt says ``running`` until the guest has
+        powered off (qemuProcessHandleShutdown sets ``in shutdown`` only
+        then), so GPU Handoff finds it playing and the press does nothing,
+        and the player's quit, which came first, ends the session: the
+        player overrode the press, as a later request would (seed 44, cycle
+        26)."""
+        if ask.sent_at is None:
+            return False
+        quit_first = any(
+            at <= ask.sent_at and what == f"{ask.vm} quit from inside"
+            for at, what in self._edges
+        )
+        if not quit_first:
+            return False
+        at = ask.sent_at + float(data.get("clock_offset", 0.0))
+        vm = sim_model.world(data, at=at).doms.get(ask.vm)
+        return vm is not None and vm.running and vm.off_at is not None
 
     def _prepare_reported(self, ask: Ask, asks: list[Ask], why: str) -> str | None:
         """Why a failed prepare does not count as reported (None: it does),

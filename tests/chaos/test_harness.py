@@ -1102,6 +1102,39 @@ async def test_a_player_quitting_as_the_stop_arrives_changes_nothing(
     assert summary["violations"] == []
 
 
+async def test_a_press_as_its_player_quits_is_overridden_by_the_player(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Both play; Gaming station 2's player shuts it down from inside (1.5 s
+    to power off) just before both switches are pressed on again, libvirtd
+    restarting meanwhile (seed 44, cycle 26). libvirt says ``running`` at
+    the press, so it does nothing; the player's quit, first, ends the
+    session: no silent failure, the press superseded, the cards back."""
+    quits = Fault("player_quits", "before", (("target", "gaming-2"),))
+    plans = [
+        Plan(0, 1, "both_on"),
+        Plan(
+            0,
+            2,
+            "both_on",
+            None,
+            (
+                _slow("gaming-2", 1.5),
+                quits,
+                _restart(2.9, "before", socket_activated=True),
+            ),
+        ),
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
+    assert summary["faults"]["fired"] == {
+        "libvirtd_restart": 1,
+        "player_quits": 1,
+        "slow_graceful_stop": 1,
+    }
+    assert summary["violations"] == []
+    assert summary["requests_ended"] == {"fulfilled": 3, "superseded": 1}
+
+
 async def test_an_agent_that_refuses_a_raced_stop_is_caught(
     hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
 ) -> None:
