@@ -207,6 +207,37 @@ async def test_a_hold_survives_a_restart_of_home_assistant(
     assert gpu_node_jobs(sim) == 1
 
 
+async def test_a_hold_that_ran_out_while_home_assistant_was_away_ends_at_set_up(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Cards held for gaming station 1 for a second; Home Assistant is away
+    (the entry unloaded) past the hold's end. Set up again, it finds the
+    hold over: it says so and the cards go back, the VM left off."""
+    await setup_entry(hass, entry)
+    controller = entry.runtime_data.controller
+    assert await (await controller.async_prepare("gaming-1", hold=1.0))
+    hold = controller.state.hold
+    assert hold is not None
+    assert await hass.config_entries.async_unload(entry.entry_id)
+    await hass.async_block_till_done()
+    ends = dt_util.parse_datetime(hold.until)
+    assert ends is not None
+    await asyncio.sleep(max(0.0, (ends - dt_util.utcnow()).total_seconds()) + 0.1)
+    expired = async_capture_events(hass, EVENT_HOLD_EXPIRED)
+    returned = async_capture_events(hass, EVENT_RETURN_SUCCEEDED)
+
+    await setup_entry(hass, entry)
+    await until(lambda: bool(expired) and bool(returned))
+    assert [e.data["vm"] for e in expired] == ["gaming-1"]
+    await until(lambda: sim.is_running("gpu-node") and not cordoned(cluster))
+    assert not sim.is_running("gaming-1")
+    assert entry.runtime_data.controller.state.hold is None
+
+
 async def test_return_cards_ends_the_hold(
     hass: HomeAssistant,
     entry: MockConfigEntry,
