@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+import contextlib
 from dataclasses import dataclass, field
+import fcntl
 import io
 import json
 import os
@@ -152,10 +154,26 @@ class FakeTower:
         tmp.write_text(json.dumps(state), encoding="utf-8")
         tmp.replace(self.state_path)
 
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[dict[str, Any]]:
+        """The state to change in place: read and replaced under the lock
+        the stand-in virsh takes for its own read-modify-write, so that a
+        call running meanwhile (a session's refresh rewrites the state
+        whole) neither loses the change nor is lost by it."""
+        with self.state_path.with_suffix(".lock").open("a", encoding="utf-8") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            state = self.load()
+            yield state
+            self.save(state)
+
+    def update(self, **values: Any) -> None:
+        """Set top-level keys of the state (``unreachable``, ``event_fails``)."""
+        with self.changing() as state:
+            state.update(values)
+
     def set_domain(self, name: str, **values: Any) -> None:
-        state = self.load()
-        state["domains"][name].update(values)
-        self.save(state)
+        with self.changing() as state:
+            state["domains"][name].update(values)
 
     def log(self) -> list[list[str]]:
         return [

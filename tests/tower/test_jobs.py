@@ -246,9 +246,8 @@ def test_start_already_running_and_missing(fake_tower: FakeTower) -> None:
     job = run_job(fake_tower, queue(fake_tower, "start", "gpu-node"))
     assert job["state"] == "succeeded"
     assert job["steps"][0]["detail"] == "already running"  # type: ignore[index]
-    state = fake_tower.load()
-    del state["domains"]["win-2"]
-    fake_tower.save(state)
+    with fake_tower.changing() as state:
+        del state["domains"]["win-2"]
     job = run_job(fake_tower, queue(fake_tower, "start", "win-2"))
     assert job["error"]["code"] == "domain_missing"  # type: ignore[index]
     job = run_job(fake_tower, queue(fake_tower, "stop", "win-2"))

@@ -510,9 +510,7 @@ def test_event_child_dies_and_comes_back(
     outage is over, and the next loss is pushed again."""
     monkeypatch.setattr(agent_session, "EVENT_RESTART_SECONDS", 0.2)
     fake_tower.configure(session_refresh=60)
-    state = fake_tower.load()
-    state["event_fails"] = True
-    fake_tower.save(state)
+    fake_tower.update(event_fails=True)
     cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
     client = Collector()
     session = agent_session.Session(cfg, client.stdin, client, "cli")  # type: ignore[arg-type]
@@ -539,8 +537,7 @@ def test_event_child_dies_and_comes_back(
             what="event child tried again",
         )
         assert errors() == [error]
-        state["event_fails"] = False
-        fake_tower.save(state)
+        fake_tower.update(event_fails=False)
         # A child started as the state changed may still have read the
         # failing one and die at once: the session's child that stays up
         # for half a second is the one that came back.
@@ -565,8 +562,7 @@ def test_event_child_dies_and_comes_back(
         assert session.events is child
         assert errors() == [error]
         # libvirtd goes away again: news, pushed though the code is the same.
-        state["event_fails"] = True
-        fake_tower.save(state)
+        fake_tower.update(event_fails=True)
         again = client.expect(lambda m: m["type"] == "error")
         assert again["source"] == "events"
         assert again["error"]["code"] == "libvirt_unreachable"
@@ -593,16 +589,13 @@ def test_status_failure_reported_then_recovered(
     thread.start()
     try:
         opened(client)
-        state = fake_tower.load()
-        state["unreachable"] = True
-        fake_tower.save(state)
+        fake_tower.update(unreachable=True)
         error = client.expect(lambda m: m["type"] == "error")
         assert error["source"] == "status"
         assert error["error"]["code"] == "libvirt_unreachable"
         reply = client.call(1, "status")
         assert reply["error"]["code"] == "libvirt_unreachable"
-        state["unreachable"] = False
-        fake_tower.save(state)
+        fake_tower.update(unreachable=False)
         # Back: the status is pushed again although it did not change.
         client.expect(lambda m: m["type"] == "status")
     finally:

@@ -80,9 +80,16 @@ def save(state_dir: str, data: JsonObj) -> None:
     os.replace(tmp, os.path.join(state_dir, STATE_FILE))
 
 
-def state_mtime(state_dir: str) -> tuple[int, int]:
+def state_mtime(state_dir: str) -> tuple[int, int, int]:
+    """What tells a reader the state changed without reading it. Not the
+    mtime alone: the kernel stamps a new file from its coarse clock (a tick,
+    a few ms), so saves within one tick share it; and ``save`` replaces the
+    file, whose inode number ext4 may hand out again at the next save but
+    one. The size too makes two states alike in all three unlikely (an event
+    stream that missed a change would wait for the next one, which a quiet
+    world may never make)."""
     st = os.stat(os.path.join(state_dir, STATE_FILE))
-    return st.st_mtime_ns, st.st_ino
+    return st.st_mtime_ns, st.st_ino, st.st_size
 
 
 def now(data: JsonObj) -> float:

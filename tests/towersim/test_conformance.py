@@ -298,7 +298,14 @@ def test_events_match_real_virsh(pair: Pair) -> None:
     def sim_caught_up() -> bool:
         return _is_subsequence(want, [strip(line) for line in pair.event_lines.poll()])
 
-    wait_until(sim_caught_up, timeout=20, what="the simulator's events")
+    try:
+        wait_until(sim_caught_up, timeout=20, what="the simulator's events")
+    except TimeoutError:
+        got = [strip(line) for line in pair.event_lines.poll()]
+        raise AssertionError(
+            "the simulator's events are not the test driver's, in order:\n"
+            f"real: {want}\nsim:  {got}"
+        ) from None
 
 
 def test_event_timeout_matches_real_virsh(pair: Pair) -> None:

@@ -922,7 +922,7 @@ class EventStream:
         self.domain = domain
         self.wanted = wanted
         self.seen: set[str] = set()
-        self.stamp: tuple[int, int] | None = None
+        self.stamp: tuple[int, int, int] | None = None
         self.pending: list[float] = []
         self.clock_offset = 0.0
         self.disconnected = False
