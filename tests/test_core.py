@@ -9,6 +9,7 @@ tests/test_lending.py, tests/test_failed_handoff.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
+import datetime as dt
 import json
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ import pytest
 from custom_components.gpu_handoff.cluster_model import CORDON_OWNER_US, NodeView
 from custom_components.gpu_handoff.core import (
     STORE_VERSION,
+    Hold,
+    HoldEnd,
     HookJobRead,
     JobFacts,
     Kind,
@@ -32,8 +35,11 @@ from custom_components.gpu_handoff.core import (
     Settings,
     Settle,
     gpu_stopped_by_us,
+    hold_after,
+    hold_ends,
     hook_stopped_gpu_node,
     job_stopped_gpu_node,
+    known_desired,
     lends_after,
     migrate_store,
     reconcile,
@@ -1102,3 +1108,124 @@ def test_a_stop_reads_whether_the_gpu_node_ran_once_before_its_first_job() -> No
     assert ran.stop_began(gpu_running=False) == ran
     stored = JobFacts.from_dict(json.loads(json.dumps(ran.as_dict())))
     assert stored.stop_began(gpu_running=False).gpu_was_running is True
+
+
+# --- a hold (gpu_handoff.prepare) ------------------------------------------------
+
+HOLD = Hold(vm="gaming-1", until="2026-12-04T12:15:00+00:00")
+BEFORE = dt.datetime(2026, 12, 4, 12, 14, 59, tzinfo=dt.UTC)
+AFTER = dt.datetime(2026, 12, 4, 12, 15, tzinfo=dt.UTC)
+
+
+@pytest.mark.parametrize(
+    ("status", "configured", "now", "ends"),
+    [
+        (tower("shut_off"), {"gaming-1", "gaming-2"}, BEFORE, None),
+        (tower("shut_off"), {"gaming-1", "gaming-2"}, None, None),
+        (tower("shut_off"), {"gaming-1", "gaming-2"}, AFTER, HoldEnd.EXPIRED),
+        (tower("shut_off", g1="running"), {"gaming-1"}, AFTER, HoldEnd.PLAYS),
+        (tower("shut_off"), {"gaming-2"}, BEFORE, HoldEnd.GONE),
+        (tower("shut_off", g1="paused"), {"gaming-1"}, BEFORE, None),
+    ],
+    ids=[
+        "waiting",
+        "no_clock",
+        "time_over",
+        "started_on_the_tower",
+        "removed",
+        "paused",
+    ],
+)
+def test_what_ends_a_hold(
+    status: TowerStatus,
+    configured: set[str],
+    now: dt.datetime | None,
+    ends: HoldEnd | None,
+) -> None:
+    """The VM playing ends it first (its session is followed), then the VM
+    no longer GPU Handoff's, then its time; an update with no clock never
+    ends it by time."""
+    seen = replace(observed(status), configured=frozenset(configured), now=now)
+    assert hold_ends(seen, HOLD) is ends
+    assert hold_ends(seen, None) is None
+
+
+def test_a_hold_whose_end_cannot_be_read_is_over() -> None:
+    assert Hold(vm="gaming-1", until="soon").expired(BEFORE)
+    assert Hold.from_dict({"vm": "gaming-1"}) is None
+    assert Hold.from_dict(HOLD.as_dict()) == HOLD
+
+
+@pytest.mark.parametrize(
+    ("request_", "kept"),
+    [
+        (Request(vm="gaming-1", kind=Kind.HANDOFF), False),
+        (Request(vm="gaming-2", kind=Kind.HANDOFF), False),
+        (Request(vm="gaming-2", kind=Kind.PREPARE), False),
+        (Request(vm="gaming-1", kind=Kind.STOP), False),
+        (Request(vm="gaming-2", kind=Kind.STOP), True),
+        (Request(vm="gpu-node", kind=Kind.RETURN), False),
+        (
+            Request(vm="gpu-node", kind=Kind.RETURN, origin=Origin.GPU_HANDOFF),
+            True,
+        ),
+    ],
+    ids=[
+        "its_handoff",
+        "another_handoff",
+        "another_prepare",
+        "its_stop",
+        "another_stop",
+        "return_asked",
+        "return_decided",
+    ],
+)
+def test_what_an_operation_does_to_a_hold(request_: Request, kept: bool) -> None:
+    assert hold_after(HOLD, request_) == (HOLD if kept else None)
+    assert hold_after(None, request_) is None
+
+
+def test_an_expired_hold_returns_the_cards_and_a_waiting_one_nothing() -> None:
+    """Nobody plays, the GPU node off for the hold: while it waits an update
+    asks nothing; once its time is over, the cards go back."""
+    owned = Owned(hold=HOLD, gpu_stopped_by_us=True)
+    waiting = reconcile(
+        replace(observed(tower("shut_off")), now=BEFORE), owned, Memory()
+    )
+    assert waiting.run is None
+    assert waiting.hold == HOLD
+    assert waiting.hold_ended is None
+    over = reconcile(replace(observed(tower("shut_off")), now=AFTER), owned, Memory())
+    assert over.hold_ended is HoldEnd.EXPIRED
+    assert over.run is not None
+    assert over.run.kind is Kind.RETURN
+
+
+def test_a_session_that_ends_while_cards_are_held_returns_nothing() -> None:
+    """Gaming station 2 played and quit while gaming station 1's cards are
+    held: the GPU node stays off (it would take the held card)."""
+    owned = Owned(desired=frozenset({"gaming-2"}), hold=HOLD, gpu_stopped_by_us=True)
+    seen = replace(observed(tower("shut_off")), now=BEFORE)
+    assert reconcile(seen, owned, Memory()).run is None
+    released = reconcile(seen, replace(owned, hold=None), Memory())
+    assert released.run is not None
+    assert released.run.kind is Kind.RETURN
+
+
+@pytest.mark.parametrize(
+    ("state", "kept"),
+    [("running", True), ("paused", True), ("in_shutdown", True), ("shut_off", False)],
+)
+def test_a_vm_removed_while_it_plays_keeps_its_session_until_it_is_off(
+    state: str, kept: bool
+) -> None:
+    """No longer configured: it stays desired while it holds its cards
+    (also paused, or in shutdown between the guest's power-off and QEMU's
+    exit), and is forgotten once off (its end is an edge of reconcile)."""
+    domains = tower("shut_off", g1=state).domains
+    assert known_desired(frozenset({"gaming-1"}), domains, {"gaming-2"}) == (
+        frozenset({"gaming-1"}) if kept else frozenset()
+    )
+    assert known_desired(frozenset({"gaming-1"}), domains, {"gaming-1"}) == frozenset(
+        {"gaming-1"}
+    )
