@@ -597,6 +597,41 @@ async def test_a_vm_removed_while_it_played_and_quit_unseen_returns_the_cards(
     assert entry.runtime_data.controller.state.desired == set()
 
 
+async def test_a_stop_whose_vm_is_removed_mid_job_returns_the_cards_once_nobody_plays(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    no_pdb: None,
+) -> None:
+    """Both play; Gaming station 2 is turned off (3 s to shut down); while
+    its job runs Gaming station 1's player quits from inside and Gaming
+    station 2 is removed from GPU Handoff (the entry reloads, the stop is
+    ended at a safe point). Nobody plays any more: the cards go back, as at
+    the end of the stop itself (chaos seed 2718, cycle 30, left the GPU
+    node off with nobody playing and nothing reported)."""
+    await setup_entry(hass, entry)
+    await play(hass, entry, sim, 1)
+    await play(hass, entry, sim, 2)
+    returned = async_capture_events(hass, EVENT_CARDS_RETURNED)
+    failed = async_capture_events(hass, EVENT_HANDOFF_FAILED)
+    sim.set_shutdown_duration("gaming-2", 300.0)  # 3 s at the tests' scale
+
+    await switch(hass, "turn_off", SWITCH_2)
+    await until(lambda: bool(sim.calls("shutdown", "gaming-2")), BOUND)
+    sim.guest_shutdown("gaming-1")
+    await until(lambda: not sim.is_running("gaming-1"), BOUND)
+    await remove_gaming_vm(hass, entry, "gaming-2")
+    controller = entry.runtime_data.controller
+    await until(lambda: idle(entry) and not controller.requests, BOUND)
+    # By the end of what the stop left, not at some later update.
+    assert not sim.is_running("gaming-2")
+    assert [e.data["vm"] for e in returned] == ["gpu-node"]
+
+    await _cards_back(hass, entry, sim, cluster, returned)
+    assert failed == []
+
+
 async def test_a_request_waiting_for_a_vm_removed_meanwhile_is_reported(
     hass: HomeAssistant,
     entry: MockConfigEntry,

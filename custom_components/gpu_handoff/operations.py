@@ -13,7 +13,7 @@ from typing import Final
 
 from homeassistant.util import dt as dt_util
 
-from .cluster_client import UnmanagedPodsError
+from .cluster_client import ClusterError, UnmanagedPodsError
 from .const import EVENT_HANDOFF_STARTED
 from .coordinator import GpuHandoffCoordinator
 from .core import (
@@ -28,7 +28,9 @@ from .core import (
     job_stopped_gpu_node,
     lends_after,
     returns_after,
+    returns_after_stop,
     settle_hook_job,
+    stopped_by_jobs,
     superseded_hook_requests,
 )
 from .jobs import JobFailedError
@@ -37,6 +39,7 @@ from .progress import OperationProgress
 from .protocol import RUNNING
 from .report import Reporter, transient
 from .runner import OperationRunner
+from .tower_client import AgentCommandError, TowerConnectionError
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -342,9 +345,26 @@ class Operations:
             if self.state.plan is not None:
                 self.state.plan = replace(self.state.plan, job=None, settle=settle)
                 await self.state.save()
-        return await self.runner.settle_failed_handoff(
-            settle.stopped_by_us, self.state.settings, settle.hook_job
-        )
+        retry = Retry(self.state.settings.drain_timeout)
+        while True:
+            try:
+                return await self.runner.settle_failed_handoff(
+                    settle.stopped_by_us, self.state.settings, settle.hook_job
+                )
+            except (TowerConnectionError, AgentCommandError, ClusterError) as failed:
+                # libvirt or the tower away for a moment: tried again, for
+                # what the hook's stop did decides whether the cards go back
+                # (chaos seed 2718, cycle 46: given up at once, the GPU node
+                # the hook shut down stayed off with nobody playing).
+                if await retry.again(
+                    request, failed, lambda: self.progress.step(STEP_RETRYING)
+                ):
+                    continue
+                # The tower still cannot tell: when GPU Handoff's own job
+                # stopped the GPU node, the return decides (it reads the
+                # tower again, and fails with a report if it is still away).
+                _LOGGER.warning("Could not settle the failed handoff: %s", failed)
+                return settle.stopped_by_us
 
     async def save_job(self, job: PendingJob | None) -> None:
         """Store the operation's tower job (before it is asked for), and
@@ -405,6 +425,19 @@ class Operations:
             self.state.desired.add(vm)
         else:
             await self.runner.uncordon_if_serving()
+        if kind is Kind.STOP and returns_after_stop(
+            status,
+            vm,
+            self.state.settings,
+            facts=facts,
+            gpu_stopped_by_us=stopped_by_jobs(self.state.gpu_stopped_by_us, facts),
+            held=self.state.hold is not None,
+        ):
+            # As the stop would have at its end (the runner's
+            # _return_if_nobody_plays): it shut its VM down and nobody plays
+            # any more (the other player quit meanwhile), so the cards go
+            # back (chaos seed 2718, cycle 30).
+            return True
         # Lending: a handoff that gave the VM its cards, or a stop that freed
         # them (or, failed, was merged with requests that changed what is
         # free).

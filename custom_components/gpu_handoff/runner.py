@@ -283,34 +283,28 @@ class OperationRunner:
         node that still runs is uncordoned (our own cordon only). A GPU node
         shut down by someone else stays as it is, and so does one that
         cannot run now: every card a running gaming VM holds (lending: it
-        runs with the free ones).
+        runs with the free ones). A tower or cluster that cannot answer
+        raises (Operations._settle tries again).
         """
-        try:
+        status = await self.tower.status()
+        if hook_job is None:
+            job = status.job_for(self.gpu_node)
+            if job is not None and job.requested_by == REQUESTED_BY_HOOK:
+                hook_job = job.id
+        if hook_job is not None:
+            stopped_by_us = await self._hook_stopped(hook_job) or stopped_by_us
             status = await self.tower.status()
-            if hook_job is None:
-                job = status.job_for(self.gpu_node)
-                if job is not None and job.requested_by == REQUESTED_BY_HOOK:
-                    hook_job = job.id
-            if hook_job is not None:
-                stopped_by_us = await self._hook_stopped(hook_job) or stopped_by_us
-                status = await self.tower.status()
-            gpu = status.domains.get(self.gpu_node)
-            if gpu is not None and gpu.state == RUNNING:
-                await self.uncordon_if_serving()
-                return False
-            return (
-                stopped_by_us
-                and gpu is not None
-                and gpu.state == SHUT_OFF
-                and status.job_for(self.gpu_node) is None
-                and can_run(status, settings)
-            )
-        except (TowerConnectionError, AgentCommandError, ClusterError) as err:
-            # The tower cannot tell: when GPU Handoff may have stopped the GPU
-            # node, the return decides (it reads the tower again, and fails
-            # with a report if the tower is still away).
-            _LOGGER.warning("Could not settle the failed handoff: %s", err)
-            return stopped_by_us
+        gpu = status.domains.get(self.gpu_node)
+        if gpu is not None and gpu.state == RUNNING:
+            await self.uncordon_if_serving()
+            return False
+        return (
+            stopped_by_us
+            and gpu is not None
+            and gpu.state == SHUT_OFF
+            and status.job_for(self.gpu_node) is None
+            and can_run(status, settings)
+        )
 
     async def _hook_stopped(self, hook_job: str) -> bool:
         """Follow libvirt's hook's stop of the GPU node to its end: True when

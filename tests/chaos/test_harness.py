@@ -1135,6 +1135,33 @@ async def test_a_press_as_its_player_quits_is_overridden_by_the_player(
     assert summary["requests_ended"] == {"fulfilled": 3, "superseded": 1}
 
 
+async def test_a_failed_handoff_settled_while_libvirt_is_away_returns_the_cards(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Gaming station 2 started by hand on the tower (refused: the GPU node
+    holds its card; libvirt's hook shuts the GPU node down); the handoff for
+    it fails on an unmanaged pod, and libvirt is away for 1.6 s as it
+    drains, so the first look at what the hook's stop did fails. It is tried
+    again, the hook's stop is seen, and the cards go back (seed 2718, cycle
+    46: given up at once, the GPU node stayed off with nobody playing)."""
+    plans = [
+        Plan(
+            0,
+            1,
+            "hand",
+            "gaming-2",
+            (
+                Fault("unmanaged_pod", "before"),
+                Fault("libvirt_down", "draining", (("seconds", 1.6),)),
+            ),
+        ),
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans)
+    assert summary["faults"]["fired"] == {"libvirt_down": 1, "unmanaged_pod": 1}
+    assert summary["violations"] == []
+    assert summary["outcomes"] == {"serving": 1}
+
+
 async def test_an_agent_that_refuses_a_raced_stop_is_caught(
     hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
 ) -> None:
