@@ -647,9 +647,12 @@ class SshSession:
         return rc
 
     def kill(self) -> None:
+        """End the session at once; the reader thread ends with its pipe
+        (joined, so no thread outlives the test)."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self.thread.join(timeout=10)
 
 
 def domain_of(status: dict[str, Any], name: str) -> dict[str, Any]:

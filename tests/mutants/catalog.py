@@ -312,8 +312,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Patch(
                 RUNNER,
-                "            return (\n                stopped_by_us\n",
-                "            return (\n                False\n                and stopped_by_us\n",
+                "        return (\n            stopped_by_us\n",
+                "        return (\n            False\n            and stopped_by_us\n",
             ),
             # The decision after the operation returns them too (a stop of
             # the GPU node by libvirt's hook read from its record).
