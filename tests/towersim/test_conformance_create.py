@@ -220,4 +220,11 @@ def test_create_events_match_real_virsh(pair: base.Pair, tmp_path: Path) -> None
         got = [strip(line) for line in pair.event_lines.poll()]
         return base._is_subsequence(want, got)
 
-    wait_until(sim_caught_up, timeout=30, what="the simulator's events")
+    try:
+        wait_until(sim_caught_up, timeout=30, what="the simulator's events")
+    except TimeoutError:
+        got = [strip(line) for line in pair.event_lines.poll()]
+        raise AssertionError(
+            "the simulator's events are not the test driver's, in order:\n"
+            f"real: {want}\nsim:  {got}"
+        ) from None

@@ -914,6 +914,14 @@ class Session:
         self.out.print(f"events received: {count}\n")
 
 
+# An event stream reads the state whole at least this often, whatever its
+# stamp says: a stamp (mtime, inode, size) can miss a change in theory, and
+# a stream that missed one would otherwise wait for the next change, which
+# a quiet world may never make (CI saw the conformance tests' streams wait
+# 20-30 s for events the test driver had sent; the cause is not known).
+REREAD_SECONDS = 0.5
+
+
 class EventStream:
     """New events as the simulated clock passes them."""
 
@@ -923,6 +931,8 @@ class EventStream:
         self.wanted = wanted
         self.seen: set[str] = set()
         self.stamp: tuple[int, int, int] | None = None
+        # The last full read (the stamp may miss a change: see REREAD_SECONDS).
+        self.read_at = 0.0
         self.pending: list[float] = []
         self.clock_offset = 0.0
         self.disconnected = False
@@ -946,8 +956,13 @@ class EventStream:
     def poll(self) -> list[model.Event]:
         stamp = model.state_mtime(self.state_dir)
         sim_now = time.time() + self.clock_offset
-        if stamp == self.stamp and not (self.pending and self.pending[0] <= sim_now):
+        if (
+            stamp == self.stamp
+            and not (self.pending and self.pending[0] <= sim_now)
+            and time.monotonic() - self.read_at < REREAD_SECONDS
+        ):
             return []
+        self.read_at = time.monotonic()
         with model.locked(self.state_dir, exclusive=False):
             data = model.load(self.state_dir)
             stamp = model.state_mtime(self.state_dir)
