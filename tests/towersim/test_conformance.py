@@ -11,7 +11,7 @@ errors) is pinned against a recording of real QEMU guests in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 import re
 import signal
@@ -69,6 +69,27 @@ class Pair:
                 f"virsh {list(args)}:\n  real: {want}\n  sim:  {got}"
             )
         return got
+
+    def sim_events_include(
+        self, want: list[str], strip: Callable[[str], str], *, timeout: float
+    ) -> None:
+        """The simulator's event lines (``strip`` of each) come to hold
+        ``want`` in order; else both lists are shown."""
+
+        def got() -> list[str]:
+            return [strip(line) for line in self.event_lines.poll()]
+
+        try:
+            wait_until(
+                lambda: _is_subsequence(want, got()),
+                timeout=timeout,
+                what="the simulator's events",
+            )
+        except TimeoutError:
+            raise AssertionError(
+                "the simulator's events are not the test driver's, in order:\n"
+                f"real: {want}\nsim:  {got()}"
+            ) from None
 
     def check(self) -> None:
         mismatches, self.mismatches = self.mismatches, []
@@ -295,17 +316,7 @@ def test_events_match_real_virsh(pair: Pair) -> None:
         "event 'lifecycle' for domain 'gaming-2': Stopped Shutdown",
     ]
 
-    def sim_caught_up() -> bool:
-        return _is_subsequence(want, [strip(line) for line in pair.event_lines.poll()])
-
-    try:
-        wait_until(sim_caught_up, timeout=20, what="the simulator's events")
-    except TimeoutError:
-        got = [strip(line) for line in pair.event_lines.poll()]
-        raise AssertionError(
-            "the simulator's events are not the test driver's, in order:\n"
-            f"real: {want}\nsim:  {got}"
-        ) from None
+    pair.sim_events_include(want, strip, timeout=20)
 
 
 def test_event_timeout_matches_real_virsh(pair: Pair) -> None:

@@ -18,7 +18,6 @@ from xml.etree import ElementTree as ET
 
 import pytest
 
-from tests.support.libvirtd import wait_until
 from tests.towersim import test_conformance as base
 
 pytestmark = pytest.mark.system
@@ -216,15 +215,4 @@ def test_create_events_match_real_virsh(pair: base.Pair, tmp_path: Path) -> None
         "event 'lifecycle' for domain 'gpu-node': Stopped Shutdown",
     ]
 
-    def sim_caught_up() -> bool:
-        got = [strip(line) for line in pair.event_lines.poll()]
-        return base._is_subsequence(want, got)
-
-    try:
-        wait_until(sim_caught_up, timeout=30, what="the simulator's events")
-    except TimeoutError:
-        got = [strip(line) for line in pair.event_lines.poll()]
-        raise AssertionError(
-            "the simulator's events are not the test driver's, in order:\n"
-            f"real: {want}\nsim:  {got}"
-        ) from None
+    pair.sim_events_include(want, strip, timeout=30)
