@@ -543,6 +543,15 @@ def test_wait_devices_polls_until_free(
     assert fake_tower.load()["domains"]["win-1"]["state"] == "running"
 
 
+def _flock_waiters(path: Path) -> int:
+    """How many processes wait, blocked in flock, for the lock on ``path``
+    (the kernel's /proc/locks marks a waiter's line ``->``)."""
+    st = path.stat()
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino} "
+    with Path("/proc/locks").open(encoding="ascii") as locks:
+        return sum(1 for line in locks if " -> FLOCK " in line and ident in line)
+
+
 def test_jobs_wait_for_tower_lock(fake_tower: FakeTower) -> None:
     """A runner queued behind the tower lock stays `queued` and alive."""
     import fcntl
@@ -552,10 +561,14 @@ def test_jobs_wait_for_tower_lock(fake_tower: FakeTower) -> None:
     with lock.open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         job_id = fake_tower.run("stop", "win-1").reply["job"]["id"]
-        lockfile = fake_tower.state_dir / "jobs" / f"{job_id}.lock"
+        # The runner blocks in flock on the tower lock: the kernel lists it
+        # as a waiter on the file (a runner that did not wait never is).
+        # Until then the job stays queued (a runner past the lock runs it).
+        cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
         deadline = time.monotonic() + 30
-        while agent_jobs._lock_is_free(str(lockfile)) or not lockfile.exists():
-            assert time.monotonic() < deadline
+        while not _flock_waiters(lock):
+            assert agent_jobs.load_job(cfg, job_id)["state"] == "queued"
+            assert time.monotonic() < deadline, "no runner waits on the tower lock"
             time.sleep(0.02)
         assert fake_tower.run("job", job_id).reply["job"]["state"] == "queued"
         assert fake_tower.run("status").reply["active_jobs"][0]["id"] == job_id
