@@ -230,16 +230,48 @@ def entry(
 
 
 # Seconds spent per part of the suite (setup, call and teardown of every
-# test), printed at the end: where the suite's time goes.
+# test), printed at the end: where the suite's time goes. And the CPU it
+# used: on the machines the suite is made for, CPU is what bounds it.
 PART_SECONDS: dict[str, float] = {}
+PART_CPU: dict[str, float] = {}
+_CPU_AT_SETUP: dict[str, float] = {}
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU (every thread), and its children's once reaped:
+    sshd, and what it ran, when a test's fixture stops it; the simulated
+    virsh and the agent's runs, when their parent waits for them."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None]:
+    """Note the CPU used before the test's setup (in the worker that runs it)."""
+    _CPU_AT_SETUP[item.nodeid] = _cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Generator[None]:
+    """The teardown's report carries the test's CPU to the process that
+    reports (pytest-xdist sends a report's user_properties along)."""
+    if call.when == "teardown" and item.nodeid in _CPU_AT_SETUP:
+        used = _cpu_seconds() - _CPU_AT_SETUP.pop(item.nodeid)
+        item.user_properties.append(("cpu_seconds", used))
+    yield
 
 
 def pytest_runtest_logreport(report: Any) -> None:
-    """Add a test phase's duration to its part: a directory under tests/,
-    or the file for a test at the top of tests/."""
+    """Add a test phase's duration (and a test's CPU) to its part: a
+    directory under tests/, or the file for a test at the top of tests/."""
     parts = report.nodeid.split("::", 1)[0].split("/")
     part = "/".join(parts[:2])
     PART_SECONDS[part] = PART_SECONDS.get(part, 0.0) + float(report.duration)
+    if report.when == "teardown":
+        for name, value in report.user_properties:
+            if name == "cpu_seconds":
+                PART_CPU[part] = PART_CPU.get(part, 0.0) + float(value)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -247,13 +279,18 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     (tests/support/box.py)."""
     if PART_SECONDS:
         total = sum(PART_SECONDS.values())
+        cpu = sum(PART_CPU.values())
         terminalreporter.write_line(
-            f"time by part (setup + call + teardown, {total:.0f} s in all):"
+            f"time by part (setup + call + teardown, {total:.0f} s in all; "
+            f"CPU, {cpu:.0f} s in all, of the tests' processes and of the "
+            "children they waited for):"
         )
         ranked = sorted(PART_SECONDS.items(), key=lambda item: -item[1])
         for part, seconds in ranked[:20]:
+            used = PART_CPU.get(part, 0.0)
             terminalreporter.write_line(
-                f"  {seconds:8.1f} s  {100 * seconds / total:5.1f} %  {part}"
+                f"  {seconds:8.1f} s  {100 * seconds / total:5.1f} %"
+                f"  CPU {used:7.1f} s  {100 * used / max(cpu, 1e-9):5.1f} %  {part}"
             )
     from tests.support.box import BOOT_SECONDS
 

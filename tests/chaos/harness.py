@@ -3817,7 +3817,7 @@ class ChaosRig:
             for line in complete.splitlines():
                 if not line:
                     continue
-                rec = json.loads(line)
+                rec = sim_model.parse_record(line)
                 if rec["kind"] == "start":
                     finished.append(rec)
         subprocess.run(

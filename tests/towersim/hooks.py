@@ -36,21 +36,17 @@ Runs on Python >= 3.9 with the standard library only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-import contextlib
 import fcntl
-import json
 import os
-import signal
-import threading
 import time
 
-from . import domxml, model
+from . import domxml, lean, model
 
 # The simulator is a process per virsh call: typing stays out of its imports
 # (about 3 ms of each start); its names are for the type checker only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from typing import Any
 
     JsonObj = dict[str, Any]
@@ -64,7 +60,7 @@ HOOK_TIMEOUT = 30.0  # libvirt waits forever; the simulator kills the hook then
 WAIT_LIMIT = 120.0  # longest a virsh call waits for another process's start
 LOCK_FILE = "hooks.lock"
 HOLDER_FILE = "hooks.holder"
-LOG_FILE = "hooks.jsonl"
+LOG_FILE = "hooks.log"
 
 # Start failures after the hook ran (``Tower.fail_next_start``), with
 # libvirt's texts: qemuProcessPrepareHostStorage (virStorageSourceReportBrokenChain
@@ -110,7 +106,7 @@ def inside_hook(state_dir: str) -> bool:
     return text.isdigit() and int(text) == _session()
 
 
-@contextlib.contextmanager
+@lean.contextmanager
 def hook_lock(state_dir: str) -> Iterator[None]:
     """One hook call at a time, in the order processes asked: so stop hooks run
     in the order of the stops, and a start's hooks after the stops before it.
@@ -151,7 +147,7 @@ def _set_holder(state_dir: str, session: int | None) -> None:
     path = os.path.join(state_dir, HOLDER_FILE)
     with open(path, "w", encoding="utf-8") as handle:
         handle.write("" if session is None else str(session))
-    with contextlib.suppress(OSError):
+    with lean.suppress(OSError):
         os.chmod(path, 0o666)  # noqa: S103 - the agent may run as another user
 
 
@@ -162,7 +158,7 @@ def _quote(word: str) -> str:
     return "'" + word.replace("'", "'\\''") + "'"
 
 
-@contextlib.contextmanager
+@lean.contextmanager
 def _sigpipe_ignored() -> Iterator[None]:
     """As in libvirtd, which ignores SIGPIPE: a hook that leaves the domain
     XML unread costs its writer an EPIPE, which virCommandProcessIO ignores
@@ -171,6 +167,9 @@ def _sigpipe_ignored() -> Iterator[None]:
     as virsh does (for its own output), and died of the hook's closed stdin.
     Signal handlers can only change in the main thread: elsewhere the
     process's own disposition stays (Python ignores SIGPIPE by default)."""
+    import signal  # its one caller has imported subprocess, and these with it
+    import threading
+
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -185,7 +184,9 @@ def _run_script(
     state_dir: str, path: str, hook: JsonObj, args: list[str], xml: str
 ) -> str | None:
     """virRunScript: None if it exited 0, else libvirt's error text."""
-    import subprocess  # only here: every simulated virsh call imports this module
+    # only here: every simulated virsh call imports this module
+    import signal
+    import subprocess
 
     argv = [*hook["argv"], *args]
     env = {"LC_ALL": "C", "PATH": HOOK_PATH_ENV, **(hook.get("env") or {})}
@@ -210,7 +211,7 @@ def _run_script(
             with _sigpipe_ignored():
                 _out, err_bytes = proc.communicate(xml.encode("utf-8"), timeout=timeout)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
+            with lean.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             _out, err_bytes = proc.communicate()
         err_text = err_bytes.decode("utf-8", "replace")
@@ -218,7 +219,7 @@ def _run_script(
         status = f"exit status {rc}" if rc >= 0 else f"fatal signal {-rc}"
         if rc == 0:
             status = ""
-    with contextlib.suppress(OSError):
+    with lean.suppress(OSError):
         model.append_command(
             state_dir,
             {
@@ -578,15 +579,9 @@ def vfio_error(name: str, spec: JsonObj, t: float) -> str:
     hostdevs = spec.get("hostdevs") or []
     address = model.pci_name(hostdevs[0]["address"]) if hostdevs else "0000:03:00.0"
     group = 10 + int(address.split(":")[1], 16)
-    device = json.dumps(
-        {
-            "driver": "vfio-pci",
-            "host": address,
-            "id": "hostdev0",
-            "bus": "pci.5",
-            "addr": "0x0",
-        },
-        separators=(",", ":"),
+    device = (
+        f'{{"driver":"vfio-pci","host":"{address}","id":"hostdev0",'
+        '"bus":"pci.5","addr":"0x0"}'
     )
     whole = int(t)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
@@ -602,6 +597,6 @@ def read_log(state_dir: str) -> list[JsonObj]:
     path = os.path.join(state_dir, LOG_FILE)
     try:
         with open(path, encoding="utf-8") as handle:
-            return [json.loads(line) for line in handle if line.strip()]
+            return [model.parse_record(line) for line in handle if line.strip()]
     except FileNotFoundError:
         return []

@@ -18,26 +18,22 @@ Runs on Python >= 3.9 with the standard library only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-import contextlib
-import json
 import os
 import select
-import signal
 import stat
 import struct
 import sys
 import time
-from uuid import UUID
 import zlib
 
-from . import domxml, hooks, model
+from . import domxml, hooks, lean, model
 
 # The simulator is a process per virsh call: typing stays out of its imports
 # (about 3 ms of each start); its names are for the type checker only.
 TYPE_CHECKING = False
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
     from typing import IO, Any
 
     JsonObj = dict[str, Any]
@@ -384,7 +380,7 @@ class Session:
         raw = domain_uuid(word)
         if raw is not None:
             for candidate in world.doms.values():
-                if UUID(str(candidate.spec["uuid"])).bytes == raw:
+                if _uuid_bytes(candidate) == raw:
                     return candidate
         dom = world.doms.get(word)
         if dom is None:
@@ -403,7 +399,7 @@ class Session:
             return False
         return True
 
-    @contextlib.contextmanager
+    @lean.contextmanager
     def transaction(self, domain: str | None) -> Iterator[JsonObj]:
         """Hold the lock while a command reads and changes the state; the data.
 
@@ -424,7 +420,7 @@ class Session:
                     return
             time.sleep(0.005)
 
-    @contextlib.contextmanager
+    @lean.contextmanager
     def agent_job(
         self, word: str, *failed: str
     ) -> Iterator[tuple[JsonObj, float, model.World, model.Dom]]:
@@ -782,6 +778,8 @@ class Session:
         if not dom.agent_connected:
             raise CommandFailedError(AGENT_NOT_CONNECTED)
         try:
+            import json  # only for a guest-agent command
+
             request = json.loads(text)
             execute = request.get("execute") if isinstance(request, dict) else None
         except ValueError:
@@ -872,6 +870,8 @@ class Session:
                 self.state_dir,
                 {"kind": "subscribed", "id": self.call_id, "t": time.time()},
             )
+        import signal  # only an event stream handles signals
+
         count = 0
         interrupted: list[bool] = []
 
@@ -1043,6 +1043,12 @@ def domain_uuid(word: str) -> bytes | None:
     if any(c not in GLIB_SPACE for c in word[cur:]):
         return None
     return bytes(raw)
+
+
+def _uuid_bytes(dom: model.Dom) -> bytes:
+    from uuid import UUID  # only a lookup by UUID needs it (not every call)
+
+    return UUID(str(dom.spec["uuid"])).bytes
 
 
 def _uuid(dom: model.Dom) -> str:
