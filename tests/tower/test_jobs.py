@@ -11,7 +11,6 @@ import datetime as dt
 import json
 import os
 from pathlib import Path
-import secrets
 import sys
 import time
 
@@ -591,9 +590,9 @@ def test_jobs_made_in_the_same_microsecond_get_units_of_their_own(
 
     draws = iter(["aaaaaa", "aaaaaa", "aaaaaa", "bbbbbb"])
     monkeypatch.setattr(dt, "datetime", Frozen)
-    real = secrets.token_hex
+    real = agent_jobs._random_hex
     monkeypatch.setattr(
-        secrets, "token_hex", lambda n: next(draws) if n == 3 else real(n)
+        agent_jobs, "_random_hex", lambda n: next(draws) if n == 3 else real(n)
     )
     cfg = agent_config.load_config(str(fake_tower.config), dict(os.environ))
     first = agent_jobs.create_job(cfg, "stop", "win-1", "test")

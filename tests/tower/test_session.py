@@ -26,7 +26,6 @@ import pytest
 from custom_components.gpu_handoff.tower.gpu_handoff import (
     cli as agent_cli,
     config as agent_config,
-    requests as agent_requests,
     screenshot as agent_screenshot,
     session as agent_session,
     status as agent_status,
@@ -612,7 +611,7 @@ def test_requests_from_a_file_and_internal_errors(
     def boom(cfg: agent_config.Config, name: str) -> wire.JsonObj:
         raise RuntimeError("kaput")
 
-    monkeypatch.setattr(agent_requests, "verb_screenshot", boom)
+    # (requests imports the screenshot's verb when a screenshot is asked for)
     monkeypatch.setattr(agent_screenshot, "verb_screenshot", boom)
     lines = [
         {"id": 1, "verb": "screenshot", "args": ["win-1"]},

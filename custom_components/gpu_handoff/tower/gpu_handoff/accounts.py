@@ -15,13 +15,11 @@ import grp
 import json
 import os
 import pwd
-import secrets
 import shlex
 import shutil
 import stat
 import subprocess
 import types
-from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .jobs import LINGER_DIR, SYSTEMD_RUNTIME_DIR, program_path
 from .state import (
@@ -32,6 +30,12 @@ from .state import (
     replace_file_at,
 )
 from .wire import ERR_INTERNAL, AgentError, JsonObj, reply_error
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, List, Optional, Tuple
 
 # What install adds to a tower's accounts and services, when asked.
 # sudo runs commands with its secure_path; this is the usual one where PATH is unset.
@@ -184,7 +188,7 @@ def install_file(path: str, data: bytes, mode: int, undo: Undo) -> None:
             return
         if stat.S_ISDIR(previous.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-        backup = f".{name}.previous-{secrets.token_hex(6)}"
+        backup = f".{name}.previous-{os.urandom(6).hex()}"
         os.link(name, backup, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
         kept = os.path.join(directory, backup)
         undo.add(path, functools.partial(os.replace, kept, path))

@@ -5,11 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import IO, Dict, List, Optional, Tuple
 
 from .config import Config, config_path_from, load_config
-from .hook import verb_hook
-from .install import verb_install
 from .requests import (
     check_request,
     parse_serve_request,
@@ -17,11 +14,7 @@ from .requests import (
     split_request_option,
     version_reply,
 )
-from .runner import run_job
-from .session import verb_session
 from .state import act_as_state_owner, internal_error, log_internal
-from .stream import StreamClosedError, _emit, verb_watch
-from .update import verb_update
 from .wire import (
     _STREAM_ERRORS,
     ERR_BAD_REQUEST,
@@ -32,6 +25,12 @@ from .wire import (
     reply_error,
     reply_ok,
 )
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import IO, Dict, List, Optional, Tuple
 
 USAGE = (
     "usage: gpu-handoff [--config PATH] VERB [ARGS]\n"
@@ -61,8 +60,12 @@ def _dispatch(
 ) -> Tuple[Optional[JsonObj], int]:
     """Run one validated user verb; (reply or None if it streamed, exit code)."""
     if verb == "watch":
+        from .stream import verb_watch
+
         return None, verb_watch(cfg, stdin, stdout)
     if verb == "session":
+        from .session import verb_session
+
         return None, verb_session(cfg, stdin, stdout, requested_by)
     return run_request(cfg, verb, args, request_id, requested_by), 0
 
@@ -83,6 +86,11 @@ def _run_verb(
     The configuration, once loaded, is appended to `loaded` (for the log of an
     unexpected error). Run as root, every verb that uses the state directory
     first becomes its owner (act_as_state_owner).
+
+    A verb's module is imported when the verb runs, not at every start: the
+    hook runs the agent as libvirt starts and stops a VM (libvirt waits for
+    it), and sshd at every connection; neither pays for install's, update's
+    or the runner's imports.
     """
     path = config_path_from(config_option, env)
     if verb == "version":
@@ -90,10 +98,16 @@ def _run_verb(
             raise AgentError(ERR_BAD_REQUEST, "version takes no arguments")
         return version_reply(), 0
     if verb == "install":
+        from .install import verb_install
+
         return verb_install(args, config_option, env, stderr), 0
     if verb == "update":
+        from .update import verb_update
+
         return verb_update(args, stderr), 0
     if verb == "hook":
+        from .hook import verb_hook
+
         try:
             # libvirt writes the domain XML to stdin: always read it.
             xml_text = "" if stdin.isatty() else stdin.read()
@@ -115,6 +129,8 @@ def _run_verb(
         if len(args) == 3:
             cfg.state_dir = args[2]
         act_as_state_owner(cfg)
+        from .runner import run_job
+
         return None, run_job(cfg, args[0])
     if verb == "serve":
         if args:
@@ -155,6 +171,8 @@ def main(
     stderr = stderr or sys.stderr
 
     def answer(reply: JsonObj) -> int:
+        from .stream import StreamClosedError, _emit
+
         try:
             _emit(stdout, reply)
         except StreamClosedError:

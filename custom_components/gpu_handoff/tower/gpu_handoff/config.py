@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-from typing import Any, Dict, List, Optional
 
 from .wire import ERR_CONFIG_INVALID, NAME_MAX, AgentError, JsonObj, virsh_reads_as
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Dict, List, Optional
 
 # Limits, each a configuration key with this default: jobs waiting for their
 # turn (each has a runner process waiting), and watch/session streams open at
@@ -67,7 +71,7 @@ class Config:
         self.write_timeout = float(data.get("write_timeout", WRITE_TIMEOUT_DEFAULT))
         # What Home Assistant calls the tower (its entry and device) unless
         # the user renames them there: the machine's host name by default.
-        self.name: str = data.get("name") or socket.gethostname()
+        self.name: str = data.get("name") or os.uname().nodename  # gethostname()
         # Where sysfs is mounted: the IOMMU groups are read there (another
         # root only for tests and simulators).
         self.sysfs: str = data.get("sysfs", DEFAULT_SYSFS)

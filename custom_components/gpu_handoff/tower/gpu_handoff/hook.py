@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from typing import List, Optional
 import xml.etree.ElementTree as ET
 
 from .config import Config
@@ -26,6 +25,12 @@ from .state import (
 )
 from .virsh import parse_domain_xml
 from .wire import START_STEPS, AgentError, JsonObj, now_iso
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import List, Optional
 
 MAX_HOOK_REQUESTS = 20
 

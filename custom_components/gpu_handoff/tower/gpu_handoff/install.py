@@ -13,7 +13,6 @@ import os
 import pwd
 import re
 import shlex
-from typing import IO, Any, Dict, Iterator, List, Optional, Tuple
 
 from .accounts import (
     _STEP_ERRORS,
@@ -55,6 +54,12 @@ from .wire import (
     local_libvirt_uri,
     reply_ok,
 )
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import IO, Any, Dict, Iterator, List, Optional, Tuple
 
 DEFAULT_PREFIX = "/usr/local"
 DEFAULT_INSTALL_STATE_DIR = "/var/lib/gpu-handoff"

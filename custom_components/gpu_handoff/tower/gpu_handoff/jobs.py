@@ -13,11 +13,9 @@ import datetime as dt
 import fcntl
 import os
 import pwd
-import secrets
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
 
 from .config import Config
 from .state import (
@@ -52,6 +50,12 @@ from .wire import (
     now_iso,
 )
 
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Dict, List, Optional, Tuple
+
 # Home Assistant may ask for a request's job after a reconnect: a record that
 # carries a request id is kept at least this long, whatever MAX_JOBS says.
 REQUEST_KEEP_SECONDS = 3600.0
@@ -69,6 +73,13 @@ _NUMBER_ERRORS = (TypeError, ValueError)
 _JOB_ERRORS = (AgentError, KeyError, TypeError)
 
 
+def _random_hex(nbytes: int) -> str:
+    """``nbytes`` random bytes in hex, as secrets.token_hex makes them (from
+    os.urandom), without secrets' imports (hmac, hashlib, random): every
+    start of the agent would pay for them."""
+    return os.urandom(nbytes).hex()
+
+
 def jobs_dir(cfg: Config) -> str:
     return os.path.join(cfg.state_dir, "jobs")
 
@@ -80,9 +91,7 @@ def job_path(cfg: Config, job_id: str) -> str:
 def new_job_id() -> str:
     """Time-ordered (sorts as created) and unique: date-time-micros-random."""
     now = dt.datetime.now(dt.timezone.utc)
-    return (
-        f"{now.strftime('%Y%m%d-%H%M%S')}-{now.microsecond:06d}-{secrets.token_hex(3)}"
-    )
+    return f"{now.strftime('%Y%m%d-%H%M%S')}-{now.microsecond:06d}-{_random_hex(3)}"
 
 
 def _stop_steps(domain: str) -> List[JsonObj]:

@@ -12,11 +12,16 @@ import errno
 import os
 import pwd
 import stat
-from typing import List, Optional, Tuple
 
 from .accounts import StepError, as_user, errno_name
 from .state import _DIR_FLAGS, replace_file_at
 from .wire import ERR_BAD_REQUEST, ERR_INSTALL_FAILED, AgentError, JsonObj, reply_ok
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import List, Optional, Tuple
 
 # The key types an OpenSSH public key line for Home Assistant may name.
 KEY_TYPES = (

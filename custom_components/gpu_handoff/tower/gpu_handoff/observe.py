@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from typing import Dict, List, Optional, Set
 import xml.etree.ElementTree as ET
 
 from .config import Config
@@ -36,6 +35,12 @@ from .wire import (
     AgentError,
     JsonObj,
 )
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Dict, List, Optional, Set
 
 # The status batch with pings: libvirt makes a ping wait for the domain's
 # agent job (virDomainObjBeginAgentJob, up to 30 s whatever its --timeout)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
-from typing import Any, List, Optional, Tuple
 
 from .config import Config
 from .jobs import (
@@ -24,7 +22,6 @@ from .jobs import (
     load_job,
     submit_job,
 )
-from .screenshot import verb_screenshot
 from .status import verb_status
 from .virsh import Virsh
 from .wire import (
@@ -44,6 +41,12 @@ from .wire import (
     JsonObj,
     reply_ok,
 )
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, List, Optional, Tuple
 
 
 def check_request_id(value: Any) -> str:
@@ -127,6 +130,8 @@ def run_request(
                 continue
         return reply_ok(jobs=summaries)
     if verb == "screenshot":
+        from .screenshot import verb_screenshot  # its imports: only for a screenshot
+
         return verb_screenshot(cfg, args[0])
     raise AgentError(ERR_NOT_ALLOWED, f"verb {verb[:40]!r} is not a request")
 
@@ -164,5 +169,5 @@ def version_reply(cfg: Optional[Config] = None) -> JsonObj:
     tower's name. Without a configuration (the command line's ``version``,
     which answers even when the configuration is broken) the name is the
     machine's host name, the configuration's default."""
-    host_name = cfg.name if cfg is not None else socket.gethostname()
+    host_name = cfg.name if cfg is not None else os.uname().nodename
     return reply_ok(version=VERSION, verbs=sorted(SERVE_VERBS), host_name=host_name)

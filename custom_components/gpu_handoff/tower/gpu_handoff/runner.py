@@ -15,9 +15,7 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
 import xml.etree.ElementTree as ET
 
 from .config import Config
@@ -58,6 +56,12 @@ from .wire import (
     JsonObj,
     now_iso,
 )
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, List, Optional, Tuple
 
 # A job's virsh call that finds libvirt away (libvirtd restarting) is tried
 # again for this long: a restart takes seconds, a handoff must not fail on it.
@@ -374,6 +378,8 @@ class JobRunner:
 
     def _create(self, xml_text: str) -> VirshResult:
         """`virsh create` from a private temporary file, removed afterwards."""
+        import tempfile  # only a live definition change needs it
+
         tmpdir = tempfile.mkdtemp(prefix="gpu-handoff-live-")
         try:
             path = os.path.join(tmpdir, "live.xml")

@@ -11,12 +11,17 @@ import os
 import re
 import shutil
 import tempfile
-from typing import IO, List, Tuple
 import zlib
 
 from .config import Config
 from .virsh import Virsh, cmd_screenshot
 from .wire import ERR_SCREENSHOT_FAILED, ERR_TOO_LARGE, AgentError, JsonObj, reply_ok
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import IO, List, Tuple
 
 MIME_PNG = "image/png"
 # What `virsh screenshot` saves where libvirt is older than 9.0 or QEMU older

@@ -12,7 +12,6 @@ import json
 import os
 import selectors
 import time
-from typing import IO, Any, Optional, Tuple
 
 from .config import Config
 from .hook import _request_names
@@ -48,6 +47,12 @@ from .wire import (
     reply_error,
     reply_ok,
 )
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import IO, Any, Optional, Tuple
 
 # A burst of libvirt events (a start is four of them) is one recompute.
 SESSION_COALESCE_SECONDS = 0.1

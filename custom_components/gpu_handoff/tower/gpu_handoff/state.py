@@ -14,12 +14,16 @@ import errno
 import json
 import os
 import pwd
-import secrets
 import stat
-from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .config import Config
 from .wire import ERR_INTERNAL, ERR_STATE_DIR_UNSAFE, AgentError, JsonObj, now_iso
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 #
 # The state directory belongs to the user the agent runs as, and nobody else
@@ -314,9 +318,9 @@ def log_internal(cfg: Optional[Config], where: str, err: BaseException) -> str:
     without a usable state directory, syslog (tag gpu-handoff). The client only
     learns the incident id: never the exception's text.
     """
-    import traceback  # noqa: PLC0415 - 17 ms of every start, needed only here
+    import traceback  # 17 ms of every start, needed only here
 
-    incident = secrets.token_hex(4)
+    incident = os.urandom(4).hex()
     detail = "".join(traceback.format_exception(type(err), err, err.__traceback__))
     text = (
         f"{now_iso()} [{os.getpid()}] internal error {incident} in {where}:\n{detail}"
@@ -330,7 +334,7 @@ def log_internal(cfg: Optional[Config], where: str, err: BaseException) -> str:
         except Exception:  # noqa: BLE001, S110 - syslog below, then
             pass
     try:
-        import syslog  # noqa: PLC0415 - only needed here
+        import syslog  # only needed here
 
         syslog.openlog("gpu-handoff", syslog.LOG_PID, syslog.LOG_USER)
         for line in text.splitlines():
@@ -360,7 +364,7 @@ def replace_file_at(
     symbolic link there is replaced, never followed), and, when `durable`,
     synced first and the rename synced after. On failure the old file is as
     it was and the new one is removed."""
-    tmp = f".tmp-{secrets.token_hex(8)}"
+    tmp = f".tmp-{os.urandom(8).hex()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_EXCL | _NEW_FILE, 0o600, dir_fd=dfd)
     try:
         try:

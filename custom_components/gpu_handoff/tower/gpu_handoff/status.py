@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Set
-
 from .config import Config
 from .hook import hook_requests
 from .jobs import _JOB_ERRORS, job_summary, list_job_ids, load_job
@@ -11,6 +9,12 @@ from .observe import card_table, findings_for, observe
 from .state import CLAIMS_FILE, state_dir_fd, write_json_at
 from .virsh import Virsh
 from .wire import JsonObj, now_iso, reply_ok
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import List, Optional, Set
 
 
 def status_body(cfg: Config, virsh: Optional[Virsh] = None) -> JsonObj:

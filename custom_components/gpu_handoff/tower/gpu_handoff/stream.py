@@ -18,7 +18,6 @@ import stat
 import subprocess
 import sys
 import time
-from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .config import WRITE_TIMEOUT_DEFAULT, Config
 from .jobs import _JOB_ERRORS, MAX_JOBS, job_summary, list_job_ids
@@ -36,6 +35,12 @@ from .wire import (
     JsonObj,
     reply_ok,
 )
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 # An event stream is up once its child has run this long: `virsh event` says
 # nothing when it connects, and one that cannot connect ends within moments.
@@ -137,7 +142,7 @@ def _dies_with_parent() -> Optional[Callable[[], None]]:
     (Linux's PR_SET_PDEATHSIG; None elsewhere): a stream killed outright
     leaves no `virsh event` behind."""
     try:
-        import ctypes  # noqa: PLC0415 - only where it exists
+        import ctypes  # only where it exists
 
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (ImportError, OSError, AttributeError):

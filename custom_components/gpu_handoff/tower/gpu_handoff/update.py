@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from typing import IO, List, Tuple
 
 from .accounts import PROGRAM_MODE, compiled_program, errno_name, own_program
 from .install import (
@@ -31,6 +30,12 @@ from .wire import (
     JsonObj,
     reply_ok,
 )
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import IO, List, Tuple
 
 
 def _update_options(args: List[str]) -> Tuple[str, str]:

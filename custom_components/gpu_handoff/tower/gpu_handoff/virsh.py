@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
-import shutil
 import subprocess
 import time
-from typing import Dict, List, Optional, Tuple
 import xml.etree.ElementTree as ET
 
 from .config import Config
@@ -27,6 +24,12 @@ from .wire import (
     AgentError,
     JsonObj,
 )
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Dict, List, Optional, Tuple
 
 AGENT_CHANNEL = "org.qemu.guest_agent.0"
 GUEST_PING = '{"execute":"guest-ping"}'
@@ -54,7 +57,23 @@ def resolve_program(name: str, override: Optional[str], cfg: Config) -> Optional
         return override if os.access(override, os.X_OK) else None
     dirs = [d for d in cfg.env.get("PATH", os.defpath).split(os.pathsep) if d]
     dirs.extend(cfg.path_extra)
-    return shutil.which(name, path=os.pathsep.join(dirs))
+    return _which(name, dirs)
+
+
+def _which(name: str, dirs: List[str]) -> Optional[str]:
+    """shutil.which(name, path=dirs) on a POSIX system, without shutil's
+    imports (every start of the agent runs virsh, and would pay for them)."""
+    if os.path.dirname(name):
+        dirs, name = [os.path.dirname(name)], os.path.basename(name)
+    for directory in dict.fromkeys(dirs):
+        candidate = os.path.join(directory, name)
+        if (
+            os.path.exists(candidate)
+            and os.access(candidate, os.X_OK)
+            and not os.path.isdir(candidate)
+        ):
+            return candidate
+    return None
 
 
 class VirshResult:
@@ -236,7 +255,7 @@ class Virsh:
         marker line is echoed before each command and a failed command's
         output is the empty string.
         """
-        nonce = secrets.token_hex(6)
+        nonce = os.urandom(6).hex()
         parts: List[str] = []
         for i, cmd in enumerate(commands):
             self.check(cmd)

@@ -14,7 +14,12 @@ from __future__ import annotations
 import datetime as dt
 from enum import Enum
 import re
-from typing import Any, Dict, Optional, Tuple
+
+# typing is for the type checker only (its import is a tenth of the
+# agent's start, and the hook runs the agent at every VM start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Dict, Optional, Tuple
 
 PROTOCOL = 2
 VERSION = "0.3.7"
@@ -212,7 +217,10 @@ DOMAIN_STATES = {
 }
 UNKNOWN_STATE = "no_state"
 
-JsonObj = Dict[str, Any]
+if TYPE_CHECKING:
+    JsonObj = Dict[str, Any]
+else:
+    JsonObj = dict  # the alias, at run time
 
 
 # Exception tuples are named: the formatter targets a newer Python than the
