@@ -1143,7 +1143,11 @@ async def test_a_failed_handoff_settled_while_libvirt_is_away_returns_the_cards(
     it fails on an unmanaged pod, and libvirt is away for 1.6 s as it
     drains, so the first look at what the hook's stop did fails. It is tried
     again, the hook's stop is seen, and the cards go back (seed 2718, cycle
-    46: given up at once, the GPU node stayed off with nobody playing)."""
+    46: given up at once, the GPU node stayed off with nobody playing).
+    The GPU node takes 2 s to power off: GPU Handoff looks while it still
+    runs, and drains (on a loaded machine it once looked after the hook's
+    quick stop had ended, found the card free and started the VM: no drain,
+    no moment for libvirt to go away)."""
     plans = [
         Plan(
             0,
@@ -1152,12 +1156,17 @@ async def test_a_failed_handoff_settled_while_libvirt_is_away_returns_the_cards(
             "gaming-2",
             (
                 Fault("unmanaged_pod", "before"),
+                _slow("gpu-node", 2.0),
                 Fault("libvirt_down", "draining", (("seconds", 1.6),)),
             ),
         ),
     ]
     summary = await _replay(hass, k8s_emulator, tmp_path, plans)
-    assert summary["faults"]["fired"] == {"libvirt_down": 1, "unmanaged_pod": 1}
+    assert summary["faults"]["fired"] == {
+        "libvirt_down": 1,
+        "slow_graceful_stop": 1,
+        "unmanaged_pod": 1,
+    }
     assert summary["violations"] == []
     assert summary["outcomes"] == {"serving": 1}
 
