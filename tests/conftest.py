@@ -234,6 +234,7 @@ def entry(
 # used: on the machines the suite is made for, CPU is what bounds it.
 PART_SECONDS: dict[str, float] = {}
 PART_CPU: dict[str, float] = {}
+TEST_CPU: dict[str, float] = {}
 _CPU_AT_SETUP: dict[str, float] = {}
 
 
@@ -272,6 +273,7 @@ def pytest_runtest_logreport(report: Any) -> None:
         for name, value in report.user_properties:
             if name == "cpu_seconds":
                 PART_CPU[part] = PART_CPU.get(part, 0.0) + float(value)
+                TEST_CPU[report.nodeid] = float(value)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -292,6 +294,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
                 f"  {seconds:8.1f} s  {100 * seconds / total:5.1f} %"
                 f"  CPU {used:7.1f} s  {100 * used / max(cpu, 1e-9):5.1f} %  {part}"
             )
+    if TEST_CPU:
+        terminalreporter.write_line("the tests that used the most CPU:")
+        for nodeid, used in sorted(TEST_CPU.items(), key=lambda item: -item[1])[:15]:
+            terminalreporter.write_line(f"  {used:7.1f} s  {nodeid}")
     from tests.support.box import BOOT_SECONDS
 
     if BOOT_SECONDS:
