@@ -21,4 +21,9 @@ The modules, each one concern, depend on one another in one direction (each
 imports only modules listed before it): wire, config, virsh, state, observe,
 jobs, runner, screenshot, hook, status, stream, requests, session, accounts,
 keys, install, update, cli. Home Assistant imports ``wire`` alone.
+
+Every start pays for what it imports, and libvirt waits for the hook's at
+every start and stop of a VM: ``cli`` imports a verb's module when the verb
+runs, and ``typing`` is imported only for the type checker (each module's
+``TYPE_CHECKING = False`` block, which works on Python 3.9 as on the newest).
 """

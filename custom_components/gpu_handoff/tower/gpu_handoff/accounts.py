@@ -31,8 +31,7 @@ from .state import (
 )
 from .wire import ERR_INTERNAL, AgentError, JsonObj, reply_error
 
-# typing is for the type checker only (its import is a tenth of the
-# agent's start, and the hook runs the agent at every VM start).
+# For the type checker only (see the package's docstring).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Optional, Tuple

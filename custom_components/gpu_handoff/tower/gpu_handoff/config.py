@@ -13,8 +13,7 @@ import os
 
 from .wire import ERR_CONFIG_INVALID, NAME_MAX, AgentError, JsonObj, virsh_reads_as
 
-# typing is for the type checker only (its import is a tenth of the
-# agent's start, and the hook runs the agent at every VM start).
+# For the type checker only (see the package's docstring).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Dict, List, Optional

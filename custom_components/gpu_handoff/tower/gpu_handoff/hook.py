@@ -26,8 +26,7 @@ from .state import (
 from .virsh import parse_domain_xml
 from .wire import START_STEPS, AgentError, JsonObj, now_iso
 
-# typing is for the type checker only (its import is a tenth of the
-# agent's start, and the hook runs the agent at every VM start).
+# For the type checker only (see the package's docstring).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import List, Optional

@@ -17,8 +17,7 @@ from .accounts import StepError, as_user, errno_name
 from .state import _DIR_FLAGS, replace_file_at
 from .wire import ERR_BAD_REQUEST, ERR_INSTALL_FAILED, AgentError, JsonObj, reply_ok
 
-# typing is for the type checker only (its import is a tenth of the
-# agent's start, and the hook runs the agent at every VM start).
+# For the type checker only (see the package's docstring).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import List, Optional, Tuple

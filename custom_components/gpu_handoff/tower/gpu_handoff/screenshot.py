@@ -17,8 +17,7 @@ from .config import Config
 from .virsh import Virsh, cmd_screenshot
 from .wire import ERR_SCREENSHOT_FAILED, ERR_TOO_LARGE, AgentError, JsonObj, reply_ok
 
-# typing is for the type checker only (its import is a tenth of the
-# agent's start, and the hook runs the agent at every VM start).
+# For the type checker only (see the package's docstring).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import IO, List, Tuple

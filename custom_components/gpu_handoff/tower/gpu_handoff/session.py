@@ -48,8 +48,7 @@ from .wire import (
     reply_ok,
 )
 
-# typing is for the type checker only (its import is a tenth of the
-# agent's start, and the hook runs the agent at every VM start).
+# For the type checker only (see the package's docstring).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import IO, Any, Optional, Tuple

@@ -19,8 +19,7 @@ import stat
 from .config import Config
 from .wire import ERR_INTERNAL, ERR_STATE_DIR_UNSAFE, AgentError, JsonObj, now_iso
 
-# typing is for the type checker only (its import is a tenth of the
-# agent's start, and the hook runs the agent at every VM start).
+# For the type checker only (see the package's docstring).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Dict, Iterator, List, Optional, Tuple

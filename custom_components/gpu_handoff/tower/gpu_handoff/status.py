@@ -10,8 +10,7 @@ from .state import CLAIMS_FILE, state_dir_fd, write_json_at
 from .virsh import Virsh
 from .wire import JsonObj, now_iso, reply_ok
 
-# typing is for the type checker only (its import is a tenth of the
-# agent's start, and the hook runs the agent at every VM start).
+# For the type checker only (see the package's docstring).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import List, Optional, Set
