@@ -1420,6 +1420,9 @@ class ChaosRig:
         self._slow_stops: dict[str, SlowStop] = {}  # target -> its slow stop
         self._slow_checked: set[tuple[str, int]] = set()  # (job id, step index)
         self._races: list[RaceStop] = []
+        # The gaming VMs whose player quit from inside (player_quits): the
+        # cycle is not over until they are off (_quitting).
+        self._quits: set[str] = set()
         self._hook_runs_seen = 0  # the simulator's hook runs read so far
         # Pods the cluster itself deleted (the taint eviction controller), by
         # uid, and how many this cycle; where the last drain's requests begin
@@ -2423,6 +2426,7 @@ class ChaosRig:
             raise InapplicableError(f"nobody plays beside {target}")
         self._edge(f"{target} quit from inside")
         await asyncio.to_thread(self.sim.guest_shutdown, target)
+        self._quits.add(target)
 
     def _restore_later(self, what: str, target: str, value: Any) -> None:
         """Set ``what`` of ``target`` back to ``value`` before the cycle after
@@ -2767,6 +2771,12 @@ class ChaosRig:
             return False
         if await asyncio.to_thread(self._active_job_files):
             return False
+        if self._quits:
+            asked = set(self._quits)
+            quitting = await asyncio.to_thread(self._quitting, asked)
+            self._quits -= asked - set(quitting)
+            if quitting:
+                return False
         # Home Assistant has taken up every start by hand the tower recorded
         # (after an SSH cut it learns of them when its session is back).
         recorded = await asyncio.to_thread(self._hook_request_keys)
@@ -2780,6 +2790,18 @@ class ChaosRig:
                 request = json.loads(path.read_text(encoding="utf-8"))
                 keys.add(f"{request.get('time')}|{request.get('domain')}")
         return keys
+
+    def _quitting(self, quits: set[str]) -> list[str]:
+        """Those of ``quits`` (gaming VMs whose player quit from inside)
+        whose guest is still going down. No operation of GPU Handoff waits
+        for such a power-off: the cycle is not over until the guest is off
+        and GPU Handoff has answered it."""
+        world = sim_model.world(self._sim_data())
+        return sorted(
+            name
+            for name in quits
+            if world.doms[name].running and world.doms[name].off_at is not None
+        )
 
     def _active_job_files(self) -> list[str]:
         active = []
@@ -2856,6 +2878,9 @@ class ChaosRig:
         jobs = self._active_job_files()
         if jobs:
             busy.append(f"tower jobs active: {jobs}")
+        quitting = self._quitting(self._quits)
+        if quitting:
+            busy.append(f"players quitting: {quitting}")
         if controller is not None:
             job = controller.progress.pending_job
             if job is not None and job.job_id:
