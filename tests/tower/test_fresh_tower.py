@@ -25,6 +25,7 @@ from tests.support.box_tower import (
 )
 from tests.support.fresh_tower import ADMIN, ADMIN_PW, PLAIN, ROOT, root_snapshot
 from tests.support.sshd import generate_key
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.system
 
@@ -198,7 +199,14 @@ async def test_libvirtd_restarts_for_real(tower: BoxFreshTower) -> None:
     assert after not in (0, before)
     journal = tower.journal(LIBVIRTD)
     assert journal.count("Started libvirtd.service") == 2, journal
-    assert f"libvirtd[{after}]" in journal
+    # The new daemon's own first lines ("libvirt version: ...") come a
+    # moment after systemd's "Started", as its QEMU driver starts.
+    wait_until(
+        lambda: f"libvirtd[{after}]" in tower.journal(LIBVIRTD),
+        timeout=30,
+        what=f"libvirtd[{after}]'s lines in the journal",
+        interval=0.1,
+    )
     assert tower.is_active(LIBVIRTD, "virtqemud.service") == ["active", "inactive"]
     listed = tower.run(["virsh", "-c", tower.uri, "list", "--all", "--name"])
     assert sorted(listed.stdout.split()) == DOMAINS
