@@ -10,12 +10,13 @@ ruff format --check .
 step "mypy --strict"
 mypy
 step "pytest"
-# Three workers (pytest-xdist) on the two cores of the machines the suite is
-# made for: its tests wait more than they compute, and a third shares the
-# waiting (docs/development.md); each takes the next test when it is free.
+# Four workers (pytest-xdist) on the two cores of the machines the suite is
+# made for: many tests wait on real time (timeouts, guests, restarts), and
+# the other workers compute meanwhile; with four both cores stay about 95 %
+# busy (docs/development.md). Each takes the next test when it is free.
 # GPU_HANDOFF_WORKERS=0 runs it in one process. pytest exits 5 when it
 # collected no test: that is a failure here too.
-pytest -n "${GPU_HANDOFF_WORKERS:-3}" --dist worksteal \
+pytest -n "${GPU_HANDOFF_WORKERS:-4}" --dist worksteal \
   --cov=custom_components.gpu_handoff --cov-report=term-missing --durations=25 \
   --cov-fail-under=95 "$@"
 step "config flow coverage"
