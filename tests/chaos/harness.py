@@ -3407,7 +3407,8 @@ class ChaosRig:
     async def _check_races(self, record: CycleRecord) -> None:
         """``race_stop_failed``: a player who shuts their gaming VM down from
         inside at the instant GPU Handoff's stop arrives changes nothing the
-        user sees: the VM ends off, no stop step of it fails and no
+        user sees: the VM ends off (unless a later request of the cycle
+        turned it on again, seed 4247 cycle 28), no stop step of it fails and no
         ``shutdown_refused``/``shutdown_timeout`` is reported for it, and
         when nobody plays at the end the GPU node runs and its cards were
         returned (``cards_returned``, or ``return_unhealthy``) after the race,
@@ -3440,7 +3441,17 @@ class ChaosRig:
                 record.observed["race_excused"] += 1
                 continue
             problems = []
-            if race.target in running:
+            # A player who turns it on again later in the cycle (player_starts
+            # at gpu_wait) overrides the stop (_superseded): it may run.
+            started_again = any(
+                ask.vm == race.target
+                and ask.want == "on"
+                and ask.sent_at is not None
+                and ask.sent_at > race.armed
+                and ask.status in ("accepted", "cancelled")
+                for ask in record.asks
+            )
+            if race.target in running and not started_again:
                 problems.append(f"{race.target} still runs")
             for job in self._jobs.values():
                 problems.extend(

@@ -1336,6 +1336,34 @@ async def test_a_player_starting_while_the_return_waits_for_the_gpus(
     assert summary["observed"]["pods_came_back"] >= 2
 
 
+async def test_a_player_who_starts_again_the_vm_whose_stop_raced_their_quit(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Lending on, both play; both switches are turned off, Gaming station
+    1's player shutting it down from inside as GPU Handoff's stop arrives;
+    while the cards come back, the same player turns its switch on again
+    (seed 4247, cycle 28). The press overrides the stop: Gaming station 1
+    plays again, which is no failure of the raced stop."""
+    plans = [
+        Plan(0, 1, "both_on"),
+        Plan(
+            0,
+            2,
+            "both_off",
+            None,
+            (_race("gaming-1"), _starts("player_starts", "gaming-1")),
+        ),
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
+    assert summary["faults"]["fired"] == {
+        "guest_quits_racing_stop": 1,
+        "player_starts": 1,
+    }
+    assert summary["observed"].get("race_happened") == 1
+    assert summary["violations"] == []
+    assert summary["requests_ended"] == {"fulfilled": 4, "superseded": 1}
+
+
 async def test_a_lend_restart_waits_for_the_gpus_too(
     hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
 ) -> None:
