@@ -2376,7 +2376,11 @@ class ChaosRig:
                 self.sim.fail_next_start, target, str(fault.get("reason")), every=True
             )
         elif kind == "player_quits":
-            await self._player_quits(str(fault.get("target")))
+            seconds = fault.get("seconds")
+            await self._player_quits(
+                str(fault.get("target")),
+                None if seconds is None else float(seconds),
+            )
         elif kind == "operator_stop":
             return await self._operator_stop()
         elif kind == "vm_removed":
@@ -2413,9 +2417,12 @@ class ChaosRig:
             if stop.ended is None:
                 stop.ended, stop.why_ended = now, what
 
-    async def _player_quits(self, target: str) -> None:
+    async def _player_quits(self, target: str, seconds: float | None = None) -> None:
         """The player of ``target`` shuts the game down from inside while
-        another plays (or is being handed their cards)."""
+        another plays (or is being handed their cards); with ``seconds``
+        (real; never drawn, a regression case's) the guest takes that long
+        to power off, and the usual duration comes back before the cycle
+        after next."""
         world = await asyncio.to_thread(self.sim.world)
         if not world.doms[target].running:
             raise InapplicableError(f"{target} is not running")
@@ -2424,6 +2431,11 @@ class ChaosRig:
         }
         if not others:
             raise InapplicableError(f"nobody plays beside {target}")
+        if seconds is not None:
+            await asyncio.to_thread(
+                self.sim.set_shutdown_duration, target, seconds / TIME_SCALE
+            )
+            self._restore_later("shutdown_duration", target, DEFAULT_SHUTDOWN)
         self._edge(f"{target} quit from inside")
         await asyncio.to_thread(self.sim.guest_shutdown, target)
         self._quits.add(target)
