@@ -3453,17 +3453,15 @@ class ChaosRig:
                 record.observed["race_excused"] += 1
                 continue
             problems = []
-            # A player who turns it on again later in the cycle (player_starts
-            # at gpu_wait) overrides the stop (_superseded): it may run.
-            started_again = any(
+            # A later request of the cycle that turns it on again (a player
+            # starting at gpu_wait) overrides the stop: it may run.
+            overridden = any(
                 ask.vm == race.target
-                and ask.want == "on"
-                and ask.sent_at is not None
-                and ask.sent_at > race.armed
-                and ask.status in ("accepted", "cancelled")
+                and ask.want == "off"
+                and _superseded(ask, record.asks)
                 for ask in record.asks
             )
-            if race.target in running and not started_again:
+            if race.target in running and not overridden:
                 problems.append(f"{race.target} still runs")
             for job in self._jobs.values():
                 problems.extend(
