@@ -66,6 +66,7 @@ class Libvirtd:
         self.sock_dir = directory / "sock"
         self.conf = directory / "libvirtd.conf"
         self.log = directory / "libvirtd.log"
+        self.pid_file = directory / "libvirtd.pid"
         self.config = config
         self.argv = argv or [LIBVIRTD]
         self.env = env
@@ -98,7 +99,9 @@ class Libvirtd:
         stderr = (self.directory / "libvirtd.stderr").open("wb")
         with stderr:
             self.process = subprocess.Popen(
-                [*self.argv, "-f", str(self.conf)],
+                # its own PID file: with the default, /run/libvirtd.pid, only
+                # one daemon could run at a time
+                [*self.argv, "-f", str(self.conf), "-p", str(self.pid_file)],
                 stdin=subprocess.DEVNULL,
                 stdout=stderr,
                 stderr=stderr,
@@ -162,7 +165,16 @@ class LibvirtTestDriver(Libvirtd):
     PROBE = "libvirtd-runner-probe"
 
     def __init__(self, directory: Path, *, clean: bool = True) -> None:
-        super().__init__(directory)
+        # The test driver is part of libvirt itself. The daemon loads no
+        # hypervisor driver (libvirt looks for them in LIBVIRT_DRIVER_DIR, here
+        # an empty directory): the QEMU driver's state is the machine's
+        # (/run/libvirt/qemu/driver.pid), so two daemons that load it cannot
+        # run at once, and pytest's workers start several.
+        no_drivers = directory / "no-drivers"
+        no_drivers.mkdir(parents=True, exist_ok=True)
+        super().__init__(
+            directory, env={**os.environ, "LIBVIRT_DRIVER_DIR": str(no_drivers)}
+        )
         self.clean = clean
         self.keeper: subprocess.Popen[bytes] | None = None
         self.events_file = directory / "events.log"
@@ -226,9 +238,14 @@ class LibvirtTestDriver(Libvirtd):
                 interval=0.2,
             )
             self.virsh("undefine", self.PROBE, check=True)
+            last = self.PROBE
             if self.clean:
                 self.virsh("destroy", "test")
                 self.virsh("undefine", "test", check=True)
+                last = "test"
+            self.await_last_event(
+                f"event 'lifecycle' for domain '{last}': Undefined Removed"
+            )
             self.mark = len(self.event_lines())
         except BaseException:
             self.stop()
@@ -240,6 +257,18 @@ class LibvirtTestDriver(Libvirtd):
         if not self.events_file.exists():
             return []
         return self.events_file.read_text("utf-8", "replace").splitlines()
+
+    def await_last_event(self, event: str, *, timeout: float = 30) -> None:
+        """Wait until the keeper's last line is ``event`` (after its
+        timestamp). The keeper may print an event after the call that caused
+        it has returned, so a test that reads the lines right after its last
+        call would miss the call's own."""
+
+        def printed() -> bool:
+            lines = self.event_lines()
+            return bool(lines) and lines[-1].endswith(": " + event)
+
+        wait_until(printed, timeout=timeout, what=f"the keeper's line {event!r}")
 
     def new_event_lines(self) -> list[str]:
         """Event lines since the daemon was ready (setup events left out)."""

@@ -304,6 +304,9 @@ def test_events_match_real_virsh(pair: Pair) -> None:
     pair.same("start", "gaming-2")
     pair.same("shutdown", "gaming-2")
     pair.check()
+    pair.daemon.await_last_event(
+        "event 'lifecycle' for domain 'gaming-2': Stopped Shutdown"
+    )
 
     def strip(line: str) -> str:
         assert re.match(TIMESTAMP, line), line

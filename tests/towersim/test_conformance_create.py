@@ -204,6 +204,9 @@ def test_create_events_match_real_virsh(pair: base.Pair, tmp_path: Path) -> None
     pair.same("create", "--file", str(live))
     pair.same("shutdown", "--domain", "gpu-node")
     pair.check()
+    pair.daemon.await_last_event(
+        "event 'lifecycle' for domain 'gpu-node': Stopped Shutdown"
+    )
 
     def strip(line: str) -> str:
         assert TIMESTAMP.match(line), line
