@@ -237,8 +237,19 @@ def test_without_a_user_manager_systemd_run_fails_and_auto_falls_back(
     (the default) the agent does not even try it and runs the job as a
     plain detached process, which finishes."""
     box = box_agent.box
-    box.run(["loginctl", "disable-linger", USER], check=True)
     uid = box.run(["id", "-u", USER], check=True).stdout.strip()
+    # The install's enable-linger returns before logind has started the
+    # manager. Turned off while that start is under way, lingering ends and
+    # logind forgets the user, but the manager comes up and stays (seen
+    # here: still active 15 s later). A tower's user turns it off later.
+    wait_until(
+        lambda: (
+            box.systemctl("is-active", f"user@{uid}.service").stdout.strip() == "active"
+        ),
+        timeout=30,
+        what="the user's manager that lingering started",
+    )
+    box.run(["loginctl", "disable-linger", USER], check=True)
     wait_until(
         lambda: box.run(["test", "-e", f"/run/user/{uid}"]).returncode == 1,
         timeout=30,
