@@ -229,6 +229,14 @@ def entry(
     return add_tower_entry(hass, sim_sshd, cluster, vms=(1, 2), drain_timeout=5)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked ``early`` (half a minute or more each) first, the
+    others in their order. pytest-xdist deals the tests out in order and an
+    idle worker takes from the end of another's: a long test dealt late
+    would end the run alone, the other workers idle."""
+    items.sort(key=lambda item: item.get_closest_marker("early") is None)
+
+
 # Seconds spent per part of the suite (setup, call and teardown of every
 # test), printed at the end: where the suite's time goes. And the CPU it
 # used: on the machines the suite is made for, CPU is what bounds it.

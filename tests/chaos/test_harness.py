@@ -231,6 +231,7 @@ def test_a_violation_replays_with_every_option_of_its_run(
     )
 
 
+@pytest.mark.early
 @pytest.mark.parametrize(("seed", "cycles", "lend"), CI_SEEDS)
 async def test_fixed_seeds(
     hass: HomeAssistant,
@@ -931,6 +932,7 @@ async def test_a_gpu_node_the_operator_stopped_and_gpu_handoff_started_is_caught
     assert _invariants(summary) == [(1, "operator_stop_undone")]
 
 
+@pytest.mark.early
 async def test_the_new_faults_leave_a_sound_product_sound(
     hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
 ) -> None:

@@ -45,6 +45,7 @@ def explored(lend: bool) -> Any:
     return explore(LENDING if lend else MODEL, CI_DEPTH[lend])
 
 
+@pytest.mark.early
 @pytest.mark.parametrize("lend", [False, True], ids=["base", "lending"])
 def test_every_interleaving(lend: bool) -> None:
     result = explored(lend)
