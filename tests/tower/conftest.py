@@ -107,10 +107,13 @@ class FakeTower:
         self.state_path = self.directory / "virsh-state.json"
         self.log_path = self.directory / "virsh-log.jsonl"
         self.log_path.touch()
+        # -I -S: the stand-in is the standard library alone, and site's .pth
+        # files would be most of its start (the job tests run it hundreds of
+        # times).
         self.virsh.write_text(
             "#!/bin/sh\n"
             f"FAKEVIRSH_STATE={self.state_path} FAKEVIRSH_LOG={self.log_path} "
-            f'exec {sys.executable} {HERE / "fakevirsh.py"} "$@"\n',
+            f'exec {sys.executable} -I -S {HERE / "fakevirsh.py"} "$@"\n',
             encoding="utf-8",
         )
         self.virsh.chmod(0o755)
