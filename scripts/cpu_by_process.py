@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 from dataclasses import dataclass
-import errno
 import json
 import os
 from pathlib import Path
@@ -146,7 +145,6 @@ class TaskStats(threading.Thread):
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.ended: list[Ended] = []
-        self.lost = 0  # times the socket's buffer overflowed
         self.dropped = 0
         self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_GENERIC)
         big_buffer(self.sock)
@@ -184,11 +182,7 @@ class TaskStats(threading.Thread):
         while not self.stopping:
             try:
                 data = self.sock.recv(1 << 20)
-            except TimeoutError:
-                continue
-            except OSError as err:
-                if err.errno == errno.ENOBUFS:
-                    self.lost += 1
+            except OSError:  # a timeout, or ENOBUFS: counted in drops()
                 continue
             for kind, payload in nl_messages(data):
                 if kind != self.family:
@@ -247,11 +241,8 @@ class ExecLog(threading.Thread):
                 data = self.sock.recv(1 << 16)
             except OSError:  # a timeout too
                 continue
-            offset = 0
-            while offset + 16 <= len(data):
-                (length,) = struct.unpack_from("=I", data, offset)
-                event = data[offset + 16 + 20 : offset + length]  # after cn_msg
-                offset += (length + 3) & ~3
+            for _kind, payload in nl_messages(data):
+                event = payload[20:]  # after cn_msg
                 if len(event) < 24:
                     continue
                 (what,) = struct.unpack_from("=I", event, 0)
@@ -353,7 +344,7 @@ def main() -> int:
                 "ended_processes_cpu_s": round(sum(r.cpu for r in tasks.ended), 1),
                 # records the kernel could not queue (then the figures
                 # above miss them)
-                "records_dropped": tasks.dropped + tasks.lost,
+                "records_dropped": tasks.dropped,
                 "execs_dropped": execs.dropped,
                 "by_kind": [
                     {
