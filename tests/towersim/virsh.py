@@ -862,14 +862,6 @@ class Session:
             with model.locked(self.state_dir, exclusive=False):
                 data = model.load(self.state_dir)
                 domain = self.lookup(data, model.world(data), domain).name
-        stream = EventStream(self.state_dir, domain, wanted)
-        if self.call_id is not None:
-            # From here on it sees every event (Command.subscribed): what a
-            # test waits for, rather than a while after the call began.
-            model.append_command(
-                self.state_dir,
-                {"kind": "subscribed", "id": self.call_id, "t": time.time()},
-            )
         import signal  # only an event stream handles signals
 
         count = 0
@@ -878,8 +870,20 @@ class Session:
         def on_sigint(signum: int, frame: Any) -> None:
             interrupted.append(True)
 
+        # virsh catches SIGINT before it registers for events (cmdEvent in
+        # tools/virsh-domain-event.c: vshEventStart, then
+        # virConnectDomainEventRegisterAny): a caller that waits for the
+        # stream to subscribe, then interrupts it, ends it
         previous = signal.signal(signal.SIGINT, on_sigint)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        stream = EventStream(self.state_dir, domain, wanted)
+        if self.call_id is not None:
+            # From here on it sees every event (Command.subscribed): what a
+            # test waits for, rather than a while after the call began.
+            model.append_command(
+                self.state_dir,
+                {"kind": "subscribed", "id": self.call_id, "t": time.time()},
+            )
         started = time.monotonic()
         try:
             while not interrupted:
