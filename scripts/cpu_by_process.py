@@ -268,6 +268,8 @@ def kind(argv: list[str] | None, comm: str) -> str:
     if not argv:
         return f"{comm} (no exec seen)"
     program = argv[0].rsplit("/", 1)[-1]
+    if program == "virsh" and argv[0].endswith("/bin/virsh") and "/usr/" not in argv[0]:
+        return "simulated virsh's client"  # a tower simulator's bin/virsh
     if not program.startswith("python"):
         return program
     rest = iter(argv[1:])

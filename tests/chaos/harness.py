@@ -3925,6 +3925,7 @@ class ChaosRig:
         leaks: list[tuple[str, str]] = []
         procs = _proc_table(str(self.root))
         agent = str(self.agent)
+        virsh = str(self.sim.virsh)  # the fork server's client, or a wrapper
         sessions = [p for p in procs if agent in p.argv and p.verb == "session"]
         session_pids = {p.pid for p in sessions}
         for proc in procs:
@@ -3936,7 +3937,9 @@ class ChaosRig:
                     leaks.append(
                         ("leaked_process", f"{proc.verb} agent, {proc.age:.0f} s old")
                     )
-            elif any(part.endswith(".virsh.py") for part in proc.argv):
+            elif proc.argv[:1] == [virsh] or any(
+                part.endswith(".virsh.py") for part in proc.argv
+            ):
                 if "event" in proc.argv and proc.ppid not in session_pids:
                     leaks.append(
                         ("leaked_process", f"virsh event of no session: {line}")

@@ -92,8 +92,14 @@ def installed(data: JsonObj) -> list[tuple[str, JsonObj]]:
 _HELD = {"depth": 0}
 
 
+# The session of the process that made this call: this process's own, or in
+# a copy the fork server forked for a client (forkserver.py), the client's.
+CALLER: dict[str, int | None] = {"session": None}
+
+
 def _session() -> int:
-    return os.getsid(0)
+    session = CALLER["session"]
+    return os.getsid(0) if session is None else session
 
 
 def inside_hook(state_dir: str) -> bool:

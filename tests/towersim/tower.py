@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 import os
 from pathlib import Path
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -20,7 +21,7 @@ import uuid
 
 from tests.support.waiting import wait_until
 
-from . import domxml, hooks, model, sysfs
+from . import domxml, forkserver, hooks, model, sysfs
 
 PathLike = Union[str, "os.PathLike[str]"]
 T = TypeVar("T")
@@ -192,6 +193,7 @@ class Tower:
     def _write_wrappers(self, python: str, env: dict[str, str]) -> None:
         self.bin.mkdir(parents=True, exist_ok=True)
         exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+        server = forkserver.server_for(python, env)
         for tool, path in (
             ("virsh", self.virsh),
             ("systemd-run", self.systemd_run),
@@ -207,6 +209,23 @@ class Tower:
                 ),
                 encoding="utf-8",
             )
+            if server is not None and tool == "virsh":
+                # the fork server's client (forkserver.py), which runs the
+                # script itself where the server cannot serve it
+                client = forkserver.client_binary()
+                assert client is not None
+                shutil.copyfile(client, path)
+                path.chmod(0o755)
+                (self.bin / f".{tool}.conf").write_text(
+                    server.config(
+                        state=self.state_dir,
+                        tool=tool,
+                        fallback=[python, "-I", "-S", str(script)],
+                        env=env,
+                    ),
+                    encoding="utf-8",
+                )
+                continue
             path.write_text(
                 WRAPPER.format(
                     tool=tool,
