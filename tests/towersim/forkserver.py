@@ -91,7 +91,9 @@ def server_for(python: str, env: dict[str, str]) -> Server | None:
 def _start(python: str, env: dict[str, str]) -> Server:
     import tempfile
 
-    directory = Path(tempfile.mkdtemp(prefix="towersim-"))
+    # in the machine's temporary directory whatever a test made Python's
+    # (a test that checks what lands in its own must not find it there)
+    directory = Path(tempfile.mkdtemp(prefix="towersim-", dir=_machine_tmp()))
     socket_path = str(directory / "s")  # short: a socket's path has 107 bytes
     keep_read, keep = os.pipe()
     here = Path(__file__).resolve()
@@ -116,6 +118,10 @@ def _start(python: str, env: dict[str, str]) -> Server:
         log_text = log_path.read_text(encoding="utf-8", errors="replace")
         raise RuntimeError(f"the fork server did not start: {log_text}")
     return Server(socket_path, proc, keep)
+
+
+def _machine_tmp() -> str:
+    return os.environ.get("TMPDIR") or "/tmp"  # as tempfile's first choice
 
 
 def client_binary() -> Path | None:
@@ -173,8 +179,13 @@ def serve(socket_path: str, keep_fd: int, env_names: list[str]) -> None:
     os.open(os.devnull, os.O_WRONLY)  # fd 1 again, for the copies' dup2
     while True:
         for fd, _event in poller.poll():
-            if fd == keep_fd:
-                return  # the test process is gone
+            if fd == keep_fd:  # the test process is gone: so is the server
+                directory = Path(socket_path).parent
+                for path in (Path(socket_path), directory / "server.log"):
+                    path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+                return
             if fd == listener.fileno():
                 conn, _ = listener.accept()
                 started = _fork(conn, listener, keep_fd, calls, overrides)

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 import signal
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -292,3 +293,49 @@ def test_the_client_runs_the_call_alone_where_the_server_cannot(
     rc, out, err, pid = ask(program, "list", "--all")
     assert (rc, out, err) == expected[:3]
     assert tower.commands()[-1].pid == pid
+
+
+def test_the_server_lives_and_goes_with_the_process_that_made_it(
+    tmp_path: Path,
+) -> None:
+    """The server's directory is the machine's temporary one, whatever a
+    test made Python's (a test that checks what lands in its own must find
+    nothing of the server's), and it is gone once the process that started
+    the server ends."""
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    script = f"""
+import sys, tempfile
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+tempfile.tempdir = {str(own_tmp)!r}
+from tests.towersim import Tower, forkserver
+Tower.create({str(tmp_path / "tower")!r})
+(server,) = forkserver._servers.values()
+print(server.socket, server.proc.pid, flush=True)
+sys.stdin.read()
+"""
+    maker = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert maker.stdout is not None
+    socket_path, pid = maker.stdout.readline().split()
+    directory = Path(socket_path).parent
+    assert directory.parent == Path(os.environ.get("TMPDIR") or "/tmp")
+    assert list(own_tmp.iterdir()) == []
+    assert Path(socket_path).is_socket()
+    served = Tower(tmp_path / "tower")
+    assert ask([str(served.virsh)], "list", "--name")[0] == 0
+    assert served.commands()[-1].pid != maker.pid
+    maker.communicate("")  # ends
+    wait_until(
+        lambda: not Path(f"/proc/{pid}").exists() and not directory.exists(),
+        timeout=10,
+        what="the server and its directory to go",
+    )
+    # and the tower still answers: its client runs the simulator itself
+    rc, _out, err, pid_alone = ask([str(served.virsh)], "list", "--name")
+    assert rc == 0, err
+    assert served.commands()[-1].pid == pid_alone
