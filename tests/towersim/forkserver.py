@@ -235,7 +235,8 @@ def _fork(
     overrides: dict[str, str],
 ) -> tuple[int, int] | None:
     """Read a call and fork its copy: (its pidfd, its pid), or None if the
-    request was incomplete (the client then runs the call itself)."""
+    request was incomplete (the client died or broke off: nothing runs, and
+    a client still there reports the call failed)."""
     request = _request(conn)
     if request is None:
         return None
@@ -308,14 +309,7 @@ def _in_copy(
     hung_up.register(own, select.POLLIN | select.POLLHUP)
     if hung_up.poll(0):  # it was, before the signal was armed
         os.kill(os.getpid(), signal.SIGIO)
-    # what a Python started by the client would have: the signals the
-    # client was started ignoring stay ignored (SIGINT's handler is
-    # Python's only if it was not), the rest as the server has them
-    for number in range(1, 64):
-        if ignored & (1 << (number - 1)):
-            # not SIGKILL, SIGSTOP, nor the real-time signals Python keeps
-            with contextlib.suppress(OSError, ValueError):
-                signal.signal(number, signal.SIG_IGN)
+    _fresh_dispositions(ignored)
     os.umask(int(umask, 8))
     with contextlib.suppress(OSError):  # as a process started in a gone one
         os.chdir(cwd)
@@ -362,6 +356,29 @@ def _in_copy(
     with contextlib.suppress(OSError):
         sys.stderr.flush()
     os._exit(code)
+
+
+def _fresh_dispositions(ignored: int) -> None:
+    """The signal dispositions of a Python started by the client: the
+    signals the client was started ignoring stay ignored (SIGINT's handler
+    is Python's only if it was not), SIGPIPE and SIGXFSZ are ignored (Python
+    ignores them at its start), the rest are the default, whatever the
+    server itself was started with."""
+    import signal
+
+    python_ignores = {signal.SIGPIPE, signal.SIGXFSZ}
+    for number in range(1, 32):  # the standard signals (Linux numbers them so)
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        if ignored & (1 << (number - 1)) or number in python_ignores:
+            wanted: object = signal.SIG_IGN
+        elif number == signal.SIGINT:
+            wanted = signal.default_int_handler
+        else:
+            wanted = signal.SIG_DFL
+        if signal.getsignal(number) is not wanted:
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(number, wanted)  # type: ignore[arg-type]
 
 
 def _exit_code(code: object) -> int:

@@ -339,3 +339,39 @@ sys.stdin.read()
     rc, _out, err, pid_alone = ask([str(served.virsh)], "list", "--name")
     assert rc == 0, err
     assert served.commands()[-1].pid == pid_alone
+
+
+def test_a_signal_the_server_ignores_is_the_callers_to_decide(tmp_path: Path) -> None:
+    """A server started ignoring SIGHUP (its process was) serves a caller
+    that does not: the call dies of SIGHUP, as a process of its own does."""
+    script = f"""
+import signal, sys
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from tests.towersim import Tower
+Tower.create({str(tmp_path / "tower")!r})
+print("made", flush=True)
+sys.stdin.read()
+"""
+    maker = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert maker.stdout is not None
+        assert maker.stdout.readline() == b"made\n"
+        tower = Tower(tmp_path / "tower")
+        ends = {}
+        for way, program in (("served", [str(tower.virsh)]), ("alone", alone(tower))):
+            seen = len(tower.commands())
+            proc = subprocess.Popen(
+                [*program, "event", "--loop", "--all"],
+                stdout=subprocess.PIPE,
+                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),  # noqa: PLW1509
+            )
+            wait_until(subscribed(tower, seen, proc), timeout=20, what="the stream")
+            assert (tower.commands()[-1].pid == proc.pid) == (way == "alone")
+            proc.send_signal(signal.SIGHUP)
+            ends[way] = proc.wait(timeout=20)
+        assert ends == {"served": -signal.SIGHUP, "alone": -signal.SIGHUP}
+    finally:
+        maker.communicate(b"")
