@@ -91,6 +91,40 @@ async def test_tower_changes_are_pushed(
     assert hass.states.get("sensor.tower_gpus_lent_to_the_cluster").state == "0"
 
 
+async def test_the_gpu_node_stops_until_its_qemu_has_exited(
+    hass: HomeAssistant, entry: MockConfigEntry, sim: Tower
+) -> None:
+    """After the guest powered off, libvirt says ``in shutdown`` until QEMU
+    has exited (seconds with large memory or devices to release), and the GPU
+    node still holds its cards: the Handoff state says stopping, with the
+    cards held, and off only once it is shut off, with none (a status read
+    in that moment said off with every card still held)."""
+    assert await hass.config_entries.async_setup(entry.entry_id)
+    await hass.async_block_till_done()
+    await _state_becomes(hass, HANDOFF, "serving")
+    await _until(lambda: entry.runtime_data.session.connected)
+    # QEMU takes 3 s to exit once the guest has powered off, at once
+    sim.set_shutdown_duration("gpu-node", 300)
+    sim.set_in_shutdown_duration("gpu-node", 300)
+
+    sim.guest_shutdown("gpu-node")
+
+    def vm_state() -> str | None:
+        state = hass.states.get(HANDOFF)
+        return None if state is None else state.attributes.get("vm_state")
+
+    await _until(lambda: vm_state() == "in_shutdown")
+    state = hass.states.get(HANDOFF)
+    assert state is not None
+    assert state.state == "stopping"
+    assert {card["held_by"] for card in state.attributes["cards"]} == {"gpu-node"}
+    await _state_becomes(hass, HANDOFF, "off")
+    state = hass.states.get(HANDOFF)
+    assert state is not None
+    assert state.attributes["vm_state"] == "shut_off"
+    assert {card["held_by"] for card in state.attributes["cards"]} == {None}
+
+
 async def test_event_stream_comes_back(
     hass: HomeAssistant, entry: MockConfigEntry, sim: Tower, sim_sshd: Sshd
 ) -> None:

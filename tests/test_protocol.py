@@ -271,6 +271,29 @@ def test_what_a_job_did_is_read_from_its_steps(
 
 
 @pytest.mark.parametrize(
+    ("vm_state", "held_by", "expected"),
+    [
+        ("running", "gpu-node", "unreachable"),  # no Kubernetes node seen
+        ("in_shutdown", "gpu-node", "stopping"),
+        ("shut_off", None, "off"),
+    ],
+)
+def test_the_gpu_node_is_off_only_once_shut_off(
+    vm_state: str, held_by: str | None, expected: str
+) -> None:
+    """Between the guest's power-off and QEMU's exit libvirt says ``in
+    shutdown`` and the GPU node still holds its cards (the status says so):
+    stopping, not off (a status read in that moment showed off with the
+    cards still held)."""
+    body = _status()
+    body["domains"][0]["state"] = vm_state
+    body["cards"] = [{**card, "held_by": held_by} for card in body["cards"]]
+    status = parse_status(body)
+    assert status.domains["gpu-node"].state == vm_state
+    assert gpu_node_state(Snapshot(tower=status, node=None)) == expected
+
+
+@pytest.mark.parametrize(
     ("vm_state", "step", "expected"),
     [
         ("running", "wait_agent", "stopping"),

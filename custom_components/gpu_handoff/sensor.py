@@ -36,6 +36,8 @@ from .models import OperationView, Snapshot
 from .protocol import RUNNING, DomainState, JobKind, StepName, TowerStatus
 
 PARALLEL_UPDATES = 0
+# virsh's "in shutdown" (VIR_DOMAIN_SHUTDOWN), as the agent reports it.
+IN_SHUTDOWN: Final = "in_shutdown"
 
 GPU_NODE_STATES: Final = [
     "serving",
@@ -82,6 +84,10 @@ def gpu_node_state(snapshot: Snapshot, phase: str | None = None) -> str:
     vm = tower.domains.get(tower.gpu_node)
     job = tower.job_for(tower.gpu_node)
     node = snapshot.node
+    if vm is not None and vm.state == IN_SHUTDOWN:
+        # The guest has powered off and libvirt is ending its QEMU process:
+        # still stopping, its cards still held (off once it is shut off).
+        return "stopping"
     if vm is None or vm.state != RUNNING:
         starting = phase == PHASE_RETURNING or (
             job is not None and job.kind in STARTING_JOBS

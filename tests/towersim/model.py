@@ -362,7 +362,8 @@ class Dom:
         """When the guest powers off and the domain is ``in shutdown``."""
         if self.off_at is None:
             return None
-        start = self.off_at - IN_SHUTDOWN * self.scale
+        window = self.seconds("in_shutdown_duration")
+        start = self.off_at - (IN_SHUTDOWN * self.scale if window is None else window)
         return start if self.down_from is None else max(self.down_from, start)
 
     @property

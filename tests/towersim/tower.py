@@ -65,6 +65,10 @@ class DomainSpec:
     agent_delay: float | None = 30.0  # guest agent up this long after boot; None: never
     ignore_acpi: bool = False
     shutdown_duration: float = 10.0  # from an accepted shutdown to shut off
+    # of which, at the end, ``in shutdown``: the guest has powered off and
+    # libvirt ends its QEMU process (longer with large memory or devices to
+    # release; the domain still holds its cards meanwhile)
+    in_shutdown_duration: float = model.IN_SHUTDOWN
     # Windows' way: any shutdown (the agent's guest-shutdown, the ACPI
     # button) stops the guest agent first, then powers off after
     # shutdown_duration; a ``shutdown --mode agent`` returns 0 as the agent
@@ -305,6 +309,10 @@ class Tower:
 
     def set_shutdown_duration(self, name: str, seconds: float) -> None:
         self._set(name, "shutdown_duration", seconds)
+
+    def set_in_shutdown_duration(self, name: str, seconds: float) -> None:
+        """How long the end of a shutdown is ``in shutdown`` (at most all of it)."""
+        self._set(name, "in_shutdown_duration", seconds)
 
     def set_screen(
         self,
