@@ -63,6 +63,13 @@ async def _until(what: Callable[[], bool]) -> None:
             await asyncio.sleep(0.05)
 
 
+async def _until_in_executor(hass: HomeAssistant, what: Callable[[], bool]) -> None:
+    """``_until`` for a check that reads files (the simulator's records)."""
+    async with asyncio.timeout(PUSH_BOUND):
+        while not await hass.async_add_executor_job(what):  # noqa: ASYNC110 - files
+            await asyncio.sleep(0.05)
+
+
 async def _state_becomes(hass: HomeAssistant, entity_id: str, wanted: str) -> None:
     """Wait for a state that only a pushed update can bring this soon."""
 
@@ -103,6 +110,15 @@ async def test_the_gpu_node_stops_until_its_qemu_has_exited(
     await hass.async_block_till_done()
     await _state_becomes(hass, HANDOFF, "serving")
     await _until(lambda: entry.runtime_data.session.connected)
+    # The session listens before its first status, but virsh has registered
+    # for events a moment later: what happens before is seen at the next
+    # event or refresh (here, the domain shut off), so wait for it.
+    await _until_in_executor(
+        hass,
+        lambda: any(
+            c.has("event") and c.subscribed and c.end is None for c in sim.commands()
+        ),
+    )
     # QEMU takes 3 s to exit once the guest has powered off, at once
     sim.set_shutdown_duration("gpu-node", 300)
     sim.set_in_shutdown_duration("gpu-node", 300)

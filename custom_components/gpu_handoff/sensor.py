@@ -84,11 +84,9 @@ def gpu_node_state(snapshot: Snapshot, phase: str | None = None) -> str:
     vm = tower.domains.get(tower.gpu_node)
     job = tower.job_for(tower.gpu_node)
     node = snapshot.node
-    if vm is not None and vm.state == IN_SHUTDOWN:
-        # The guest has powered off and libvirt is ending its QEMU process:
-        # still stopping, its cards still held (off once it is shut off).
-        return "stopping"
-    if vm is None or vm.state != RUNNING:
+    # In shutdown: the guest has powered off and libvirt is ending its QEMU
+    # process, which still holds the cards: stopping, off once shut off.
+    if vm is None or vm.state not in (RUNNING, IN_SHUTDOWN):
         starting = phase == PHASE_RETURNING or (
             job is not None and job.kind in STARTING_JOBS
         )
@@ -96,12 +94,16 @@ def gpu_node_state(snapshot: Snapshot, phase: str | None = None) -> str:
             return "starting"
         # Off, its cards held for a gaming VM that starts soon (a prepare).
         return "held" if snapshot.operation.held_for is not None else "off"
-    if phase == PHASE_STOPPING or (
-        job is not None
-        and job.state == "running"
-        and (
-            job.kind in STOPPING_JOBS
-            or (job.kind is JobKind.LEND and job.step in STOP_STEPS)
+    if (
+        vm.state == IN_SHUTDOWN
+        or phase == PHASE_STOPPING
+        or (
+            job is not None
+            and job.state == "running"
+            and (
+                job.kind in STOPPING_JOBS
+                or (job.kind is JobKind.LEND and job.step in STOP_STEPS)
+            )
         )
     ):
         return "stopping"
