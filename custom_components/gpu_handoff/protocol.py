@@ -23,6 +23,9 @@ from .tower.gpu_handoff.wire import Word
 PROTOCOL: Final = wire.PROTOCOL
 RUNNING: Final = "running"
 SHUT_OFF: Final = "shut_off"
+# virsh's "in shutdown" (VIR_DOMAIN_SHUTDOWN): the guest has powered off and
+# libvirt is ending its QEMU process, which still holds its devices.
+IN_SHUTDOWN: Final = "in_shutdown"
 # libvirt's reason for a domain shut off by a start that failed
 # (VIR_DOMAIN_SHUTOFF_FAILED, "shut off (failed)" in virsh domstate --reason).
 START_FAILED: Final = "failed"

@@ -33,11 +33,16 @@ from .const import CONF_GPU_NODE, PHASE_DRAINING, PHASE_RETURNING, PHASE_STOPPIN
 from .data import GpuHandoffConfigEntry, GpuHandoffData
 from .entity import ClusterBacked, GpuHandoffEntity, gaming_vms
 from .models import OperationView, Snapshot
-from .protocol import RUNNING, DomainState, JobKind, StepName, TowerStatus
+from .protocol import (
+    IN_SHUTDOWN,
+    RUNNING,
+    DomainState,
+    JobKind,
+    StepName,
+    TowerStatus,
+)
 
 PARALLEL_UPDATES = 0
-# virsh's "in shutdown" (VIR_DOMAIN_SHUTDOWN), as the agent reports it.
-IN_SHUTDOWN: Final = "in_shutdown"
 
 GPU_NODE_STATES: Final = [
     "serving",
