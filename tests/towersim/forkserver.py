@@ -28,12 +28,38 @@ be tied to the call that made it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from pathlib import Path
 import socket
 import subprocess
 import sys
 import time
+from typing import NamedTuple
+
+
+class Call(NamedTuple):
+    """One client's request (client.c's ``request``), and its stdin, stdout
+    and stderr."""
+
+    state: str
+    tool: str
+    cwd: str
+    umask: int
+    ignored: int  # the signals the client was started ignoring, as a mask
+    session: int
+    argv: list[str]
+    env: list[str]
+    fds: list[int]
+
+    @classmethod
+    def parse(cls, data: bytes, fds: list[int]) -> Call:
+        fields = [os.fsdecode(f) for f in data.split(b"\0")[:-1]]
+        state, tool, cwd, umask, ignored, session, argc = fields[:7]
+        end = 7 + int(argc)
+        return cls(state, tool, cwd, int(umask, 8), int(ignored), int(session),
+                   fields[7:end], fields[end:], fds)  # fmt: skip
+
 
 # The server's replies: the process that runs the call, then its wait status.
 STARTED, ENDED = b"P", b"S"
@@ -124,9 +150,11 @@ def _machine_tmp() -> str:
     return os.environ.get("TMPDIR") or "/tmp"  # as tempfile's first choice
 
 
+@functools.cache
 def client_binary() -> Path | None:
     """client.c built for this machine (once per source, in the repository's
-    ``.build``), or None if the machine has no C compiler."""
+    ``.build``; looked for once per process), or None if the machine has no
+    C compiler."""
     import hashlib
     import shutil
 
@@ -205,7 +233,7 @@ def serve(socket_path: str, keep_fd: int, env_names: list[str]) -> None:
             conn.close()
 
 
-def _request(conn: socket.socket) -> tuple[bytes, list[int]] | None:
+def _request(conn: socket.socket) -> Call | None:
     """A client's whole request and its three descriptors, or None."""
     conn.settimeout(5)
     fds: list[int] = []
@@ -221,7 +249,7 @@ def _request(conn: socket.socket) -> tuple[bytes, list[int]] | None:
         data = b""
     conn.settimeout(None)
     if len(fds) == 3 and len(data) >= HEADER and len(data) == size:
-        return data[HEADER:], fds
+        return Call.parse(data[HEADER:], fds)
     for fd in fds:
         os.close(fd)
     return None
@@ -237,46 +265,31 @@ def _fork(
     """Read a call and fork its copy: (its pidfd, its pid), or None if the
     request was incomplete (the client died or broke off: nothing runs, and
     a client still there reports the call failed)."""
-    request = _request(conn)
-    if request is None:
+    call = _request(conn)
+    if call is None:
         return None
-    data, fds = request
-    fields = [os.fsdecode(f) for f in data.split(b"\0")[:-1]]
-    state, tool, cwd, umask, ignored, session, argc = fields[:7]
-    argv = fields[7 : 7 + int(argc)]
-    env = fields[7 + int(argc) :]
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the copy (its coverage is not collected)
         try:
-            _in_copy(conn, listener, keep_fd, calls, fds, state, tool, cwd,
-                     umask, int(ignored), int(session), argv, env,
-                     overrides)  # fmt: skip
+            _in_copy(call, conn, listener, keep_fd, calls, overrides)
         except BaseException:  # noqa: BLE001 - the copy itself broke
             import traceback
 
             traceback.print_exc()
         finally:
             os._exit(70)
-    for fd in fds:
+    for fd in call.fds:
         os.close(fd)
     conn.sendall(STARTED + pid.to_bytes(4, sys.byteorder, signed=True))
     return os.pidfd_open(pid), pid
 
 
 def _in_copy(
+    call: Call,
     conn: socket.socket,
     listener: socket.socket,
     keep_fd: int,
     calls: dict[int, tuple[int, socket.socket]],
-    fds: list[int],
-    state: str,
-    tool: str,
-    cwd: str,
-    umask: str,
-    ignored: int,
-    session: int,
-    argv: list[str],
-    env: list[str],
     overrides: dict[str, str],
 ) -> None:
     """The call, in the forked copy: as ``sys.exit(run(...))`` in a Python
@@ -297,8 +310,8 @@ def _in_copy(
     own = conn.detach()
     # named as the process it stands for (ps, top; the server is python)
     with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:  # noqa: PTH123
-        comm.write(tool)
-    for target, fd in enumerate(fds):
+        comm.write(call.tool)
+    for target, fd in enumerate(call.fds):
         os.dup2(fd, target)
         os.close(fd)
     # the client's end closing (it was killed) ends this copy: SIGIO, whose
@@ -309,12 +322,12 @@ def _in_copy(
     hung_up.register(own, select.POLLIN | select.POLLHUP)
     if hung_up.poll(0):  # it was, before the signal was armed
         os.kill(os.getpid(), signal.SIGIO)
-    _fresh_dispositions(ignored)
-    os.umask(int(umask, 8))
+    _fresh_dispositions(call.ignored)
+    os.umask(call.umask)
     with contextlib.suppress(OSError):  # as a process started in a gone one
-        os.chdir(cwd)
+        os.chdir(call.cwd)
     os.environ.clear()
-    for item in env:
+    for item in call.env:
         name, sep, value = item.partition("=")
         if sep and name:
             os.environ[name] = value
@@ -326,14 +339,14 @@ def _in_copy(
         stream.reconfigure(
             errors=errors, line_buffering=stream is sys.stdout and os.isatty(1)
         )
-    sys.argv = [f"<{tool} of the tower in {state}>", *argv]
+    sys.argv = [f"<{call.tool} of the tower in {call.state}>", *call.argv]
     from tests.towersim import hooks
     from tests.towersim.entry import run
 
-    hooks.CALLER["session"] = session
+    hooks.CALLER["session"] = call.session
 
     try:
-        code = _exit_code(run(state, tool, argv, []))
+        code = _exit_code(run(call.state, call.tool, call.argv, []))
     except SystemExit as exc:
         code = _exit_code(exc.code)
     except KeyboardInterrupt:
