@@ -147,7 +147,9 @@ class Session:
         try:
             with ending_signals():
                 self.jobs.scan()  # the records as they are now: pushed when they change
-                # Listen before the first status, so no change falls in between.
+                # Listen before the first status. virsh says nothing once it
+                # has registered for events, a moment after it starts: a
+                # change in that moment is seen at the next event or refresh.
                 failure = self.start_events()
                 self.send(
                     message(
