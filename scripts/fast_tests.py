@@ -2,14 +2,20 @@
 
 ``scripts/test --fast`` runs ``ruff check`` and ``ruff format --check`` on the
 changed Python files, ``mypy --strict`` (incremental: its cache makes a
-second run take seconds), and pytest without coverage on the tests the change
-touches:
+second run take seconds), and pytest without coverage (on the whole suite's
+four workers when there are several files) on the tests the change touches:
 
 - a changed test file itself, and every test file beside a changed
   ``conftest.py`` or helper module of a test directory;
 - for a changed module of the integration, every test file that names it
   (``gpu_handoff.drain``, ``from custom_components.gpu_handoff import drain``,
-  ``from .drain``); for the tower agent, every test that runs it;
+  ``from .drain``) or names a module of the integration that imports it,
+  directly or through others (a change to ``progress`` runs the tests of
+  ``controller``, which imports it), and the test file named after either
+  (``tests/test_config_flow.py``; ``tests/test_init.py`` for the package's
+  own ``__init__``); for the tower agent, every test that runs it. Most of the
+  integration also runs in every test that sets it up in Home Assistant: the
+  run says how many of those it leaves to the whole suite;
 - for strings, translations, the manifest, services.yaml or icons.json, the
   tests that read them.
 
@@ -25,11 +31,14 @@ environment, and passes the files with ``--changed``).
 from __future__ import annotations
 
 import argparse
+import ast
+import os
 from pathlib import Path
 import re
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "custom_components/gpu_handoff"
@@ -77,6 +86,65 @@ def names_module(text: str, module: str) -> bool:
     return any(re.search(pattern, text) for pattern in patterns)
 
 
+def module_of(path: str) -> str:
+    """The integration's module a file under PACKAGE is (``drain`` for
+    ``drain.py``; ``__init__`` for the package's own ``__init__.py``)."""
+    return path[len(PACKAGE) + 1 : -3].removesuffix("/__init__")
+
+
+def imported_by(root: Path = REPO) -> dict[str, set[str]]:
+    """For each module of the integration (the tower agent's aside), the
+    modules of the integration that use it: import it or a name from it
+    (``from .x import``, ``from . import x``, ``from ..x import``,
+    ``from custom_components.gpu_handoff.x import``). Python also runs a
+    package's ``__init__`` for each of its modules; that is not counted,
+    or every module would use every other one through the package's own."""
+    package = root / PACKAGE
+    files = {
+        module_of(p.relative_to(root).as_posix()): p
+        for p in package.rglob("*.py")
+        if not p.relative_to(package).as_posix().startswith("tower/")
+    }
+    users: dict[str, set[str]] = {module: set() for module in files}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        parts = [] if module == "__init__" else module.split("/")
+        if path.name != "__init__.py":
+            parts = parts[:-1]  # the package the module is in
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            named = (node.module or "").split(".") if node.module else []
+            if node.level:
+                base = parts[: len(parts) - (node.level - 1)] + named
+            elif named[:2] == ["custom_components", "gpu_handoff"]:
+                base = named[2:]
+            else:
+                continue
+            for alias in node.names:
+                # a module by its name, else a name the module or package
+                # ``base`` defines
+                target = "/".join([*base, alias.name])
+                if target not in users:
+                    target = "/".join(base) or "__init__"
+                if target in users and target != module:
+                    users[target].add(module)
+    return users
+
+
+def importers(module: str, users: dict[str, set[str]]) -> set[str]:
+    """``module`` and every module of the integration that imports it,
+    directly or through others."""
+    found = {module}
+    todo = [module]
+    while todo:
+        for user in users.get(todo.pop(), ()):
+            if user not in found:
+                found.add(user)
+                todo.append(user)
+    return found
+
+
 def runs_agent(text: str) -> bool:
     return bool(
         re.search(
@@ -87,11 +155,47 @@ def runs_agent(text: str) -> bool:
     )
 
 
-def select(changed: list[str]) -> tuple[list[str], list[str]]:
-    """The test files the change touches, and the long ones left out."""
+class Selection(NamedTuple):
+    """The test files a change touches: those to run, the long ones left to
+    the whole suite, and those that run the changed code only as Home
+    Assistant sets the integration up (left to the whole suite too)."""
+
+    tests: list[str]
+    left_out: list[str]
+    through_setup: list[str]
+
+
+# What Home Assistant loads of the integration by itself: the package (and
+# with it what it imports), its platforms, and the modules it looks up by
+# name (the config flow, diagnostics, the logbook's descriptions).
+LOADED_BY_NAME = ("__init__", "config_flow", "diagnostics", "logbook")
+
+
+def loaded_by_home_assistant(modules: set[str]) -> bool:
+    """Whether Home Assistant runs any of ``modules`` when it sets the
+    integration up or starts its config flow."""
+    platforms = set(
+        re.findall(
+            r"Platform\.(\w+)",
+            (REPO / PACKAGE / "__init__.py").read_text(encoding="utf-8"),
+        )
+    )
+    entry = {*LOADED_BY_NAME, *(name.lower() for name in platforms)}
+    return bool(modules & entry)
+
+
+def sets_up(text: str) -> bool:
+    """Whether a test file runs Home Assistant (its ``hass`` fixture)."""
+    return "hass: HomeAssistant" in text
+
+
+def select(changed: list[str]) -> Selection:
+    """The test files the change touches (see Selection)."""
     tests = test_files()
     sources = {t: (REPO / t).read_text(encoding="utf-8") for t in tests}
     chosen: set[str] = set()
+    through_setup: set[str] = set()
+    users = imported_by()
     for path in changed:
         name = Path(path).name
         if path.startswith("tests/") and path.endswith(".py"):
@@ -109,8 +213,19 @@ def select(changed: list[str]) -> tuple[list[str], list[str]]:
         elif path.startswith((AGENT_PACKAGE, "nixos/")) or path == AGENT_BUILD:
             chosen.update(t for t in tests if runs_agent(sources[t]))
         elif path.startswith(PACKAGE + "/") and path.endswith(".py"):
-            module = path[len(PACKAGE) + 1 : -3].removesuffix("/__init__")
-            chosen.update(t for t in tests if names_module(sources[t], module))
+            modules = importers(module_of(path), users)
+            named = {
+                f"tests/test_{module.rsplit('/', 1)[-1].strip('_')}.py"
+                for module in modules
+            }
+            chosen.update(
+                t
+                for t in tests
+                if t in named
+                or any(names_module(sources[t], module) for module in modules)
+            )
+            if loaded_by_home_assistant(modules):
+                through_setup.update(t for t in tests if sets_up(sources[t]))
         elif path.startswith(PACKAGE + "/"):
             reader = "strings.json" if "/translations/" in path else name
             chosen.update(t for t in DATA_READERS.get(reader, ()) if t in sources)
@@ -118,7 +233,9 @@ def select(changed: list[str]) -> tuple[list[str], list[str]]:
             chosen.add("tests/test_docs.py")
     direct = {p for p in changed if p.startswith(LONG)}
     left_out = sorted(t for t in chosen if t.startswith(LONG) and t not in direct)
-    return sorted(chosen - set(left_out)), left_out
+    return Selection(
+        sorted(chosen - set(left_out)), left_out, sorted(through_setup - chosen)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,12 +251,23 @@ def main(argv: list[str] | None = None) -> int:
     if python:
         steps += [["ruff", "check", *python], ["ruff", "format", "--check", *python]]
     steps.append(["mypy"])
-    tests, left_out = select(changed)
+    tests, left_out, through_setup = select(changed)
     if left_out:
         print("left to the whole suite (long, none of their files changed):")
         print("".join(f"  {t}\n" for t in left_out), end="")
+    if through_setup:
+        print(
+            f"left to the whole suite: {len(through_setup)} more test files run "
+            "the change as Home Assistant sets the integration up "
+            "(name them after -- to run them here)"
+        )
     if tests:
-        steps.append(["pytest", "-q", "--no-cov", "-x", *tests, *args.pytest_args])
+        # several files on the whole suite's workers (scripts/_checks.sh)
+        workers = os.environ.get("GPU_HANDOFF_WORKERS", "4")
+        parallel = ["-n", workers, "--dist", "worksteal"] if len(tests) > 1 else []
+        steps.append(
+            ["pytest", "-q", "--no-cov", "-x", *parallel, *tests, *args.pytest_args]
+        )
     else:
         print("no test touched")
     for step in steps:
