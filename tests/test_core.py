@@ -694,18 +694,48 @@ def test_what_a_job_record_says_it_did() -> None:
 
 
 def test_whether_the_gpu_node_is_off_because_of_gpu_handoff() -> None:
+    handoff = Request(vm="gaming-1", kind=Kind.HANDOFF)
     stopped = JobFacts(stopped_gpu_node=True)
-    assert gpu_stopped_by_us(Owned(), stopped, tower(gpu="shut_off"))
+    assert gpu_stopped_by_us(Owned(), stopped, tower(gpu="shut_off"), handoff)
     assert gpu_stopped_by_us(
-        Owned(gpu_stopped_by_us=True), JobFacts(), tower(gpu="shut_off")
+        Owned(gpu_stopped_by_us=True), JobFacts(), tower(gpu="shut_off"), handoff
     )
     # Cleared once it runs again.
-    assert not gpu_stopped_by_us(Owned(gpu_stopped_by_us=True), stopped, tower())
+    assert not gpu_stopped_by_us(
+        Owned(gpu_stopped_by_us=True), stopped, tower(), handoff
+    )
     # Or once the operation started it: off again, someone else stopped it.
     started = JobFacts(started_gpu_node=True)
     assert not gpu_stopped_by_us(
-        Owned(gpu_stopped_by_us=True), started, tower(gpu="shut_off")
+        Owned(gpu_stopped_by_us=True), started, tower(gpu="shut_off"), handoff
     )
+
+
+def test_a_sessions_end_makes_the_gpu_node_gpu_handoffs_to_start() -> None:
+    """A stop that shut its VM down while the GPU node was off (the
+    operator's shutdown, say) owes the cards back: the GPU node is GPU
+    Handoff's to start from then on, so a later request of the same burst
+    returns them (chaos seed 2468, cycle 60, lending)."""
+    stop = Request(vm="gaming-1", kind=Kind.STOP)
+    ended = JobFacts(shut_down=frozenset({"gaming-1"}), gpu_was_running=False)
+    assert gpu_stopped_by_us(Owned(), ended, tower(gpu="shut_off"), stop)
+    # Not when the GPU node ran as the stop began (someone shut it down
+    # while the stop ran), nor when the stop shut nothing down (its VM was
+    # off already), nor for another VM's stop, nor a handoff.
+    ran = JobFacts(shut_down=frozenset({"gaming-1"}), gpu_was_running=True)
+    assert not gpu_stopped_by_us(Owned(), ran, tower(gpu="shut_off"), stop)
+    assert not gpu_stopped_by_us(Owned(), JobFacts(), tower(gpu="shut_off"), stop)
+    other = Request(vm="gaming-2", kind=Kind.STOP)
+    assert not gpu_stopped_by_us(Owned(), ended, tower(gpu="shut_off"), other)
+    handoff = Request(vm="gaming-1", kind=Kind.HANDOFF)
+    assert not gpu_stopped_by_us(Owned(), ended, tower(gpu="shut_off"), handoff)
+    # Nor once the stop started the GPU node (the return it owed is paid: a
+    # shutdown since is someone else's), nor while the GPU node runs.
+    paid = JobFacts(
+        shut_down=frozenset({"gaming-1"}), gpu_was_running=False, started_gpu_node=True
+    )
+    assert not gpu_stopped_by_us(Owned(), paid, tower(gpu="shut_off"), stop)
+    assert not gpu_stopped_by_us(Owned(), ended, tower(), stop)
 
 
 def test_whether_a_failed_handoffs_job_stopped_the_gpu_node() -> None:

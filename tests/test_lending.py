@@ -164,6 +164,47 @@ async def test_players_stopping_one_then_the_other(
     assert sim.destroy_attempts() == []
 
 
+async def test_a_sessions_end_behind_another_stop_returns_the_cards(
+    hass: HomeAssistant,
+    entry: MockConfigEntry,
+    sim: Tower,
+    cluster: K8sEmulator,
+    lending: str,
+) -> None:
+    """Gaming station 1 plays and the GPU node serves the other cards until
+    the operator shuts it down: it stays off. Station 1 is turned off, and
+    while its guest goes down, so is station 2, which never ran. Station
+    1's stop ended a session, which asks for the cards back; lending leaves
+    the return to the end of the burst, and station 2's stop, which shut
+    nothing down, must still make it (found by ``scripts/chaos --lend
+    --cycles 60 --seed 2468``: the GPU node stayed off with nobody playing
+    and nothing reported)."""
+    steps = async_capture_events(hass, EVENT_HANDOFF_STEP)
+    stopped = async_capture_events(hass, EVENT_STOP_SUCCEEDED)
+    await switch(hass, "turn_on", SWITCH_1)
+    await serving_with(hass, entry, sim, cluster, {GTX_960, RTX_2})
+    sim.guest_shutdown("gpu-node")  # the operator
+    await until(lambda: not sim.is_running("gpu-node"), BOUND)
+    await entry.runtime_data.coordinator.async_refresh()
+    await until(lambda: idle(entry))
+    assert not sim.is_running("gpu-node")  # lending leaves it as the operator did
+
+    sim.set_shutdown_duration("gaming-1", 300.0)  # 3 s at the rig's pace
+    await switch(hass, "turn_off", SWITCH_1)
+    await until(
+        lambda: any(
+            e.data["vm"] == "gaming-1" and e.data["step"] == "stopping_vm"
+            for e in steps
+        ),
+        BOUND,
+    )
+    await switch(hass, "turn_off", SWITCH_2)
+    assert sim.is_running("gaming-1")  # station 2's request waits behind the stop
+    await serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
+    assert [e.data["vm"] for e in stopped] == ["gaming-1", "gaming-2"]
+    assert entry.runtime_data.controller.progress.last_error == {}
+
+
 async def test_a_stop_while_the_gpu_node_restarts(
     hass: HomeAssistant,
     entry: MockConfigEntry,

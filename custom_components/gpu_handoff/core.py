@@ -1113,11 +1113,7 @@ def lends_after(
         return False
     status = observed.tower
     gpu = status.domains.get(status.gpu_node)
-    if (
-        request.kind is Kind.STOP
-        and request.vm in facts.shut_down
-        and not facts.gpu_was_running
-    ):
+    if ends_session(request, facts):
         # A session's end: the cards go back to a GPU node that was off when
         # the stop began, as they do without lending (returns_after_stop).
         return True
@@ -1248,13 +1244,33 @@ def returns_after(
     )
 
 
-def gpu_stopped_by_us(owned: Owned, facts: JobFacts, tower: TowerStatus) -> bool:
-    """After an operation: whether the GPU node is off because one of our
-    tower jobs shut it down (its job records), cleared once it runs again."""
+def gpu_stopped_by_us(
+    owned: Owned, facts: JobFacts, tower: TowerStatus, request: Request
+) -> bool:
+    """After ``request``'s operation: whether the GPU node, off, is GPU
+    Handoff's to start: one of our tower jobs shut it down (its job
+    records), or the operation was a stop that ended a session while it was
+    off and did not start it (``ends_session``: the session's end asks for
+    the cards back, so an operator's earlier shutdown is over, and the
+    return it owes is not lost when a later request of the same burst makes
+    it; a stop that started it paid that return, and a shutdown since is
+    someone else's). Cleared once the GPU node runs again."""
     gpu = tower.domains.get(tower.gpu_node)
     if gpu is not None and gpu.state == RUNNING:
         return False
-    return stopped_by_jobs(owned.gpu_stopped_by_us, facts)
+    owed = ends_session(request, facts) and not facts.started_gpu_node
+    return stopped_by_jobs(owned.gpu_stopped_by_us, facts) or owed
+
+
+def ends_session(request: Request, facts: JobFacts) -> bool:
+    """Whether ``request`` was a stop whose job shut its VM down while the
+    GPU node was off as it began: a session's end, after which the cards go
+    back to the GPU node whoever shut it down."""
+    return (
+        request.kind is Kind.STOP
+        and request.vm in facts.shut_down
+        and not facts.gpu_was_running
+    )
 
 
 def stopped_by_jobs(stopped_before: bool, facts: JobFacts) -> bool:

@@ -194,7 +194,7 @@ class Operations:
         if request.kind in (Kind.HANDOFF, Kind.STOP):
             await self._supersede(request, succeeded=succeeded)
         facts = self.runner.facts
-        self.state.record_facts(facts)
+        self.state.record_facts(facts, request)
         self.progress.end()
         self.state.requests.pop(request.vm, None)
         # Lending: the free cards go back after the last of a burst of
@@ -413,7 +413,7 @@ class Operations:
         True when a return must follow."""
         request, vm, kind = plan.request, plan.vm, plan.kind
         facts = self.runner.facts
-        self.state.record_facts(facts)
+        self.state.record_facts(facts, request)
         status = self.coordinator.data.tower
         domain = status.domains.get(vm)
         kept = err is None and domain is not None and domain.state == RUNNING

@@ -164,11 +164,12 @@ class OwnedState:
             hold=self.hold,
         )
 
-    def record_facts(self, facts: JobFacts) -> None:
-        """What an operation's jobs did, once it ends: whether the GPU node
-        is off because of them, and when they last started it."""
+    def record_facts(self, facts: JobFacts, request: Request) -> None:
+        """What ``request``'s jobs did, once it ends: whether the GPU node is
+        off because of them (or theirs to start: core.gpu_stopped_by_us), and
+        when they last started it."""
         self.gpu_stopped_by_us = gpu_stopped_by_us(
-            self.owned(), facts, self.coordinator.data.tower
+            self.owned(), facts, self.coordinator.data.tower, request
         )
         self.gpu_started_at = facts.since(self.gpu_started_at).gpu_started_at
 

@@ -1524,6 +1524,43 @@ async def test_lending_leaves_a_gpu_node_the_operator_stopped_mid_drain_off(
     assert summary["violations"] == []
 
 
+async def test_lending_a_session_ended_behind_another_stop_still_returns_the_cards(
+    hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
+) -> None:
+    """Found by ``scripts/chaos --lend --cycles 60 --seed 2468`` (cycle 60):
+    lending on, the operator shuts the GPU node down while the handoff to
+    Gaming station 1 drains it, and it stays off. Then both switches are
+    turned off. Station 1's stop ends its session, which asks for the cards
+    back, but station 2's stop waits behind it, so the return is left to the
+    end of the burst; station 2's stop shut nothing down, and the return
+    owed was lost: the GPU node stayed off with nobody playing and nothing
+    reported. Whether station 2's request waits behind station 1's stop or
+    goes first comes and goes with the machine's load (station 1's graceful
+    stop takes its time here to make it likelier);
+    ``tests/test_lending.py::test_a_sessions_end_behind_another_stop_returns_the_cards``
+    pins that order."""
+    plans = [
+        Plan(0, 1, "start_handoff", "gaming-1", (Fault("operator_stop", "draining"),)),
+        Plan(
+            0,
+            2,
+            "both_off",
+            None,
+            (
+                Fault(
+                    "slow_graceful_stop",
+                    "before",
+                    (("seconds", 1.4), ("target", "gaming-1")),
+                ),
+            ),
+        ),
+    ]
+    summary = await _replay(hass, k8s_emulator, tmp_path, plans, lend=True)
+    assert summary["faults"]["fired"] == {"operator_stop": 1, "slow_graceful_stop": 1}
+    assert summary["outcomes"] == {"playing": 1, "serving": 1}
+    assert summary["violations"] == []
+
+
 async def test_lending_a_stop_of_a_vm_that_never_ran_leaves_the_operators_shutdown(
     hass: HomeAssistant, k8s_emulator: K8sEmulator, tmp_path: Path
 ) -> None:

@@ -548,7 +548,7 @@ class Model:
                     seen_hook_requests=ctl.memory.seen_hook_requests | seen,
                 ),
             )
-        stopped = gpu_stopped_by_us(ctl.owned(), ctl.facts, status)
+        stopped = gpu_stopped_by_us(ctl.owned(), ctl.facts, status, request)
         ctl = replace(
             ctl,
             gpu_stopped_by_us=stopped,
