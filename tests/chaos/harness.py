@@ -111,7 +111,13 @@ Invariants and how they are observed:
   ``destroy`` or ``reset`` (the simulator refuses them, but asking is the bug).
 - ``stop_before_guest_agent``: no ``shutdown`` reaches a running domain whose
   guest agent is not connected at that instant (the command's time replayed
-  in the simulator's world).
+  in the simulator's world), unless a ``guest-ping`` of it answered just
+  before (within ``PING_TO_SHUTDOWN``, the agent connected at the ping's
+  end, in the same boot): the guest let its agent go between the two (a
+  player quitting, the operator's shutdown from inside), which no caller can
+  rule out. libvirt settles that race itself: it refuses the shutdown with
+  "QEMU guest agent is not connected" (qemuDomainShutdownFlagsAgent), and
+  the agent then waits for the guest to go down.
 - ``pod_left_without_eviction``, ``unmanaged_pod_evicted``: a listener on the
   emulator's store sees every pod of the GPU node start terminating or go;
   each needs an eviction the API server accepted (its recorded requests), and
@@ -312,6 +318,10 @@ from tests.towersim import Tower, model as sim_model, realistic_tower
 # --- the rig's pace ------------------------------------------------------------
 
 TIME_SCALE: Final = 0.01  # simulated seconds per real one: guests 100x faster
+# stop_before_guest_agent: the longest a ping's answer may precede the
+# shutdown it cleared (the agent's next step, a job record written between;
+# seconds, on a loaded machine).
+PING_TO_SHUTDOWN: Final = 2.0
 DEFAULT_AGENT_DELAY: Final = 30.0  # simulated seconds (0.3 s real)
 DEFAULT_SHUTDOWN: Final = 10.0  # simulated seconds (0.1 s real)
 # The agent's own timeouts (real seconds): short, so faults end in seconds.
@@ -731,6 +741,29 @@ def _prepare_plan(rng: random.Random, seed: int, cycle: int, socket_race: bool) 
     starts = other if request == "prepare_other_on" else vm
     faults = _draw_faults(rng, MOMENTS, vm, starts)
     return Plan(seed, cycle, request, vm, faults, socket_race, hold, then_after)
+
+
+def cleared_by_ping(
+    data: dict[str, Any], answered: list[float], domain: str, at: float
+) -> bool:
+    """Whether one of ``domain``'s answered guest-pings (when each ended, in
+    order) ended within PING_TO_SHUTDOWN before a shutdown sent at ``at``,
+    with its guest agent connected then, in the boot it is in at ``at`` (see
+    ``stop_before_guest_agent``)."""
+    now = sim_model.world(data, at=at).doms.get(domain)
+    for ended in reversed(answered):
+        if ended > at:
+            continue
+        if at - ended > PING_TO_SHUTDOWN:
+            return False
+        then = sim_model.world(data, at=ended).doms.get(domain)
+        return (
+            now is not None
+            and then is not None
+            and then.agent_connected
+            and then.boot_t == now.boot_t
+        )
+    return False
 
 
 # --- results ------------------------------------------------------------------------
@@ -1400,6 +1433,10 @@ class ChaosRig:
         self._requests_seen = 0
         self._accepted_evictions: set[tuple[str, str]] = set()
         self._commands_offset = 0
+        # guest-pings read so far: their domain and end by id, until they end
+        self._pings: dict[str, str] = {}
+        # each domain's answered guest-pings: when they ended
+        self._answered: dict[str, list[float]] = {}
         self._jobs: dict[str, dict[str, Any]] = {}
         self._listener_errors: list[str] = []
         self._pod_counter = 0
@@ -3866,6 +3903,19 @@ class ChaosRig:
                 rec = sim_model.parse_record(line)
                 if rec["kind"] == "start":
                     finished.append(rec)
+                    for command in rec.get("commands") or []:
+                        if command[:1] == ["qemu-agent-command"] and any(
+                            "guest-ping" in token for token in command
+                        ):
+                            self._pings[rec["id"]] = (
+                                command[command.index("--domain") + 1]
+                                if "--domain" in command
+                                else command[1]
+                            )
+                elif rec["kind"] == "end" and rec["id"] in self._pings:
+                    domain = self._pings.pop(rec["id"])
+                    if rec.get("rc") == 0:
+                        self._answered.setdefault(domain, []).append(float(rec["t"]))
         subprocess.run(
             [sys.executable, str(self.agent), "--config", str(self.config), "jobs"],
             capture_output=True,
@@ -3895,15 +3945,14 @@ class ChaosRig:
             data = sim_model.load(self.sim.state_dir)
         out = []
         for record, domain in shutdowns:
-            world = sim_model.world(data, at=float(record["t"]))
+            at = float(record["t"])
+            world = sim_model.world(data, at=at)
             dom = world.doms.get(domain)
-            out.append(
-                (
-                    record,
-                    domain,
-                    dom is not None and dom.running and not dom.agent_connected,
-                )
-            )
+            alone = dom is not None and dom.running and not dom.agent_connected
+            if alone and dom is not None:
+                answered = self._answered.get(domain, [])
+                alone = not cleared_by_ping(data, answered, domain, at)
+            out.append((record, domain, alone))
         return out
 
     # --- leaks --------------------------------------------------------------------

@@ -52,7 +52,7 @@ from tests.k8semu import K8sEmulator
 from tests.k8semu.auth import PRODUCT_RULES, rule
 from tests.support.agentbuild import agent_variant
 from tests.support.simtower import install_hook
-from tests.towersim import Tower
+from tests.towersim import Tower, model as sim_model, realistic_tower
 
 # (seed, cycles, lend): 30 cycles in all, about two minutes; two with the
 # tower lending its free cards while someone plays. Each draws a player
@@ -274,6 +274,53 @@ async def test_a_controller_that_skips_the_uncordon_is_caught(
     )
     assert (2, "own_cordon_outlives") in _invariants(summary)
     assert {cycle for cycle, _ in _invariants(summary)} == {2}
+
+
+async def test_a_shutdown_right_after_an_answered_ping_is_cleared_by_it(
+    tmp_path: Path,
+) -> None:
+    """``stop_before_guest_agent``: a shutdown sent just after a guest-ping
+    answered, the guest having let its agent go in between (found by
+    ``scripts/chaos --lend --cycles 60 --seed 4711``: a player quitting, the
+    operator's shutdown from inside), is the race libvirt settles; one sent
+    later, or without such a ping, or after a ping of an earlier boot, is
+    not cleared."""
+    sim = realistic_tower(tmp_path / "sim", time_scale=harness.TIME_SCALE)
+    sim.set_shutdown_duration(harness.GPU, 500.0)  # going down for 5 s
+
+    def state() -> dict[str, Any]:
+        with sim_model.locked(sim.state_dir, exclusive=False):
+            return sim_model.load(sim.state_dir)
+
+    def connected() -> bool:
+        data = state()
+        return (
+            sim_model.world(data, at=sim_model.now(data))
+            .doms[harness.GPU]
+            .agent_connected
+        )
+
+    deadline = time.monotonic() + 10
+    while not connected():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    data = state()
+    pinged = sim_model.now(data)
+    sim.guest_shutdown(harness.GPU)  # the agent goes at once; the domain runs on
+    data = state()
+    gone = sim_model.now(data)
+    soon = gone + 0.05
+    assert sim_model.world(data, at=soon).doms[harness.GPU].running
+    assert not sim_model.world(data, at=soon).doms[harness.GPU].agent_connected
+    assert harness.cleared_by_ping(data, [pinged], harness.GPU, soon)
+    late = pinged + harness.PING_TO_SHUTDOWN + 0.5
+    assert sim_model.world(data, at=late).doms[harness.GPU].running
+    assert not harness.cleared_by_ping(data, [pinged], harness.GPU, late)
+    assert not harness.cleared_by_ping(data, [], harness.GPU, soon)
+    # a ping that answered before the agent had connected cannot have
+    assert not harness.cleared_by_ping(data, [pinged - 100.0], harness.GPU, soon)
+    # nor one answered after the agent was gone (impossible; the replay says so)
+    assert not harness.cleared_by_ping(data, [gone + 0.01], harness.GPU, soon)
 
 
 def test_a_lag_the_canary_shared_is_the_machines_not_the_loops() -> None:
