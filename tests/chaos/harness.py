@@ -1433,7 +1433,7 @@ class ChaosRig:
         self._requests_seen = 0
         self._accepted_evictions: set[tuple[str, str]] = set()
         self._commands_offset = 0
-        # guest-pings read so far: their domain and end by id, until they end
+        # the guest-pings read that have not ended yet: their domain, by id
         self._pings: dict[str, str] = {}
         # each domain's answered guest-pings: when they ended
         self._answered: dict[str, list[float]] = {}
