@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import os
 from pathlib import Path
 import re
@@ -171,17 +172,19 @@ class Selection(NamedTuple):
 LOADED_BY_NAME = ("__init__", "config_flow", "diagnostics", "logbook")
 
 
+@functools.cache
+def _entry_modules() -> frozenset[str]:
+    """The modules Home Assistant loads by name: LOADED_BY_NAME and the
+    platforms the package's ``__init__`` names (read once)."""
+    text = (REPO / PACKAGE / "__init__.py").read_text(encoding="utf-8")
+    platforms = re.findall(r"Platform\.(\w+)", text)
+    return frozenset({*LOADED_BY_NAME, *(name.lower() for name in platforms)})
+
+
 def loaded_by_home_assistant(modules: set[str]) -> bool:
     """Whether Home Assistant runs any of ``modules`` when it sets the
     integration up or starts its config flow."""
-    platforms = set(
-        re.findall(
-            r"Platform\.(\w+)",
-            (REPO / PACKAGE / "__init__.py").read_text(encoding="utf-8"),
-        )
-    )
-    entry = {*LOADED_BY_NAME, *(name.lower() for name in platforms)}
-    return bool(modules & entry)
+    return bool(modules & _entry_modules())
 
 
 def sets_up(text: str) -> bool:

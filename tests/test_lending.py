@@ -199,7 +199,11 @@ async def test_a_sessions_end_behind_another_stop_returns_the_cards(
         BOUND,
     )
     await switch(hass, "turn_off", SWITCH_2)
-    assert sim.is_running("gaming-1")  # station 2's request waits behind the stop
+    # station 2's request waits behind station 1's stop, still running
+    controller = entry.runtime_data.controller
+    assert controller.plan is not None
+    assert controller.plan.vm == "gaming-1"
+    assert set(controller.requests) == {"gaming-1", "gaming-2"}
     await serving_with(hass, entry, sim, cluster, {GTX_960, RTX_1, RTX_2})
     assert [e.data["vm"] for e in stopped] == ["gaming-1", "gaming-2"]
     assert entry.runtime_data.controller.progress.last_error == {}

@@ -3949,7 +3949,7 @@ class ChaosRig:
             world = sim_model.world(data, at=at)
             dom = world.doms.get(domain)
             alone = dom is not None and dom.running and not dom.agent_connected
-            if alone and dom is not None:
+            if alone:
                 answered = self._answered.get(domain, [])
                 alone = not cleared_by_ping(data, answered, domain, at)
             out.append((record, domain, alone))
